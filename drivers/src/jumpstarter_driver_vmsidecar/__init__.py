@@ -1,0 +1,1 @@
+"""Jumpstarter drivers for a VM served by the vmsidecar runtime."""

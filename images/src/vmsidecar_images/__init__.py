@@ -1,0 +1,1 @@
+"""Guest image recipes for vmsidecar."""

@@ -1,0 +1,1 @@
+"""vmsidecar runtime: boots a guest disk from OCI under QEMU and serves a Unix-socket API."""
