@@ -1,0 +1,67 @@
+"""Request and response bodies of the API (the same pydantic models the client validates)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PowerRequest(_Request):
+    """``POST /v1/vm/power``."""
+
+    action: Literal["on", "off", "reset", "cycle"]
+    #: off/cycle: ACPI power button first (off defaults to graceful, cycle to hard)
+    graceful: bool | None = None
+    #: seconds to wait for a graceful power-off before forcing it
+    timeout: float = Field(default=60.0, gt=0, le=3600)
+
+
+class RecycleRequest(_Request):
+    """``POST /v1/vm/recycle``."""
+
+    #: boot the fresh guest right away (the next lease finds it Ready)
+    boot: bool = True
+
+
+class PullRequest(_Request):
+    """``POST /v1/vm/disk/pull``."""
+
+    reference: str = Field(min_length=1)
+    #: power the VM off first when it runs; otherwise a running VM makes the request fail with 409
+    power_off: bool = False
+
+
+class ErrorBody(BaseModel):
+    """Every error: a stable code and one sentence with the cause and the fix."""
+
+    error: str
+    message: str
+
+
+class Health(BaseModel):
+    """``GET /healthz`` and ``GET /readyz``."""
+
+    status: Literal["ok", "ready", "not-ready"]
+    phase: str
+
+
+class Accepted(BaseModel):
+    """``POST /v1/shutdown``."""
+
+    status: Literal["shutting-down"]
+
+
+class ProgressLine(BaseModel):
+    """One line of the ``POST /v1/vm/disk/pull`` NDJSON stream."""
+
+    type: Literal["progress", "result", "error"]
+    done: int | None = None
+    total: int | None = None
+    state: dict | None = None
+    error: str | None = None
+    message: str | None = None

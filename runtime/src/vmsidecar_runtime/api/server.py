@@ -1,0 +1,285 @@
+"""The aiohttp application: routes map one-to-one onto controller operations.
+
+Errors are rendered in one place (``error_middleware``): every failure is
+``{"error": code, "message": sentence}`` with 400/404/405/409/4xx/5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from ..controller import VmController
+from ..errors import RequestError, VmsidecarError
+from ..spec import load_spec
+from ..state import Phase
+from .models import Accepted, Health, PowerRequest, PullRequest, RecycleRequest
+
+log = logging.getLogger(__name__)
+CONTROLLER = web.AppKey("controller", VmController)
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error_response(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": code, "message": message}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render every error as ``{"error", "message"}``; never let one stop the server."""
+    try:
+        return await handler(request)
+    except VmsidecarError as e:
+        return _error_response(e.http_status, e.code, e.message)
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return _error_response(405, "method_not_allowed",
+                               f"{request.method} is not allowed on {request.path}; use {allowed}")
+    except web.HTTPNotFound:
+        return _error_response(404, "not_found", f"no such endpoint {request.path}; see docs/api/openapi.json")
+    except web.HTTPException as e:
+        return _error_response(e.status, "http_error", e.reason)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # a bug: report it, keep serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(500, "internal_error", f"internal error ({type(e).__name__}: {e}); please report it")
+
+
+async def _json_body(request: web.Request) -> Any:
+    text = await request.text()
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); send a JSON object") from e
+
+
+async def _model(request: web.Request, model: type[M]) -> M:
+    data = await _json_body(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()]
+        raise RequestError(f"invalid request body: {'; '.join(parts)}; see docs/api/openapi.json") from e
+
+
+def _bool_query(request: web.Request, name: str) -> bool:
+    value = request.query.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise RequestError(f"query parameter {name}={value!r} is not a boolean; use true or false")
+    return value in ("true", "1", "yes")
+
+
+def _vm(request: web.Request) -> VmController:
+    return request.app[CONTROLLER]
+
+
+def _state(vm: VmController) -> web.Response:
+    return web.json_response(vm.state().model_dump(mode="json"))
+
+
+async def get_vm(request: web.Request) -> web.Response:
+    """Current state."""
+    return _state(_vm(request))
+
+
+async def get_spec(request: web.Request) -> web.Response:
+    """Current spec (404 before one is set)."""
+    vm = _vm(request)
+    if vm.spec is None:
+        return _error_response(404, "not_found", "the runtime has no VM spec yet; PUT /v1/vm/spec first")
+    return web.json_response(vm.spec.model_dump(mode="json"))
+
+
+async def put_spec(request: web.Request) -> web.Response:
+    """Replace the spec (idempotent when unchanged)."""
+    vm = _vm(request)
+    data = await _json_body(request)
+    if not isinstance(data, dict):
+        raise RequestError("the spec must be a JSON object of spec fields")
+    await vm.set_spec(load_spec(data))
+    return _state(vm)
+
+
+async def post_power(request: web.Request) -> web.Response:
+    """Power on/off/reset/cycle."""
+    vm = _vm(request)
+    req = await _model(request, PowerRequest)
+    if req.action == "on":
+        await vm.power_on()
+    elif req.action == "off":
+        await vm.power_off(graceful=req.graceful is not False, timeout=req.timeout)
+    elif req.action == "reset":
+        await vm.reset()
+    else:
+        await vm.cycle(graceful=bool(req.graceful), timeout=req.timeout)
+    return _state(vm)
+
+
+async def post_recycle(request: web.Request) -> web.Response:
+    """Back to pristine for the next lease."""
+    vm = _vm(request)
+    req = await _model(request, RecycleRequest)
+    await vm.recycle(boot=req.boot)
+    return _state(vm)
+
+
+async def put_disk(request: web.Request) -> web.Response:
+    """Flash: the body is the image stream."""
+    vm = _vm(request)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async for chunk in request.content.iter_chunked(1 << 20):
+            yield chunk
+
+    await vm.flash(
+        chunks(),
+        power_off=_bool_query(request, "power_off"),
+        expected_size=request.content_length,
+        expected_digest=request.query.get("digest"),
+    )
+    return _state(vm)
+
+
+async def post_disk_pull(request: web.Request) -> web.StreamResponse:
+    """Flash from a reference; the answer is an NDJSON stream of progress lines and one result."""
+    vm = _vm(request)
+    req = await _model(request, PullRequest)
+    if vm.phase in (Phase.STARTING, Phase.RUNNING, Phase.READY) and not req.power_off:
+        from ..state import BOOTABLE, require
+
+        require(vm.phase, BOOTABLE, "flash the disk (ask with power_off=true to power it off first)")
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def progress(done: int, total: int | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, {"type": "progress", "done": done, "total": total})
+
+    task = asyncio.create_task(vm.flash_reference(req.reference, power_off=req.power_off, progress=progress))
+    last_sent = 0.0
+    while not task.done() or not queue.empty():
+        with contextlib.suppress(asyncio.TimeoutError):
+            line = await asyncio.wait_for(queue.get(), 0.2)
+            now = loop.time()
+            if now - last_sent >= 0.2 or line.get("done") == line.get("total"):
+                await response.write(json.dumps(line).encode() + b"\n")
+                last_sent = now
+    try:
+        state = task.result()
+        final: dict[str, Any] = {"type": "result", "state": state.model_dump(mode="json")}
+    except VmsidecarError as e:
+        final = {"type": "error", **e.to_dict()}
+    await response.write(json.dumps(final).encode() + b"\n")
+    await response.write_eof()
+    return response
+
+
+async def get_disk(request: web.Request) -> web.StreamResponse:
+    """Dump the disk as one standalone image."""
+    vm = _vm(request)
+    fmt = request.query.get("format", "qcow2")
+    if fmt not in ("qcow2", "raw"):
+        raise RequestError(f"format={fmt!r} is not supported; use qcow2 or raw")
+    path = await vm.dump(fmt)
+    response = web.StreamResponse(
+        headers={"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
+    )
+    await response.prepare(request)
+    try:
+        with open(path, "rb") as fh:
+            while chunk := await asyncio.to_thread(fh.read, 1 << 20):
+                await response.write(chunk)
+    finally:
+        path.unlink(missing_ok=True)
+    await response.write_eof()
+    return response
+
+
+async def get_events(request: web.Request) -> web.StreamResponse:
+    """NDJSON event stream until the client goes away."""
+    vm = _vm(request)
+    types = set(request.query["types"].split(",")) if request.query.get("types") else None
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    async with vm.events.listen(types) as queue:
+        first = {"type": "hello", "time": 0, "generation": vm.generation, "data": {"phase": vm.phase.value}}
+        await response.write(json.dumps(first).encode() + b"\n")
+        while True:
+            event = await queue.get()
+            await response.write(event.model_dump_json().encode() + b"\n")
+
+
+async def post_shutdown(request: web.Request) -> web.Response:
+    """Stop the guest and exit the runtime with 0."""
+    vm = _vm(request)
+    await vm.shutdown()
+    return web.json_response(Accepted(status="shutting-down").model_dump(), status=202)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the runtime answers."""
+    return web.json_response(Health(status="ok", phase=_vm(request).phase.value).model_dump())
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 once the guest is Ready, else 503."""
+    vm = _vm(request)
+    ready = vm.phase == Phase.READY
+    body = Health(status="ready" if ready else "not-ready", phase=vm.phase.value)
+    return web.json_response(body.model_dump(), status=200 if ready else 503)
+
+
+#: (method, path, handler): the OpenAPI test checks this table against docs/api/openapi.json
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("GET", "/v1/vm", get_vm),
+    ("GET", "/v1/vm/spec", get_spec),
+    ("PUT", "/v1/vm/spec", put_spec),
+    ("POST", "/v1/vm/power", post_power),
+    ("POST", "/v1/vm/recycle", post_recycle),
+    ("PUT", "/v1/vm/disk", put_disk),
+    ("GET", "/v1/vm/disk", get_disk),
+    ("POST", "/v1/vm/disk/pull", post_disk_pull),
+    ("GET", "/v1/events", get_events),
+    ("POST", "/v1/shutdown", post_shutdown),
+    ("GET", "/healthz", healthz),
+    ("GET", "/readyz", readyz),
+]
+
+
+def make_app(vm: VmController) -> web.Application:
+    """The API application for one controller."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=1 << 20)
+    app[CONTROLLER] = vm
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+    return app
+
+
+async def serve_api(vm: VmController, socket_path: Path) -> web.AppRunner:
+    """Serve the API on a Unix socket with mode 0660."""
+    runner = web.AppRunner(make_app(vm), handle_signals=False, access_log=None)
+    await runner.setup()
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
+    old = os.umask(0o117)
+    try:
+        site = web.UnixSite(runner, str(socket_path))
+        await site.start()
+    finally:
+        os.umask(old)
+    os.chmod(socket_path, 0o660)
+    return runner

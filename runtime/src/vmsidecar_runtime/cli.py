@@ -1,0 +1,220 @@
+"""``vmsidecar-runtime``: serve, and the client commands that talk to a serving runtime.
+
+Human output by default, ``--json`` for scripts. Errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import termios
+import tty
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from .client import RuntimeClient
+from .errors import VmsidecarError
+from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
+from .spec import spec_from_sources
+from .state import VmState
+
+
+def _default_socket() -> Path:
+    return Path(os.environ.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED)) / "api.sock"
+
+
+def _print_state(state: VmState, as_json: bool) -> None:
+    if as_json:
+        print(state.model_dump_json(indent=2))
+        return
+    print(f"phase:      {state.phase.value}")
+    print(f"generation: {state.generation}")
+    if state.image:
+        print(f"image:      {state.image}")
+    if state.image_digest:
+        print(f"digest:     {state.image_digest}")
+    if state.accel:
+        print(f"accel:      {state.accel} ({state.accel_reason})")
+    t = state.timings
+    if t.ready is not None:
+        print(f"boot:       first console byte {t.first_console_byte} s, ready {t.ready} s")
+    for name, addr in state.forwards.items():
+        print(f"forward:    {name} -> {addr}")
+    if state.last_error:
+        print(f"last error: {state.last_error['message']}")
+
+
+def _progress() -> tuple[Callable[[int, int | None], None], Callable[[], None]]:
+    """A rich progress bar on a terminal; silence otherwise."""
+    if not sys.stderr.isatty():
+        return (lambda done, total: None), (lambda: None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), transient=True)
+    task = bar.add_task("pulling", total=None)
+    bar.start()
+    return (lambda done, total: bar.update(task, completed=done, total=total)), bar.stop
+
+
+async def _console(socket: Path) -> None:
+    """Attach the terminal to a console socket; Ctrl-] detaches."""
+    reader, writer = await asyncio.open_unix_connection(str(socket))
+    loop = asyncio.get_running_loop()
+    stdin_fd = sys.stdin.fileno()
+    interactive = sys.stdin.isatty()
+    saved = termios.tcgetattr(stdin_fd) if interactive else None
+    done = asyncio.Event()
+
+    def on_stdin() -> None:
+        data = os.read(stdin_fd, 1024)
+        if not data or (interactive and b"\x1d" in data):
+            done.set()
+            return
+        writer.write(data)
+
+    async def pump_out() -> None:
+        while chunk := await reader.read(4096):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+        done.set()
+
+    if interactive:
+        tty.setraw(stdin_fd)
+        print("[attached; Ctrl-] to detach]\r", file=sys.stderr)
+    loop.add_reader(stdin_fd, on_stdin)
+    out = asyncio.create_task(pump_out())
+    try:
+        await done.wait()
+    finally:
+        loop.remove_reader(stdin_fd)
+        out.cancel()
+        writer.close()
+        if saved is not None:
+            termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
+
+
+async def _client_command(args: argparse.Namespace) -> int:
+    async with RuntimeClient(args.socket) as client:
+        if args.command == "status":
+            _print_state(await client.state(), args.json)
+        elif args.command == "power":
+            graceful = None if args.action in ("on", "reset") else not args.hard
+            _print_state(await client.power(args.action, graceful=graceful, timeout=args.timeout), args.json)
+        elif args.command == "recycle":
+            _print_state(await client.recycle(boot=not args.no_boot), args.json)
+        elif args.command == "pull":
+            update, finish = _progress()
+            try:
+                state = await client.flash_reference(args.reference, power_off=args.power_off, progress=update)
+            finally:
+                finish()
+            _print_state(state, args.json)
+        elif args.command == "flash":
+            _print_state(await client.flash(Path(args.file), power_off=args.power_off), args.json)
+        elif args.command == "dump":
+            size = await client.dump(Path(args.file), fmt=args.format)
+            print(json.dumps({"file": args.file, "bytes": size}) if args.json else f"wrote {size} bytes to {args.file}")
+        elif args.command == "wait-ready":
+            _print_state(await client.wait_ready(args.timeout), args.json)
+        elif args.command == "shutdown":
+            await client.shutdown()
+            print(json.dumps({"status": "shutting-down"}) if args.json else "runtime shutting down")
+        elif args.command == "console":
+            name = "console.sock" if args.stream == "ttyS0" else f"{args.stream}.sock"
+            await _console(Path(args.socket).parent / name)
+    return 0
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    setup_logging(args.log_format, args.log_level)
+    overrides = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
+                 "accel": args.accel, "backend": args.backend}
+    spec_given = args.spec or any(v is not None for v in overrides.values()) or any(
+        k.startswith("VMSIDECAR_") and k not in ("VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR")
+        for k in os.environ)
+    spec = spec_from_sources(Path(args.spec) if args.spec else None, overrides) if spec_given else None
+    paths = default_paths(
+        Path(args.shared_dir) if args.shared_dir else None,
+        Path(args.cache_dir) if args.cache_dir else None,
+        Path(args.state_dir) if args.state_dir else None,
+    )
+    return asyncio.run(serve(spec, paths, allow_extra_args=args.allow_extra_args, grace=args.grace))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    p = argparse.ArgumentParser(prog="vmsidecar-runtime", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the runtime (pull, boot, serve the API)")
+    s.add_argument("--spec", help="VM spec file (YAML or JSON); also VMSIDECAR_SPEC")
+    s.add_argument("--image", help="image reference (OCI, oci-layout:DIR[:TAG], file:PATH)")
+    s.add_argument("--arch")
+    s.add_argument("--cpus", type=int)
+    s.add_argument("--memory")
+    s.add_argument("--accel", choices=["auto", "kvm", "tcg"])
+    s.add_argument("--backend", choices=["qemu", "libvirt"])
+    s.add_argument("--shared-dir", help=f"sockets for the exporter (default {DEFAULT_SHARED}, VMSIDECAR_SHARED_DIR)")
+    s.add_argument("--cache-dir", help="image cache (default /var/lib/vmsidecar/cache, VMSIDECAR_CACHE_DIR)")
+    s.add_argument("--state-dir", help="overlay, logs, flashed disks (VMSIDECAR_STATE_DIR)")
+    s.add_argument("--log-format", choices=["text", "json"], default="text")
+    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--allow-extra-args", action="store_true", help="accept extra_args in specs sent over the API")
+    s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
+
+    def client_parser(name: str, help_: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--socket", default=str(_default_socket()), help="runtime API socket")
+        c.add_argument("--json", action="store_true", help="machine-readable output")
+        return c
+
+    client_parser("status", "show the VM state")
+    c = client_parser("power", "power on|off|reset|cycle")
+    c.add_argument("action", choices=["on", "off", "reset", "cycle"])
+    c.add_argument("--hard", action="store_true", help="off/cycle without ACPI power-down")
+    c.add_argument("--timeout", type=float, default=60.0)
+    c = client_parser("recycle", "back to pristine (InPlaceReuse)")
+    c.add_argument("--no-boot", action="store_true")
+    c = client_parser("pull", "pull an image by reference and flash it")
+    c.add_argument("reference")
+    c.add_argument("--power-off", action="store_true")
+    c = client_parser("flash", "flash a local image file")
+    c.add_argument("file")
+    c.add_argument("--power-off", action="store_true")
+    c = client_parser("dump", "dump the disk to a file")
+    c.add_argument("file")
+    c.add_argument("--format", choices=["qcow2", "raw"], default="qcow2")
+    c = client_parser("wait-ready", "wait until the guest is Ready")
+    c.add_argument("--timeout", type=float, default=300.0)
+    client_parser("shutdown", "stop the guest and the runtime")
+    c = client_parser("console", "attach to a console (Ctrl-] detaches)")
+    c.add_argument("--stream", default="ttyS0", choices=["ttyS0", "hvc0"])
+    return p
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(coro)
+    return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve_command(args)
+        return _run(_client_command(args))
+    except VmsidecarError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

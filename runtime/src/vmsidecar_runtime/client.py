@@ -1,0 +1,247 @@
+"""The API client: one implementation, used by the CLI and by the Jumpstarter drivers.
+
+Errors come back as the same exception classes the runtime raised, with the runtime's message
+verbatim, so a ``j`` user reads exactly what the runtime said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from . import errors
+from .spec import VmSpec
+from .state import VmState
+
+_BY_CODE: dict[str, type[errors.VmsidecarError]] = {
+    cls.code: cls
+    for cls in (
+        errors.SpecError, errors.RequestError, errors.NotFoundError, errors.StateError, errors.ImageError,
+        errors.BadReferenceError, errors.RegistryError, errors.DigestMismatchError, errors.PlatformError,
+        errors.HostError, errors.GuestError,
+    )
+}
+
+
+class RuntimeUnavailableError(errors.VmsidecarError):
+    """The runtime's API socket is missing or does not answer."""
+
+    code = "runtime_unavailable"
+    http_status = 503
+
+
+def error_from_body(body: dict[str, Any], status: int) -> errors.VmsidecarError:
+    """Rebuild the runtime's exception from an error body."""
+    cls = _BY_CODE.get(str(body.get("error")), errors.VmsidecarError)
+    exc = cls.__new__(cls)
+    errors.VmsidecarError.__init__(exc, str(body.get("message", f"HTTP {status}")), code=str(body.get("error")))
+    exc.http_status = status
+    return exc
+
+
+class RuntimeClient:
+    """Async client of one runtime's ``api.sock``."""
+
+    def __init__(self, socket_path: str | Path, *, timeout: float = 600.0) -> None:
+        self.socket_path = Path(socket_path)
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=5)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RuntimeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=str(self.socket_path)),
+                timeout=self._timeout,
+                base_url="http://vmsidecar",
+            )
+        return self._session
+
+    def _unavailable(self, e: Exception) -> RuntimeUnavailableError:
+        if not self.socket_path.exists():
+            why = f"{self.socket_path} does not exist"
+        else:
+            why = f"{self.socket_path} does not answer ({type(e).__name__})"
+        return RuntimeUnavailableError(
+            f"the vmsidecar runtime is not reachable: {why}; start it (vmsidecar-runtime serve) or fix the socket path"
+        )
+
+    async def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+        try:
+            async with self._http().request(method, path, **kwargs) as resp:
+                body = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                if resp.status not in ok:
+                    raise error_from_body(body if isinstance(body, dict) else {}, resp.status)
+                return body
+        except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError) as e:
+            raise self._unavailable(e) from e
+
+    # ---- state and spec ------------------------------------------------------------------
+    async def state(self) -> VmState:
+        """``GET /v1/vm``."""
+        return VmState.model_validate(await self._request("GET", "/v1/vm"))
+
+    async def get_spec(self) -> VmSpec | None:
+        """``GET /v1/vm/spec``; None when the runtime has none yet."""
+        try:
+            return VmSpec.model_validate(await self._request("GET", "/v1/vm/spec"))
+        except errors.VmsidecarError as e:
+            if e.code == "not_found":
+                return None
+            raise
+
+    async def put_spec(self, spec: VmSpec | dict[str, Any]) -> VmState:
+        """``PUT /v1/vm/spec`` (idempotent)."""
+        data = spec.model_dump(mode="json") if isinstance(spec, VmSpec) else spec
+        return VmState.model_validate(await self._request("PUT", "/v1/vm/spec", json=data))
+
+    # ---- power ---------------------------------------------------------------------------
+    async def power(self, action: str, *, graceful: bool | None = None, timeout: float = 60.0) -> VmState:
+        """``POST /v1/vm/power``."""
+        body: dict[str, Any] = {"action": action, "timeout": timeout}
+        if graceful is not None:
+            body["graceful"] = graceful
+        return VmState.model_validate(await self._request("POST", "/v1/vm/power", json=body))
+
+    async def recycle(self, *, boot: bool = True) -> VmState:
+        """``POST /v1/vm/recycle``."""
+        return VmState.model_validate(await self._request("POST", "/v1/vm/recycle", json={"boot": boot}))
+
+    async def shutdown(self) -> None:
+        """``POST /v1/shutdown``: the guest stops and the runtime exits 0."""
+        await self._request("POST", "/v1/shutdown", ok=(202,))
+
+    # ---- disk ----------------------------------------------------------------------------
+    async def flash(
+        self,
+        data: AsyncIterable[bytes] | Path,
+        *,
+        power_off: bool = False,
+        digest: str | None = None,
+        size: int | None = None,
+    ) -> VmState:
+        """``PUT /v1/vm/disk`` with a file or an async byte stream."""
+        params = {"power_off": "true" if power_off else "false"}
+        if digest:
+            params["digest"] = digest
+        headers = {"Content-Type": "application/octet-stream"}
+        if isinstance(data, Path):
+            headers["Content-Length"] = str(data.stat().st_size)
+            body: Any = _file_chunks(data)
+        else:
+            body = data
+            if size is not None:
+                headers["Content-Length"] = str(size)
+        result = await self._request("PUT", "/v1/vm/disk", params=params, data=body, headers=headers)
+        return VmState.model_validate(result)
+
+    async def flash_reference(
+        self, reference: str, *, power_off: bool = False, progress: Callable[[int, int | None], None] | None = None
+    ) -> VmState:
+        """``POST /v1/vm/disk/pull``: the runtime pulls and flashes; progress lines feed ``progress``."""
+        try:
+            async with self._http().post(
+                "/v1/vm/disk/pull", json={"reference": reference, "power_off": power_off}
+            ) as resp:
+                if resp.status != 200:
+                    raise error_from_body(await resp.json(content_type=None), resp.status)
+                async for raw in resp.content:
+                    line = json.loads(raw)
+                    if line["type"] == "progress" and progress:
+                        progress(int(line["done"]), line.get("total"))
+                    elif line["type"] == "result":
+                        return VmState.model_validate(line["state"])
+                    elif line["type"] == "error":
+                        raise error_from_body(line, 422)
+        except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
+            raise self._unavailable(e) from e
+        raise errors.VmsidecarError("the runtime ended the pull stream without a result; check the runtime log")
+
+    async def dump(self, dest: Path, *, fmt: str = "qcow2") -> int:
+        """``GET /v1/vm/disk`` into ``dest``; returns the byte count."""
+        try:
+            async with self._http().get("/v1/vm/disk", params={"format": fmt}) as resp:
+                if resp.status != 200:
+                    raise error_from_body(await resp.json(content_type=None), resp.status)
+                return await _save(resp.content.iter_chunked(1 << 20), dest)
+        except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
+            raise self._unavailable(e) from e
+
+    async def dump_chunks(self, *, fmt: str = "qcow2") -> AsyncIterator[bytes]:
+        """``GET /v1/vm/disk`` as a byte stream."""
+        async with self._http().get("/v1/vm/disk", params={"format": fmt}) as resp:
+            if resp.status != 200:
+                raise error_from_body(await resp.json(content_type=None), resp.status)
+            async for chunk in resp.content.iter_chunked(1 << 20):
+                yield chunk
+
+    # ---- events and health ---------------------------------------------------------------
+    async def events(self, types: list[str] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """``GET /v1/events`` as dicts, until the caller stops iterating."""
+        params = {"types": ",".join(types)} if types else None
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        try:
+            async with self._http().get("/v1/events", params=params, timeout=timeout) as resp:
+                async for raw in resp.content:
+                    yield json.loads(raw)
+        except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
+            raise self._unavailable(e) from e
+
+    async def healthy(self) -> bool:
+        """Whether ``/healthz`` answers."""
+        try:
+            await self._request("GET", "/healthz")
+            return True
+        except RuntimeUnavailableError:
+            return False
+
+    async def wait_ready(self, timeout: float = 300.0, *, poll: float = 0.25) -> VmState:
+        """Poll until the VM is Ready.
+
+        :raise GuestError: when it ends in Error/Crashed/Stopped instead (with the runtime's message).
+        :raise TimeoutError: when it is not Ready in time.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            state = await self.state()
+            if state.phase.value == "Ready":
+                return state
+            if state.phase.value in ("Error", "Crashed") and state.last_error:
+                raise error_from_body(state.last_error, 500)
+            if loop.time() > deadline:
+                raise TimeoutError(f"VM not Ready after {timeout:.0f} s (phase {state.phase.value})")
+            await asyncio.sleep(poll)
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    with open(path, "rb") as fh:
+        while chunk := await asyncio.to_thread(fh.read, 1 << 20):
+            yield chunk
+
+
+async def _save(chunks: AsyncIterable[bytes], dest: Path) -> int:
+    total = 0
+    tmp = dest.with_name(dest.name + ".part")
+    with open(tmp, "wb") as fh:
+        async for chunk in chunks:
+            await asyncio.to_thread(fh.write, chunk)
+            total += len(chunk)
+    tmp.replace(dest)
+    return total

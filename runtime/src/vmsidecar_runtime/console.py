@@ -1,0 +1,217 @@
+"""Console hub: one guest byte stream, drained always, ring-buffered, fanned out to many readers.
+
+QEMU serves each console on a private socket; the hub connects to it while the guest is still
+paused (``-S``), so the scrollback holds every byte from the first one. Clients of the shared
+socket get the scrollback, then live output; whatever they write goes to the guest. A reader
+that stops reading is dropped rather than allowed to stall the guest: QEMU blocks a vCPU when
+its chardev cannot write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: chunks a slow client may fall behind before it is disconnected
+CLIENT_QUEUE_CHUNKS = 1024
+
+
+class RotatingByteLog:
+    """Append-only byte log with size rotation (``name``, ``name.1`` … ``name.N``)."""
+
+    def __init__(self, path: Path, max_bytes: int = 1 << 20, backups: int = 3) -> None:
+        self.path, self.max_bytes, self.backups = path, max_bytes, backups
+        self._fh = open(path, "ab")  # noqa: SIM115 - lives as long as the hub
+
+    def write(self, data: bytes) -> None:
+        """Append bytes, rotating first when the file would pass ``max_bytes``."""
+        if self._fh.tell() + len(data) > self.max_bytes:
+            self._rotate()
+        self._fh.write(data)
+        self._fh.flush()
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        for i in range(self.backups - 1, 0, -1):
+            src = self.path.with_name(f"{self.path.name}.{i}")
+            if src.exists():
+                os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._fh = open(self.path, "ab")  # noqa: SIM115
+
+    def close(self) -> None:
+        """Close the file."""
+        self._fh.close()
+
+
+class ConsoleHub:
+    """Serves one guest stream on a Unix socket with scrollback and several readers."""
+
+    def __init__(
+        self,
+        name: str,
+        listen_path: Path,
+        *,
+        log_path: Path | None = None,
+        scrollback: int = 256 * 1024,
+        replay: bool = True,
+    ) -> None:
+        self.name = name
+        self.listen_path = listen_path
+        self.scrollback = scrollback
+        #: whether a new client first gets the scrollback (consoles) or only live bytes (CAN, channels)
+        self.replay = replay
+        self._buffer = bytearray()
+        self._log = RotatingByteLog(log_path) if log_path else None
+        self._clients: set[asyncio.Queue[bytes | None]] = set()
+        self._watchers: set[Callable[[bytes], None]] = set()
+        self._server: asyncio.Server | None = None
+        self._upstream: asyncio.StreamWriter | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self.bytes_seen = 0
+        self.first_byte_at: float | None = None
+
+    # ---- the shared-dir side -------------------------------------------------------------
+    async def listen(self) -> None:
+        """Start serving clients on ``listen_path`` (mode 0660)."""
+        self.listen_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.listen_path.unlink()
+        old = os.umask(0o117)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve_client, path=str(self.listen_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.listen_path, 0o660)
+
+    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(CLIENT_QUEUE_CHUNKS)
+        if self.replay and self._buffer:
+            queue.put_nowait(bytes(self._buffer))
+        self._clients.add(queue)
+        pump = asyncio.create_task(self._pump_to_client(queue, writer))
+        try:
+            while data := await reader.read(4096):
+                if self._upstream is not None and not self._upstream.is_closing():
+                    self._upstream.write(data)
+                    await self._upstream.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._clients.discard(queue)
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+            writer.close()
+
+    async def _pump_to_client(self, queue: asyncio.Queue[bytes | None], writer: asyncio.StreamWriter) -> None:
+        try:
+            while (chunk := await queue.get()) is not None:
+                writer.write(chunk)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    # ---- the guest side ------------------------------------------------------------------
+    async def attach(self, upstream_path: Path, *, timeout: float = 10.0) -> None:
+        """Connect to the backend's socket for this stream and start draining it.
+
+        :raise TimeoutError: when the socket does not accept within ``timeout``.
+        """
+        await self.detach()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(upstream_path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if loop.time() > deadline:
+                    raise TimeoutError(f"console socket {upstream_path} did not accept within {timeout} s") from None
+                await asyncio.sleep(0.02)
+        self._upstream = writer
+        self._drain_task = asyncio.create_task(self._drain(reader), name=f"drain-{self.name}")
+
+    async def _drain(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while data := await reader.read(65536):
+                self._feed(data)
+        except (ConnectionError, OSError):
+            pass
+
+    def _feed(self, data: bytes) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = asyncio.get_running_loop().time()
+        self.bytes_seen += len(data)
+        self._buffer += data
+        if len(self._buffer) > self.scrollback:
+            del self._buffer[: len(self._buffer) - self.scrollback]
+        if self._log:
+            self._log.write(data)
+        for watcher in list(self._watchers):
+            watcher(data)
+        for queue in list(self._clients):
+            try:
+                queue.put_nowait(data)
+            except asyncio.QueueFull:
+                log.warning("console %s: dropping a client that stopped reading", self.name)
+                self._clients.discard(queue)
+                queue.get_nowait()
+                queue.put_nowait(None)
+
+    async def detach(self) -> None:
+        """Stop draining (the backend is gone); clients stay connected."""
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain_task
+            self._drain_task = None
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
+
+    # ---- scrollback and watchers ---------------------------------------------------------
+    def tail(self, nbytes: int = 2048) -> str:
+        """The last bytes of scrollback as text (for error messages and state)."""
+        return bytes(self._buffer[-nbytes:]).decode(errors="replace")
+
+    def clear(self, *, disconnect_clients: bool = False) -> None:
+        """Forget the scrollback (a new lease must not see the previous one's output)."""
+        self._buffer.clear()
+        self.bytes_seen = 0
+        self.first_byte_at = None
+        if disconnect_clients:
+            for queue in list(self._clients):
+                self._clients.discard(queue)
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.put_nowait(None)
+
+    @contextlib.contextmanager
+    def watch(self, callback: Callable[[bytes], None]) -> AsyncIterator[None]:  # type: ignore[misc]
+        """Call ``callback`` with every new chunk while the context is open."""
+        self._watchers.add(callback)
+        try:
+            yield
+        finally:
+            self._watchers.discard(callback)
+
+    async def close(self) -> None:
+        """Stop everything and remove the shared socket."""
+        await self.detach()
+        self.clear(disconnect_clients=True)
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+        with contextlib.suppress(FileNotFoundError):
+            self.listen_path.unlink()
+        if self._log:
+            self._log.close()

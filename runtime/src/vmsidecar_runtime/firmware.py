@@ -1,0 +1,44 @@
+"""UEFI firmware: find the distribution's code/vars files, give each boot its own vars copy."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .errors import HostError
+from .plan import Firmware
+from .spec import VmSpec
+
+# (code, vars) pairs in order of preference; Debian names first, then Fedora/upstream ones.
+CANDIDATES: dict[str, list[tuple[str, str]]] = {
+    "x86_64": [
+        ("/usr/share/OVMF/OVMF_CODE_4M.fd", "/usr/share/OVMF/OVMF_VARS_4M.fd"),
+        ("/usr/share/OVMF/OVMF_CODE.fd", "/usr/share/OVMF/OVMF_VARS.fd"),
+        ("/usr/share/edk2/ovmf/OVMF_CODE.fd", "/usr/share/edk2/ovmf/OVMF_VARS.fd"),
+    ],
+    "aarch64": [
+        ("/usr/share/AAVMF/AAVMF_CODE.fd", "/usr/share/AAVMF/AAVMF_VARS.fd"),
+        ("/usr/share/edk2/aarch64/QEMU_EFI-pflash.raw", "/usr/share/edk2/aarch64/vars-template-pflash.raw"),
+    ],
+}
+PACKAGE = {"x86_64": "ovmf", "aarch64": "qemu-efi-aarch64"}
+
+
+def prepare_firmware(spec: VmSpec, state_dir: Path) -> Firmware | None:
+    """Firmware for a UEFI boot (None for BIOS); the vars copy lives until the next recycle.
+
+    :raise HostError: when no UEFI firmware is installed.
+    """
+    if spec.firmware != "uefi":
+        return None
+    for code, vars_template in CANDIDATES[spec.arch]:
+        if Path(code).exists() and Path(vars_template).exists():
+            vars_copy = state_dir / "firmware" / Path(vars_template).name
+            if not vars_copy.exists():
+                vars_copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(vars_template, vars_copy)
+                vars_copy.chmod(0o600)
+            return Firmware(Path(code), vars_copy)
+    raise HostError(
+        f"no UEFI firmware for {spec.arch} is installed; install {PACKAGE[spec.arch]} or set firmware: bios"
+    )

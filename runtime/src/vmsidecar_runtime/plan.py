@@ -1,0 +1,52 @@
+"""A boot plan: the validated spec plus everything resolved on the host for one boot.
+
+Backends (direct QEMU, libvirt) render the same plan; nothing host-specific lives in the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .spec import VmSpec
+
+
+@dataclass(frozen=True)
+class Firmware:
+    """UEFI firmware files for one boot: read-only code and a per-boot copy of the vars."""
+
+    code: Path
+    vars: Path
+
+
+@dataclass(frozen=True)
+class BootPlan:
+    """What one boot needs; built by the runtime, consumed by a backend."""
+
+    spec: VmSpec
+    accel: str
+    disk: Path
+    disk_format: str
+    run_dir: Path
+    #: forward name -> host port actually bound
+    ports: dict[str, int] = field(default_factory=dict)
+    firmware: Firmware | None = None
+
+    @property
+    def qmp_socket(self) -> Path:
+        """QMP socket QEMU listens on (private to the runtime)."""
+        return self.run_dir / "qmp.sock"
+
+    def console_socket(self, name: str) -> Path:
+        """Socket QEMU serves a console or channel on; the runtime re-serves it on the shared dir."""
+        return self.run_dir / f"{name}.sock"
+
+    @property
+    def stream_names(self) -> list[str]:
+        """Every byte stream the guest has: consoles, virtio-serial channels and CAN buses."""
+        names = ["ttyS0"]
+        if self.spec.virtio_console:
+            names.append("hvc0")
+        names += [f"channel-{c.name}" for c in self.spec.channels]
+        names += [f"can-{c.name}" for c in self.spec.can if c.mode == "slcan"]
+        return names

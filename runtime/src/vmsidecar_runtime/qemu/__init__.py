@@ -1,0 +1,1 @@
+"""Direct QEMU backend: argv from the spec, QMP through qemu.qmp."""

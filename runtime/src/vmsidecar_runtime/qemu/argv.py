@@ -1,0 +1,130 @@
+"""Spec -> QEMU argv. A pure function: no I/O, testable without QEMU.
+
+The argv is a list handed to exec, never a shell string; every value in it comes from the
+validated spec or from paths and ports the runtime resolved itself.
+"""
+
+from __future__ import annotations
+
+from ..plan import BootPlan
+
+_MACHINE = {"x86_64": "q35", "aarch64": "virt"}
+_TCG_CPU = {"x86_64": "max", "aarch64": "cortex-a57"}
+
+
+def qemu_binary(arch: str) -> str:
+    """The QEMU system emulator name for a guest architecture."""
+    return f"qemu-system-{arch}"
+
+
+def _chardev(plan: BootPlan, ident: str, stream: str) -> list[str]:
+    return ["-chardev", f"socket,id={ident},path={plan.console_socket(stream)},server=on,wait=off"]
+
+
+def _base(plan: BootPlan) -> list[str]:
+    spec = plan.spec
+    machine = spec.machine or _MACHINE[spec.arch]
+    argv = [
+        qemu_binary(spec.arch),
+        "-name", "vmsidecar,debug-threads=on",
+        "-nodefaults", "-no-user-config", "-display", "none",
+        "-machine", machine,
+        "-accel", plan.accel,
+        "-cpu", "host" if plan.accel == "kvm" else _TCG_CPU[spec.arch],
+        "-smp", str(spec.cpus),
+        "-m", f"{spec.memory}M",
+        # Paused until the runtime has attached to every console: no boot byte is lost.
+        "-S",
+        # A guest power-off leaves QEMU up in state "shutdown" so the runtime sees SHUTDOWN and quits it.
+        "-no-shutdown",
+        "-chardev", f"socket,id=qmp,path={plan.qmp_socket},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+    ]
+    if spec.gpio:
+        # vhost-user devices need guest RAM the backend process can map.
+        argv += ["-object", f"memory-backend-memfd,id=mem0,size={spec.memory}M,share=on",
+                 "-machine", "memory-backend=mem0"]
+    return argv
+
+
+def _boot(plan: BootPlan) -> list[str]:
+    spec = plan.spec
+    argv: list[str] = []
+    if plan.firmware is not None:
+        argv += [
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={plan.firmware.code}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={plan.firmware.vars}",
+        ]
+    if spec.kernel:
+        argv += ["-kernel", str(spec.kernel)]
+        if spec.initrd:
+            argv += ["-initrd", str(spec.initrd)]
+        if spec.cmdline:
+            argv += ["-append", spec.cmdline]
+    argv += [
+        "-blockdev", f"driver=file,filename={plan.disk},node-name=disk0-file",
+        "-blockdev", f"driver={plan.disk_format},file=disk0-file,node-name=disk0",
+        "-device", "virtio-blk-pci,drive=disk0,id=disk0-dev,bootindex=1",
+    ]
+    return argv
+
+
+def _streams(plan: BootPlan) -> list[str]:
+    spec = plan.spec
+    argv = [*_chardev(plan, "ser0", "ttyS0"), "-serial", "chardev:ser0"]
+    virtio_ports = []
+    if spec.virtio_console:
+        virtio_ports.append(("virtconsole", "hvc0", "console.0"))
+    # CAN buses ride on virtio *consoles* (ttys in the guest), so slcand can attach a line discipline.
+    virtio_ports += [("virtconsole", f"can-{c.name}", f"can.{c.name}") for c in spec.can if c.mode == "slcan"]
+    virtio_ports += [("virtserialport", f"channel-{c.name}", c.name) for c in spec.channels]
+    if virtio_ports:
+        argv += ["-device", "virtio-serial-pci,id=vser0,max_ports=31"]
+    for kind, stream, port_name in virtio_ports:
+        ident = stream.replace("-", "_")
+        argv += [*_chardev(plan, ident, stream), "-device", f"{kind},chardev={ident},name={port_name}"]
+    return argv
+
+
+def _network(plan: BootPlan) -> list[str]:
+    net = plan.spec.network
+    if not net.enabled:
+        return ["-nic", "none"]
+    netdev = "user,id=net0"
+    for fwd in net.forwards:
+        netdev += f",hostfwd=tcp:{fwd.host_address}:{plan.ports[fwd.name]}-:{fwd.guest_port}"
+    return ["-netdev", netdev, "-device", "virtio-net-pci,netdev=net0,id=net0-dev"]
+
+
+def _can_native(plan: BootPlan) -> list[str]:
+    argv: list[str] = []
+    for i, bus in enumerate(c for c in plan.spec.can if c.mode == "native"):
+        # Never name a can-bus "canbus0": QEMU then misparses "canbus0=" device properties.
+        bus_id = f"vcb-{bus.name}"
+        argv += [
+            "-object", f"can-bus,id={bus_id}",
+            "-object", f"can-host-socketcan,id=vch{i},if={bus.host_interface},canbus={bus_id}",
+            "-device", f"kvaser_pci,canbus={bus_id}",
+        ]
+    return argv
+
+
+def _gpio(plan: BootPlan) -> list[str]:
+    if not plan.spec.gpio:
+        return []
+    return [*["-chardev", f"socket,id=vgpio,path={plan.run_dir / 'gpio-vhost.sock'}"],
+            "-device", "vhost-user-gpio-pci,chardev=vgpio,id=gpio0"]
+
+
+def build_argv(plan: BootPlan) -> list[str]:
+    """The full QEMU argv for a boot plan."""
+    return [
+        *_base(plan),
+        *_boot(plan),
+        *_streams(plan),
+        *_network(plan),
+        *_can_native(plan),
+        *_gpio(plan),
+        "-device", "virtio-rng-pci",
+        *plan.spec.extra_args,
+    ]

@@ -1,0 +1,201 @@
+"""Direct QEMU backend: one process per boot, one persistent QMP connection, events.
+
+"Process up" and "guest running" are separate steps: QEMU starts paused (``-S``), the runtime
+attaches to every console, then ``resume()`` sends ``cont``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from qemu.qmp import EventListener, QMPClient
+from qemu.qmp.error import QMPError
+
+from ..errors import HostError
+from ..plan import BootPlan
+from ..procs import spawn
+from ..state import ExitInfo
+from .argv import build_argv, qemu_binary
+
+log = logging.getLogger(__name__)
+
+#: QMP events forwarded to the runtime
+EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED")
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class QemuBackend:
+    """Runs one QEMU process for one boot plan."""
+
+    name = "qemu"
+
+    def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
+        self.plan = plan
+        self._on_event = on_event
+        self._proc: asyncio.subprocess.Process | None = None
+        self._qmp: QMPClient | None = None
+        self._stderr: deque[str] = deque(maxlen=20)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.exit_info: ExitInfo | None = None
+        self._exited = asyncio.Event()
+
+    # ---- launch --------------------------------------------------------------------------
+    async def launch(self, *, qmp_timeout: float = 30.0) -> None:
+        """Start QEMU paused and connect QMP.
+
+        :raise HostError: when the QEMU binary is missing or QEMU exits before QMP answers.
+        """
+        binary = qemu_binary(self.plan.spec.arch)
+        if shutil.which(binary) is None:
+            package = "qemu-system-x86" if self.plan.spec.arch == "x86_64" else "qemu-system-arm"
+            raise HostError(
+                f"{binary} is not installed, so {self.plan.spec.arch} guests cannot run; "
+                f"install it (apt-get install {package}) or use the vmsidecar runtime image"
+            )
+        argv = build_argv(self.plan)
+        log.info("starting %s", " ".join(argv))
+        self._proc = await spawn(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
+        )
+        self._tasks = [
+            asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
+            asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr"),
+            asyncio.create_task(self._watch_exit(), name="qemu-wait"),
+        ]
+        await self._connect_qmp(qmp_timeout)
+
+    async def _collect(self, stream: asyncio.StreamReader | None) -> None:
+        assert stream is not None
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            self._stderr.append(text)
+            log.warning("qemu: %s", text)
+
+    async def _watch_exit(self) -> None:
+        assert self._proc is not None
+        rc = await self._proc.wait()
+        with contextlib.suppress(asyncio.TimeoutError):
+            # let the pipes flush so the exit message carries QEMU's last words
+            await asyncio.wait_for(asyncio.gather(*self._tasks[:2]), 2)
+        self.exit_info = ExitInfo(
+            returncode=rc if rc >= 0 else None,
+            signal=-rc if rc < 0 else None,
+            stderr_tail=list(self._stderr),
+        )
+        self._exited.set()
+        self._on_event("EXITED", {"returncode": rc})
+
+    async def _connect_qmp(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        qmp = QMPClient("vmsidecar")
+        while True:
+            if self._exited.is_set():
+                raise HostError(self._early_exit_message())
+            try:
+                await qmp.connect(str(self.plan.qmp_socket))
+                break
+            except (QMPError, OSError):
+                if loop.time() > deadline:
+                    await self.kill()
+                    raise HostError(
+                        f"QEMU did not open its QMP socket within {timeout:.0f} s; "
+                        "check the runtime log for QEMU's stderr"
+                    ) from None
+                await asyncio.sleep(0.05)
+        self._qmp = qmp
+        listener = EventListener(EVENTS)
+        qmp.register_listener(listener)
+        self._tasks.append(asyncio.create_task(self._pump_events(listener), name="qmp-events"))
+
+    def _early_exit_message(self) -> str:
+        info = self.exit_info or ExitInfo()
+        tail = " | ".join(info.stderr_tail[-5:]) or "no output"
+        return (
+            f"QEMU exited during start-up (exit code {info.returncode}, signal {info.signal}): {tail}; "
+            "fix the cause QEMU names (image, firmware or spec)"
+        )
+
+    async def _pump_events(self, listener: EventListener) -> None:
+        async for event in listener:
+            self._on_event(str(event["event"]), dict(event.get("data", {})))
+
+    # ---- guest control -------------------------------------------------------------------
+    async def _execute(self, cmd: str, **args: Any) -> Any:
+        if self._qmp is None:
+            raise HostError("QEMU is not running; power the VM on first")
+        return await self._qmp.execute(cmd, args or None)
+
+    async def resume(self) -> None:
+        """Let the guest run (``cont``)."""
+        await self._execute("cont")
+
+    async def powerdown(self) -> None:
+        """Ask the guest to power off (ACPI power button)."""
+        await self._execute("system_powerdown")
+
+    async def reset(self) -> None:
+        """Hard reset the guest, like a reset button."""
+        await self._execute("system_reset")
+
+    async def status(self) -> str:
+        """QEMU's run state (``running``, ``paused``, ``shutdown`` …)."""
+        return str((await self._execute("query-status"))["status"])
+
+    @property
+    def alive(self) -> bool:
+        """Whether the QEMU process is still running."""
+        return self._proc is not None and not self._exited.is_set()
+
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        """Wait for the process to end; False on timeout."""
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def quit(self, timeout: float = 5.0) -> None:
+        """Stop QEMU: ``quit`` over QMP, then SIGTERM, then SIGKILL, each bounded."""
+        if self.alive and self._qmp is not None:
+            with contextlib.suppress(QMPError, OSError, EOFError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._qmp.execute("quit"), timeout)
+        if not await self.wait_exit(timeout) and self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)
+            if not await self.wait_exit(timeout):
+                await self.kill()
+        await self.close()
+
+    async def kill(self) -> None:
+        """SIGKILL QEMU and wait for it."""
+        if self._proc is not None and self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            await self.wait_exit(10)
+
+    async def close(self) -> None:
+        """Drop the QMP connection and helper tasks (the process must be gone)."""
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await self._qmp.disconnect()
+            self._qmp = None
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []

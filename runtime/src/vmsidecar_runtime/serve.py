@@ -1,0 +1,176 @@
+"""``vmsidecar-runtime serve``: the long-lived process (often PID 1 of the runtime container).
+
+Owns the shared directory (an exclusive lock: a second live runtime is refused), handles
+SIGTERM/SIGINT with a bounded graceful guest stop, reaps orphans when it is PID 1, and removes
+its sockets on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import procs
+from .api.server import serve_api
+from .controller import RuntimePaths, VmController
+from .errors import HostError
+from .spec import VmSpec
+
+log = logging.getLogger("vmsidecar_runtime")
+
+DEFAULT_SHARED = Path("/shared/vmsidecar")
+
+
+def data_root() -> Path:
+    """``/var/lib/vmsidecar`` when writable (containers, root), else the user's data dir."""
+    system = Path("/var/lib/vmsidecar")
+    with contextlib.suppress(OSError):
+        system.mkdir(parents=True, exist_ok=True)
+    if os.access(system, os.W_OK):
+        return system
+    base = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
+    return base / "vmsidecar"
+
+
+def default_paths(shared: Path | None = None, cache: Path | None = None, state: Path | None = None) -> RuntimePaths:
+    """Resolve directories from arguments, ``VMSIDECAR_*_DIR`` env, then defaults.
+
+    The image cache and the instance state never go in the shared dir (a small emptyDir).
+    """
+    env = os.environ
+    shared = shared or Path(env.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED))
+    root = data_root()
+    cache = cache or Path(env.get("VMSIDECAR_CACHE_DIR", root / "cache"))
+    instance = hashlib.sha256(str(shared.resolve()).encode()).hexdigest()[:12]
+    state = state or Path(env.get("VMSIDECAR_STATE_DIR", root / "instances" / instance))
+    # QEMU's private sockets need short paths (108 bytes): a fresh dir under /tmp per process.
+    run = Path(tempfile.mkdtemp(prefix="vmsidecar-"))
+    return RuntimePaths(shared=shared, cache=cache, state=state, run=run)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per log line (``--log-format json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(fmt: str, level: str = "INFO") -> None:
+    """Log to stderr as text or JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+@dataclass
+class SharedDirLock:
+    """An exclusive flock on ``<shared>/.runtime.lock`` for the life of the process."""
+
+    path: Path
+    fd: int = -1
+
+    def acquire(self) -> None:
+        """Take the lock.
+
+        :raise HostError: when another live runtime holds it.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise HostError(
+                f"another vmsidecar runtime (pid {owner}) is serving {self.path.parent}; stop it or use another "
+                "--shared-dir"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+
+    def release(self) -> None:
+        """Drop the lock and its file."""
+        if self.fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            os.close(self.fd)
+            self.fd = -1
+
+
+async def _reap_orphans(stop: asyncio.Event) -> None:
+    """As PID 1, reap adopted orphans without stealing the exit status of our own children."""
+    while not stop.is_set():
+        with contextlib.suppress(ChildProcessError, OSError):
+            while True:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is None:
+                    break
+                # asyncio waits for the processes it started itself; everything else is an orphan.
+                if info.si_pid in procs.OWN:
+                    break
+                os.waitpid(info.si_pid, os.WNOHANG)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+
+
+async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
+                grace: float = 30.0) -> int:
+    """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
+    lock = SharedDirLock(paths.shared / ".runtime.lock")
+    lock.acquire()
+    paths.shared.chmod(0o2770 if os.getuid() == 0 else paths.shared.stat().st_mode & 0o7777)
+    vm = VmController(spec, paths, allow_extra_args=allow_extra_args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = None
+    reaper = asyncio.create_task(_reap_orphans(stop)) if os.getpid() == 1 else None
+    started = time.monotonic()
+    try:
+        await vm.start()
+        runner = await serve_api(vm, paths.shared / "api.sock")
+        log.info("serving %s (state %s, cache %s)", paths.shared / "api.sock", paths.state, paths.cache)
+        shutdown_wait = asyncio.create_task(vm.shutdown_requested.wait())
+        stop_wait = asyncio.create_task(stop.wait())
+        await asyncio.wait({shutdown_wait, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        shutdown_wait.cancel()
+        stop_wait.cancel()
+        log.info("stopping after %.0f s", time.monotonic() - started)
+        try:
+            await asyncio.wait_for(vm.close(), grace)
+        except TimeoutError:
+            log.error("guest did not stop within %.0f s; killed", grace)
+        return 0
+    finally:
+        stop.set()
+        if runner is not None:
+            await runner.cleanup()
+        (paths.shared / "api.sock").unlink(missing_ok=True)
+        if reaper is not None:
+            reaper.cancel()
+        shutil.rmtree(paths.run, ignore_errors=True)
+        lock.release()

@@ -1,0 +1,273 @@
+"""The VM spec: one pydantic model shared by the CLI, the API, the backends and the drivers.
+
+Field names are snake_case; camelCase spellings are accepted too, so a spec can sit in a
+Kubernetes-style YAML file unchanged. Unknown fields are errors (a typo must not pass silently).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from .arch import host_arch, normalize_arch
+from .errors import SpecError
+
+#: What the tiny guest prints on ttyS0 and hvc0 once it is up.
+DEFAULT_READY_PATTERN = r"VMSIDECAR-READY"
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*(?:([KMGT])(?:i?B)?|(B))?\s*$", re.IGNORECASE)
+_UNIT_SHIFT = {"K": 10, "M": 20, "G": 30, "T": 40}
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+
+
+def parse_size_mib(value: str | int) -> int:
+    """Parse a memory size ("512M", "1G", "1GiB", 512) into MiB; a bare number means MiB.
+
+    :raise ValueError: when the text is not a size.
+    """
+    if isinstance(value, int):
+        size = value << 20
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ValueError(f"{value!r} is not a size; write it like 512M, 2G or 1024 (MiB)")
+        number, unit, plain_bytes = int(m.group(1)), m.group(2), m.group(3)
+        size = number if plain_bytes else number << _UNIT_SHIFT[unit.upper()] if unit else number << 20
+    if size % (1 << 20):
+        raise ValueError(f"{value!r} is not a whole number of MiB; round it to M")
+    return size >> 20
+
+
+def _check_name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{value!r} is not a valid name; use 1-31 lowercase letters, digits and '-', starting with a letter"
+        )
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+class PortForward(_Model):
+    """A named TCP port forward from the host's loopback to a guest port."""
+
+    name: Name
+    guest_port: int = Field(ge=1, le=65535)
+    #: 0 = pick a free port at boot (reported by the API); fixed ports collide between instances.
+    host_port: int = Field(default=0, ge=0, le=65535)
+    host_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
+
+
+class Network(_Model):
+    """User-mode (slirp) networking: needs no privilege and no host bridge."""
+
+    enabled: bool = True
+    forwards: list[PortForward] = []
+
+    @field_validator("forwards")
+    @classmethod
+    def _unique(cls, forwards: list[PortForward]) -> list[PortForward]:
+        names = [f.name for f in forwards]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"port forward names must be unique; {sorted(dup)} repeat")
+        return forwards
+
+
+class Readiness(_Model):
+    """When the guest counts as ready: a regex seen on a console, or as soon as it runs."""
+
+    pattern: str | None = DEFAULT_READY_PATTERN
+    console: Literal["ttyS0", "hvc0"] = "ttyS0"
+    #: Seconds from power-on; generous because TCG guests boot 5-40 s.
+    timeout: float = Field(default=300.0, gt=0, le=3600)
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern.encode())
+            except re.error as e:
+                raise ValueError(f"readiness pattern {pattern!r} is not a valid regex ({e})") from None
+        return pattern
+
+
+class Channel(_Model):
+    """A named virtio-serial port (guest: /dev/virtio-ports/<name>), served as channels/<name>.sock."""
+
+    name: Name
+
+
+class CanBus(_Model):
+    """A CAN bus, carried as SLCAN over a virtio-serial port (portable) or a native bridge (opt-in)."""
+
+    name: Name
+    bitrate: int = Field(default=500000, gt=0)
+    mode: Literal["slcan", "native"] = "slcan"
+    #: host SocketCAN interface for mode "native"
+    host_interface: str | None = None
+
+
+class GpioLine(_Model):
+    """One GPIO line of the guest's virtio gpiochip."""
+
+    name: Name
+    #: guest's point of view: "out" lines are driven by the guest, "in" lines by the host
+    direction: Literal["in", "out"] = "in"
+    initial: Literal[0, 1] = 0
+
+
+class VmSpec(_Model):
+    """Everything needed to run one VM. Validated once; backends consume it as is."""
+
+    image: str | None = Field(default=None, description="OCI reference, oci-layout:DIR[:TAG] or file:PATH")
+    arch: str = Field(default_factory=host_arch)
+    machine: str | None = None
+    cpus: int = Field(default=1, ge=1, le=64)
+    memory: int = Field(default=512, description="MiB; accepts '512M', '1G'")
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    firmware: Literal["bios", "uefi"] = "bios"
+    kernel: Path | None = None
+    initrd: Path | None = None
+    cmdline: str | None = None
+    virtio_console: bool = True
+    channels: list[Channel] = []
+    network: Network = Network()
+    can: list[CanBus] = []
+    gpio: list[GpioLine] = []
+    backend: Literal["qemu", "libvirt"] = "qemu"
+    libvirt_uri: str | None = None
+    readiness: Readiness = Readiness()
+    #: Extra QEMU arguments, appended verbatim as separate argv items. For admins only: the
+    #: runtime refuses them over the API unless started with --allow-extra-args.
+    extra_args: list[str] = []
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _arch(cls, value: str) -> str:
+        return normalize_arch(str(value))
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory(cls, value: str | int) -> int:
+        if isinstance(value, float) and value.is_integer():  # JSON through Jumpstarter turns ints into floats
+            value = int(value)
+        mib = parse_size_mib(value)
+        if mib < 16:
+            raise ValueError(f"memory {value!r} is below the 16 MiB minimum a guest kernel needs")
+        return mib
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus(cls, value: Any) -> Any:
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VmSpec:
+        if (self.initrd or self.cmdline) and not self.kernel:
+            raise ValueError("initrd and cmdline need kernel; set kernel too or remove them")
+        if self.arch == "aarch64" and self.firmware == "bios" and not self.kernel:
+            raise ValueError("aarch64 has no BIOS; set firmware: uefi or boot with kernel/initrd")
+        if self.backend == "libvirt" and self.extra_args:
+            raise ValueError("extra_args is for the qemu backend only; libvirt takes its own domain XML")
+        names = [c.name for c in self.channels] + [c.name for c in self.can]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"channel and CAN bus names share one namespace; {sorted(dup)} repeat")
+        return self
+
+    def with_changes(self, **changes: Any) -> VmSpec:
+        """A validated copy with some fields replaced."""
+        return load_spec({**self.model_dump(mode="json"), **changes})
+
+
+def _format_errors(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "spec"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against docs/spec.md"
+        elif e["type"] == "literal_error":
+            msg = msg.replace("Input should be", "must be")
+        parts.append(f"{where}: {msg}")
+    return "invalid VM spec: " + "; ".join(parts)
+
+
+def load_spec(data: dict[str, Any] | None) -> VmSpec:
+    """Validate a spec from a mapping.
+
+    :raise SpecError: with one line per bad field, naming the field and the fix.
+    """
+    try:
+        return VmSpec.model_validate(data or {})
+    except ValidationError as e:
+        raise SpecError(_format_errors(e)) from e
+
+
+def load_spec_text(text: str, source: str = "spec") -> VmSpec:
+    """Validate a spec from YAML or JSON text.
+
+    :raise SpecError: when the text does not parse or the spec is invalid.
+    """
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as e:
+        raise SpecError(f"{source} is not valid YAML/JSON ({e}); fix the syntax") from e
+    if data is not None and not isinstance(data, dict):
+        raise SpecError(f"{source} must be a mapping of spec fields, not {type(data).__name__}")
+    return load_spec(data)
+
+
+#: Top-level scalar fields settable as VMSIDECAR_<FIELD> environment variables.
+ENV_FIELDS = ("image", "arch", "machine", "cpus", "memory", "accel", "firmware", "backend", "libvirt_uri")
+
+
+def spec_from_sources(
+    spec_file: Path | None = None, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> VmSpec:
+    """Merge file < environment < explicit overrides (CLI flags) into one validated spec.
+
+    :raise SpecError: when any layer is unreadable or the result invalid.
+    """
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    path = spec_file or (Path(env["VMSIDECAR_SPEC"]) if env.get("VMSIDECAR_SPEC") else None)
+    if path is not None:
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise SpecError(f"cannot read spec file {path} ({e.strerror}); check the path") from e
+        data = load_spec_text(text, str(path)).model_dump(exclude_unset=True)
+    for name in ENV_FIELDS:
+        value = env.get(f"VMSIDECAR_{name.upper()}")
+        if value:
+            data[name] = value
+    if env.get("VMSIDECAR_SPEC_JSON"):
+        try:
+            data.update(json.loads(env["VMSIDECAR_SPEC_JSON"]))
+        except json.JSONDecodeError as e:
+            raise SpecError(f"VMSIDECAR_SPEC_JSON is not valid JSON ({e}); fix the variable") from e
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return load_spec(data)

@@ -1,0 +1,79 @@
+"""Phases of a VM and the state the API reports."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel
+
+from .errors import StateError
+
+
+class Phase(StrEnum):
+    """Lifecycle phases; every operation names the phases it accepts."""
+
+    PULLING = "Pulling"
+    STOPPED = "Stopped"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    READY = "Ready"
+    STOPPING = "Stopping"
+    CRASHED = "Crashed"
+    ERROR = "Error"
+
+
+#: phases with a live backend process
+LIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.READY})
+#: phases from which a fresh boot may start
+BOOTABLE = frozenset({Phase.STOPPED, Phase.CRASHED, Phase.ERROR})
+
+
+def require(actual: Phase, allowed: frozenset[Phase], operation: str) -> None:
+    """Raise a 409-mapped error when ``actual`` is not one of ``allowed``.
+
+    :raise StateError: naming the actual and the required phases.
+    """
+    if actual not in allowed:
+        wanted = "|".join(sorted(p.value for p in allowed))
+        raise StateError(
+            f"cannot {operation} while the VM is {actual.value}; it needs {wanted}",
+            actual=actual.value,
+            required=wanted,
+        )
+
+
+class Timings(BaseModel):
+    """Seconds of the last boot, measured from the QEMU launch."""
+
+    launched_at: float | None = None
+    first_console_byte: float | None = None
+    ready: float | None = None
+    pull: float | None = None
+
+
+class ExitInfo(BaseModel):
+    """How the last backend process ended."""
+
+    returncode: int | None = None
+    signal: int | None = None
+    stderr_tail: list[str] = []
+    reason: str = ""
+
+
+class VmState(BaseModel):
+    """``GET /v1/vm``."""
+
+    phase: Phase
+    generation: int
+    backend: str
+    image: str | None = None
+    image_digest: str | None = None
+    disk: str | None = None
+    accel: str | None = None
+    accel_reason: str | None = None
+    timings: Timings = Timings()
+    forwards: dict[str, str] = {}
+    sockets: dict[str, str] = {}
+    last_error: dict[str, str] | None = None
+    last_exit: ExitInfo | None = None
+    console_tail: str | None = None
