@@ -1,0 +1,61 @@
+"""Spec -> QEMU argv (pure function)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vmsidecar_runtime.plan import BootPlan, Firmware
+from vmsidecar_runtime.qemu.argv import build_argv
+from vmsidecar_runtime.spec import load_spec
+
+
+def _plan(spec: dict, accel: str = "tcg", **kw: object) -> BootPlan:
+    return BootPlan(load_spec(spec), accel, Path("/s/overlay.qcow2"), "qcow2", Path("/r"), **kw)  # type: ignore[arg-type]
+
+
+def _opt(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_defaults_boot_paused_on_overlay_with_both_consoles() -> None:
+    argv = build_argv(_plan({}))
+    assert argv[0] == "qemu-system-x86_64"
+    assert "-S" in argv and "-no-shutdown" in argv
+    assert _opt(argv, "-accel") == ["tcg"] and _opt(argv, "-cpu") == ["max"]
+    assert "driver=file,filename=/s/overlay.qcow2,node-name=disk0-file" in _opt(argv, "-blockdev")
+    chardevs = _opt(argv, "-chardev")
+    assert any("path=/r/ttyS0.sock" in c for c in chardevs)
+    assert any("path=/r/hvc0.sock" in c for c in chardevs)
+    assert "virtconsole,chardev=hvc0,name=console.0" in _opt(argv, "-device")
+
+
+def test_kvm_uses_host_cpu() -> None:
+    argv = build_argv(_plan({"cpus": 4, "memory": "2G"}, accel="kvm"))
+    assert _opt(argv, "-cpu") == ["host"] and _opt(argv, "-smp") == ["4"] and _opt(argv, "-m") == ["2048M"]
+
+
+def test_forwards_use_the_resolved_ports() -> None:
+    spec = {"network": {"forwards": [{"name": "ssh", "guest_port": 22}, {"name": "web", "guest_port": 80}]}}
+    argv = build_argv(_plan(spec, ports={"ssh": 40001, "web": 40002}))
+    assert _opt(argv, "-netdev") == ["user,id=net0,hostfwd=tcp:127.0.0.1:40001-:22,hostfwd=tcp:127.0.0.1:40002-:80"]
+
+
+def test_no_network_and_no_virtio_console() -> None:
+    argv = build_argv(_plan({"network": {"enabled": False}, "virtio_console": False}))
+    assert _opt(argv, "-nic") == ["none"] and "virtio-serial-pci,id=vser0,max_ports=31" not in argv
+
+
+def test_uefi_direct_kernel_channels_and_can() -> None:
+    spec = {"firmware": "uefi", "kernel": "/k", "initrd": "/i", "cmdline": "console=ttyS0",
+            "channels": [{"name": "agent"}], "can": [{"name": "can0"}]}
+    argv = build_argv(_plan(spec, firmware=Firmware(Path("/fw/code"), Path("/s/vars"))))
+    assert "if=pflash,format=raw,unit=0,readonly=on,file=/fw/code" in _opt(argv, "-drive")
+    assert _opt(argv, "-kernel") == ["/k"] and _opt(argv, "-append") == ["console=ttyS0"]
+    devices = _opt(argv, "-device")
+    assert "virtserialport,chardev=channel_agent,name=agent" in devices
+    assert "virtconsole,chardev=can_can0,name=can.can0" in devices
+
+
+def test_extra_args_are_separate_items_never_a_shell_string() -> None:
+    argv = build_argv(_plan({"extra_args": ["-device", "virtio-balloon-pci"]}))
+    assert argv[-2:] == ["-device", "virtio-balloon-pci"]

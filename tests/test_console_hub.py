@@ -1,0 +1,110 @@
+"""Console hub over real Unix sockets: scrollback from the first byte, several readers, writes
+reach the guest side, a stalled reader is dropped instead of stalling the guest."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub, RotatingByteLog
+
+
+class FakeChardev:
+    """Plays QEMU's side: a chardev socket server (the runtime connects to it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.writer: asyncio.StreamWriter | None = None
+        self.received = bytearray()
+        self.connected = asyncio.Event()
+
+    async def start(self) -> None:
+        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.writer = writer
+            self.connected.set()
+            while data := await reader.read(4096):
+                self.received += data
+
+        self.server = await asyncio.start_unix_server(on_client, path=str(self.path))
+
+    def emit(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+
+
+async def _read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
+    buf = b""
+    while marker not in buf:
+        buf += await asyncio.wait_for(reader.read(4096), 5)
+    return buf
+
+
+async def test_scrollback_fanout_and_input(tmp_path: Path) -> None:
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("ttyS0", tmp_path / "shared" / "console.sock", log_path=tmp_path / "ttyS0.log")
+    await hub.listen()
+    assert stat.S_IMODE((tmp_path / "shared" / "console.sock").stat().st_mode) == 0o660
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    chardev.emit(b"early boot line\n")  # nobody is connected yet: must not be lost
+    await asyncio.sleep(0.1)
+
+    r1, w1 = await asyncio.open_unix_connection(str(hub.listen_path))
+    r2, w2 = await asyncio.open_unix_connection(str(hub.listen_path))
+    assert b"early boot line" in await _read_until(r1, b"early boot line")
+    assert b"early boot line" in await _read_until(r2, b"early boot line")
+    chardev.emit(b"live\n")
+    await _read_until(r1, b"live")
+    await _read_until(r2, b"live")
+
+    w2.write(b"ls\n")
+    await w2.drain()
+    for _ in range(50):
+        if chardev.received:
+            break
+        await asyncio.sleep(0.05)
+    assert bytes(chardev.received) == b"ls\n"
+    assert b"early boot line" in (tmp_path / "ttyS0.log").read_bytes()
+
+    hub.clear(disconnect_clients=True)
+    assert hub.tail() == ""
+    r3, w3 = await asyncio.open_unix_connection(str(hub.listen_path))
+    chardev.emit(b"after-clear\n")
+    assert b"early boot" not in await _read_until(r3, b"after-clear")
+    for w in (w1, w2, w3):
+        w.close()
+    await hub.close()
+    assert not hub.listen_path.exists()
+
+
+async def test_stalled_reader_is_dropped_and_guest_keeps_flowing(tmp_path: Path) -> None:
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("ttyS0", tmp_path / "console.sock", scrollback=4096)
+    await hub.listen()
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    _stalled_reader, _stalled_writer = await asyncio.open_unix_connection(str(hub.listen_path))  # never reads
+    await asyncio.sleep(0.05)
+    chunk = b"x" * 65536
+    for _ in range(CLIENT_QUEUE_CHUNKS // 8):
+        chardev.emit(chunk)
+        await chardev.writer.drain()  # type: ignore[union-attr]
+    total = len(chunk) * (CLIENT_QUEUE_CHUNKS // 8)
+    for _ in range(100):
+        if hub.bytes_seen == total:
+            break
+        await asyncio.sleep(0.05)
+    assert hub.bytes_seen == total  # every byte drained although one reader never read
+    await hub.close()
+
+
+def test_log_rotation(tmp_path: Path) -> None:
+    log = RotatingByteLog(tmp_path / "c.log", max_bytes=100, backups=2)
+    for _ in range(5):
+        log.write(b"y" * 60)
+    log.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.log", "c.log.1", "c.log.2"]
+    assert (tmp_path / "c.log").stat().st_size <= 100

@@ -1,0 +1,59 @@
+"""The VM spec: parsing, defaults, and the messages bad fields get."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vmsidecar_runtime.errors import SpecError
+from vmsidecar_runtime.spec import load_spec, load_spec_text, parse_size_mib, spec_from_sources
+
+
+@pytest.mark.parametrize(("text", "mib"), [("512M", 512), ("1G", 1024), ("1GiB", 1024), ("2048", 2048), (256, 256)])
+def test_sizes(text: str | int, mib: int) -> None:
+    assert parse_size_mib(text) == mib
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"memory": "12Q"}, "memory: '12Q' is not a size; write it like 512M"),
+        ({"memory": "8M"}, "below the 16 MiB minimum"),
+        ({"cpus": 0}, "cpus: Input should be greater than or equal to 1"),
+        ({"arch": "sparc"}, "arch: unsupported architecture 'sparc'; use one of x86_64"),
+        ({"acel": "kvm"}, "acel: unknown field; check the spelling"),
+        ({"accel": "hvf"}, "accel: must be 'auto', 'kvm' or 'tcg'"),
+        ({"readiness": {"pattern": "("}}, "is not a valid regex"),
+        ({"initrd": "/x"}, "initrd and cmdline need kernel"),
+        ({"arch": "aarch64"}, "aarch64 has no BIOS; set firmware: uefi"),
+        ({"network": {"forwards": [{"name": "a", "guest_port": 1}, {"name": "a", "guest_port": 2}]}}, "must be unique"),
+        ({"network": {"forwards": [{"name": "Bad Name", "guest_port": 22}]}}, "is not a valid name"),
+    ],
+)
+def test_bad_fields_name_the_field_and_fix(data: dict, message: str) -> None:
+    with pytest.raises(SpecError) as exc:
+        load_spec(data)
+    assert message in str(exc.value)
+    assert str(exc.value).startswith("invalid VM spec: ")
+
+
+def test_camel_case_and_floats_from_jumpstarter() -> None:
+    spec = load_spec({"cpus": 2.0, "memory": 1024.0, "network": {"forwards": [{"name": "ssh", "guestPort": 22.0}]}})
+    assert spec.cpus == 2 and spec.memory == 1024
+    assert spec.network.forwards[0].guest_port == 22
+
+
+def test_layers_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "spec.yaml"
+    f.write_text("image: file:/a.qcow2\ncpus: 2\nmemory: 256M\n")
+    spec = spec_from_sources(f, {"cpus": 3}, env={"VMSIDECAR_MEMORY": "1G"})
+    assert (spec.image, spec.cpus, spec.memory) == ("file:/a.qcow2", 3, 1024)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read spec file"):
+        spec_from_sources(tmp_path / "missing.yaml", env={})
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec_text("cpus: [1", "x.yaml")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        load_spec_text("- 1\n- 2", "x.yaml")
