@@ -1,0 +1,203 @@
+"""Media types, magic numbers and the classification of manifest layers."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from vmsidecar_runtime.errors import ImageError
+
+DiskFormat = Literal["qcow2", "raw"]
+Compression = Literal["zstd", "gzip", "xz"]
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_SCHEMA1 = (
+    "application/vnd.docker.distribution.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.v1+prettyjws",
+)
+MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
+INDEX_TYPES = (OCI_INDEX, DOCKER_MANIFEST_LIST)
+ACCEPT = (OCI_INDEX, DOCKER_MANIFEST_LIST, OCI_MANIFEST, DOCKER_MANIFEST)
+
+OCI_EMPTY = "application/vnd.oci.empty.v1+json"
+EMPTY_JSON = b"{}"
+EMPTY_DIGEST = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+OCI_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
+DOCKER_IMAGE_CONFIG = "application/vnd.docker.container.image.v1+json"
+IMAGE_CONFIG_TYPES = (OCI_IMAGE_CONFIG, DOCKER_IMAGE_CONFIG)
+
+OCI_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+OCI_LAYER_TAR_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+
+DISKIMAGE_PREFIX = "application/vnd.diskimage."
+
+ANNOTATION_TITLE = "org.opencontainers.image.title"
+ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
+ANNOTATION_DISK_DIGEST = "io.vmsidecar.disk.digest"
+ANNOTATION_DISK_SIZE = "io.vmsidecar.disk.size"
+ANNOTATION_DISKTYPE = "disktype"
+
+QCOW2_MAGIC = b"QFI\xfb"
+COMPRESSION_MAGIC: dict[Compression, bytes] = {
+    "zstd": b"\x28\xb5\x2f\xfd",
+    "gzip": b"\x1f\x8b",
+    "xz": b"\xfd7zXZ\x00",
+}
+#: file name suffix -> compression, for titles and file: paths
+COMPRESSION_SUFFIX: dict[str, Compression] = {".zst": "zstd", ".zstd": "zstd", ".gz": "gzip", ".xz": "xz"}
+DISK_SUFFIXES: dict[str, DiskFormat | None] = {".qcow2": "qcow2", ".raw": "raw", ".img": None}
+
+#: layer media type -> compression, for containerDisk (tar) layers
+TAR_LAYER_TYPES: dict[str, Compression | None] = {
+    OCI_LAYER_TAR: None,
+    OCI_LAYER_TAR_GZIP: "gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd": "zstd",
+    "application/vnd.docker.image.rootfs.diff.tar": None,
+    "application/vnd.docker.image.rootfs.diff.tar.gzip": "gzip",
+    "application/vnd.docker.image.rootfs.diff.tar.zstd": "zstd",
+}
+#: generic blob types that carry a disk when the title says so (podman-machine-os uses zstd)
+GENERIC_BLOB_TYPES: dict[str, Compression | Literal["auto"] | None] = {
+    "application/zstd": "zstd",
+    "application/gzip": "gzip",
+    "application/x-gzip": "gzip",
+    "application/x-xz": "xz",
+    "application/octet-stream": "auto",
+}
+
+_DISKIMAGE_RE = re.compile(r"^application/vnd\.diskimage\.([a-z0-9.-]+)(?:\+([a-z0-9.-]+))?$")
+_COMPRESSION_NAMES: dict[str, Compression] = {"zstd": "zstd", "gzip": "gzip", "xz": "xz"}
+_TAR_COMPRESSION_RE = re.compile(
+    r"^application/vnd\.(?:oci\.image\.layer\.v1\.tar|docker\.image\.rootfs\.diff\.tar)[+.]([a-z0-9]+)$"
+)
+
+
+def disk_media_type(fmt: DiskFormat, compression: Compression | None) -> str:
+    """``application/vnd.diskimage.qcow2+zstd`` and friends."""
+    return f"{DISKIMAGE_PREFIX}{fmt}" + (f"+{compression}" if compression else "")
+
+
+def artifact_type(fmt: DiskFormat) -> str:
+    """The manifest ``artifactType`` for a disk format."""
+    return f"{DISKIMAGE_PREFIX}{fmt}"
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a layer descriptor holds, from its media type and title.
+
+    ``kind`` is ``disk`` (the blob is the disk, maybe compressed) or ``tar`` (a containerDisk
+    layer); ``compression`` is ``auto`` when it must be sniffed from the bytes.
+    """
+
+    kind: Literal["disk", "tar"]
+    compression: Compression | Literal["auto"] | None
+    format: DiskFormat | None
+
+
+def classify_layer(descriptor: dict, where: str) -> LayerKind | None:
+    """Classify one layer descriptor; ``None`` for layers that are not a disk (SBOMs, empty …).
+
+    :raise ImageError: (code ``unsupported_compression``/``unsupported_format``) for a disk layer
+        compressed or formatted in a way vmsidecar cannot read; (code ``unsafe_path``) for a
+        title that is not a plain file name.
+    """
+    media_type = str(descriptor.get("mediaType", ""))
+    title = (descriptor.get("annotations") or {}).get(ANNOTATION_TITLE)
+    match = _DISKIMAGE_RE.match(media_type)
+    if match:
+        fmt_name, suffix = match.groups()
+        if fmt_name not in ("qcow2", "raw"):
+            raise ImageError(
+                f"{where} has a {fmt_name} disk layer ({media_type}), which vmsidecar cannot boot; "
+                "convert it with qemu-img convert -O qcow2 and push it again",
+                code="unsupported_format",
+            )
+        if title is not None:
+            check_title(title, where)
+        return LayerKind("disk", _compression(suffix, media_type, where), fmt_name)  # type: ignore[arg-type]
+    if media_type in TAR_LAYER_TYPES:
+        return LayerKind("tar", TAR_LAYER_TYPES[media_type], None)
+    tar_match = _TAR_COMPRESSION_RE.match(media_type)
+    if tar_match:
+        _compression(tar_match.group(1), media_type, where)
+    if media_type in GENERIC_BLOB_TYPES and title is not None:
+        check_title(title, where)
+        fmt, title_compression = title_format(title)
+        if fmt is not None or _has_disk_suffix(title):
+            compression = GENERIC_BLOB_TYPES[media_type]
+            if compression == "auto":
+                compression = title_compression or "auto"
+            return LayerKind("disk", compression, fmt)
+    return None
+
+
+def _compression(suffix: str | None, media_type: str, where: str) -> Compression | None:
+    if suffix is None:
+        return None
+    try:
+        return _COMPRESSION_NAMES[suffix]
+    except KeyError:
+        raise ImageError(
+            f"{where} has a layer compressed with {suffix} ({media_type}), which vmsidecar cannot "
+            "decompress; push it again compressed with zstd or gzip (or uncompressed)",
+            code="unsupported_compression",
+        ) from None
+
+
+def _has_disk_suffix(name: str) -> bool:
+    stem = _strip_compression(name.lower())[0]
+    return any(stem.endswith(s) for s in DISK_SUFFIXES)
+
+
+def _strip_compression(name: str) -> tuple[str, Compression | None]:
+    for suffix, compression in COMPRESSION_SUFFIX.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], compression
+    return name, None
+
+
+def title_format(name: str) -> tuple[DiskFormat | None, Compression | None]:
+    """Disk format and compression implied by a file name (``x.qcow2.zst`` → qcow2, zstd)."""
+    stem, compression = _strip_compression(name.lower())
+    for suffix, fmt in DISK_SUFFIXES.items():
+        if stem.endswith(suffix):
+            return fmt, compression
+    return None, compression
+
+
+def check_title(title: str, where: str) -> None:
+    """Accept only a plain file name as a layer title.
+
+    :raise ImageError: (code ``unsafe_path``) for ``..``, absolute paths or separators.
+    """
+    if (
+        not title
+        or title in (".", "..")
+        or "/" in title
+        or "\\" in title
+        or "\0" in title
+        or title.startswith(".")
+    ):
+        raise ImageError(
+            f"{where} has a disk layer titled {title!r}, which is not a plain file name and could "
+            "escape the cache; push it again with a title like disk.qcow2",
+            code="unsafe_path",
+        )
+
+
+def sniff_compression(head: bytes) -> Compression | None:
+    """The compression of a stream from its first bytes, or ``None``."""
+    for name, magic in COMPRESSION_MAGIC.items():
+        if head.startswith(magic):
+            return name
+    return None
+
+
+def sniff_format(head: bytes) -> DiskFormat:
+    """``qcow2`` when the bytes start with the qcow2 magic, else ``raw``."""
+    return "qcow2" if head.startswith(QCOW2_MAGIC) else "raw"

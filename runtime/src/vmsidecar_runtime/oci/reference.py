@@ -1,0 +1,222 @@
+"""Image references: ``REGISTRY/REPO[:TAG][@DIGEST]``, ``oci-layout:DIR[:TAG]``, ``file:PATH``.
+
+A registry reference must name its registry host: vmsidecar never defaults to Docker Hub.
+``oci://`` and ``docker://`` prefixes are accepted and dropped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from vmsidecar_runtime.errors import BadReferenceError
+
+RefKind = Literal["registry", "layout", "file"]
+
+LAYOUT_SCHEME = "oci-layout:"
+FILE_SCHEME = "file:"
+_STRIPPED_SCHEMES = ("oci://", "docker://")
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: containers/image transports written without "//" that we do not read (a hint is better than
+#: "no registry host")
+_FOREIGN_TRANSPORTS = ("oci", "oci-archive", "docker-archive", "docker-daemon", "containers-storage", "dir")
+_COMPONENT_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*$"
+)
+_HOST_PORT_RE = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+)(?::(?P<port>[0-9]{1,5}))?$")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A parsed image reference; ``str(ref)`` gives the canonical text back.
+
+    ``kind`` is ``registry`` (``registry``, ``repository``, ``tag``, ``digest``), ``layout``
+    (``path``, ``tag``, ``digest``) or ``file`` (``path``).
+    """
+
+    kind: RefKind
+    registry: str | None = None
+    repository: str | None = None
+    tag: str | None = None
+    digest: str | None = None
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "file":
+            return f"{FILE_SCHEME}{self.path}"
+        if self.kind == "layout":
+            text = f"{LAYOUT_SCHEME}{self.path}"
+        else:
+            text = f"{self.registry}/{self.repository}"
+        if self.tag:
+            text += f":{self.tag}"
+        if self.digest:
+            text += f"@{self.digest}"
+        return text
+
+    @property
+    def name(self) -> str:
+        """``REGISTRY/REPO`` for a registry reference, the path otherwise (for messages)."""
+        if self.kind == "registry":
+            return f"{self.registry}/{self.repository}"
+        return str(self.path)
+
+    @property
+    def manifest_ref(self) -> str:
+        """What to ask a registry or layout for: the digest if pinned, else the tag (``latest``)."""
+        return self.digest or self.tag or "latest"
+
+
+def is_loopback_host(registry: str) -> bool:
+    """Whether ``HOST[:PORT]`` names this machine (``localhost``, ``127.0.0.0/8``, ``::1``)."""
+    match = _HOST_PORT_RE.match(registry)
+    host = match.group("host") if match else registry
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_reference(text: str | Reference) -> Reference:
+    """Parse an image reference.
+
+    Forms: ``REGISTRY/REPO[:TAG][@sha256:HEX]`` (optionally prefixed ``oci://`` or
+    ``docker://``), ``oci-layout:DIR[:TAG|@DIGEST]``, ``file:PATH``, or a bare path to an existing
+    file or OCI layout directory (or one starting with ``/``, ``./`` or ``../``).
+
+    :raise BadReferenceError: for an empty reference, an unknown scheme, a missing registry
+        host, or an invalid repository, tag or digest.
+    """
+    if isinstance(text, Reference):
+        return text
+    ref = text.strip()
+    if not ref:
+        raise BadReferenceError(
+            "the image reference is empty; give REGISTRY/REPO:TAG, oci-layout:DIR[:TAG] or file:PATH"
+        )
+    if ref.startswith(LAYOUT_SCHEME):
+        return _parse_layout(ref, ref[len(LAYOUT_SCHEME) :])
+    if ref.startswith(FILE_SCHEME):
+        path = ref[len(FILE_SCHEME) :]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path:
+            raise BadReferenceError(f"reference {ref!r} names no file; write file:/path/to/disk.qcow2")
+        return Reference(kind="file", path=Path(path).expanduser())
+    for prefix in _STRIPPED_SCHEMES:
+        if ref.startswith(prefix):
+            return _parse_registry(text, ref[len(prefix) :])
+    scheme = _SCHEME_RE.match(ref)
+    transport, _, after = ref.partition(":")
+    if re.match(r"[0-9]+(/|$)", after):  # HOST:PORT/..., not a transport
+        transport = ""
+    if scheme or transport in _FOREIGN_TRANSPORTS:
+        name = scheme.group(1) if scheme else transport
+        raise BadReferenceError(
+            f"reference {text!r} uses the unknown scheme {name!r}; use REGISTRY/REPO:TAG "
+            "(optionally oci:// or docker://), oci-layout:DIR[:TAG] or file:PATH"
+        )
+    if _looks_like_path(ref):
+        path = Path(ref).expanduser()
+        if path.is_dir() and (path / "oci-layout").is_file():
+            return Reference(kind="layout", path=path)
+        return Reference(kind="file", path=path)
+    return _parse_registry(text, ref)
+
+
+def _looks_like_path(ref: str) -> bool:
+    if ref.startswith(("/", "./", "../", "~")) or ref in (".", ".."):
+        return True
+    return os.path.exists(ref) and not _first_component_is_host(ref)
+
+
+def _first_component_is_host(ref: str) -> bool:
+    first = ref.split("/", 1)[0]
+    return "/" in ref and (first == "localhost" or "." in first or ":" in first or first.startswith("["))
+
+
+def _parse_layout(original: str, rest: str) -> Reference:
+    digest = None
+    if "@" in rest:
+        rest, digest = rest.rsplit("@", 1)
+        _check_digest(original, digest)
+    tag = None
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail and "/" not in tail:
+        if not _TAG_RE.match(tail):
+            raise BadReferenceError(
+                f"layout reference {original!r} has the invalid tag {tail!r}; "
+                "tags are letters, digits, '_', '.' and '-' (at most 128)"
+            )
+        rest, tag = head, tail
+    if not rest:
+        raise BadReferenceError(
+            f"layout reference {original!r} names no directory; write oci-layout:DIR[:TAG]"
+        )
+    return Reference(kind="layout", path=Path(rest), tag=tag, digest=digest)
+
+
+def _parse_registry(original: str, ref: str) -> Reference:
+    digest = None
+    if "@" in ref:
+        ref, digest = ref.split("@", 1)
+        _check_digest(original, digest)
+    if "/" not in ref or not _is_host(ref.split("/", 1)[0]):
+        raise BadReferenceError(
+            f"reference {original!r} has no registry host; write it as HOST[:PORT]/REPO:TAG "
+            "(e.g. 127.0.0.1:5000/vm/disk:1), since vmsidecar never defaults to Docker Hub"
+        )
+    registry, path = ref.split("/", 1)
+    tag = None
+    last = path.rsplit("/", 1)[-1]
+    if ":" in last:
+        path, tag = path.rsplit(":", 1)
+        if not _TAG_RE.match(tag):
+            raise BadReferenceError(
+                f"reference {original!r} has the invalid tag {tag!r}; "
+                "tags are letters, digits, '_', '.' and '-' (at most 128, not starting with '.' or '-')"
+            )
+    components = path.split("/")
+    if not path or not all(_COMPONENT_RE.match(c) for c in components):
+        raise BadReferenceError(
+            f"reference {original!r} has the invalid repository {path!r}; use lowercase letters, digits "
+            "and single '.', '_' or '-' separators between '/'-separated parts"
+        )
+    return Reference(kind="registry", registry=registry, repository=path, tag=tag, digest=digest)
+
+
+def _is_host(component: str) -> bool:
+    match = _HOST_PORT_RE.match(component)
+    if not match:
+        return False
+    host, port = match.group("host"), match.group("port")
+    if port is not None and not 0 < int(port) < 65536:
+        return False
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    if not _HOSTNAME_RE.match(host):
+        return False
+    return host == "localhost" or "." in host or port is not None
+
+
+def _check_digest(original: str, digest: str) -> None:
+    if not _DIGEST_RE.match(digest):
+        raise BadReferenceError(
+            f"reference {original!r} has the invalid digest {digest!r}; "
+            "write @sha256: followed by 64 lowercase hex digits"
+        )
