@@ -1,0 +1,449 @@
+"""Registry I/O on top of oras-py, with bounded retries and vmsidecar's errors.
+
+oras-py (``oras.provider.Registry``) does the URLs, the token/anonymous auth dance, blob
+existence checks and chunked blob uploads. We add what it lacks for our use:
+
+* ``do_request`` with a bounded retry (3 tries, < 10 s in total) and socket timeouts: oras-py's
+  own retry sleeps 3 s, 5 s, 11 s, 29 s, 83 s for an unreachable host and sets no timeout;
+* registries that answer 401 with a ``Basic`` challenge (oras' token backend only does Bearer);
+* manifests fetched and put as raw bytes, so the digest is computed over exactly what was served
+  or pushed (oras-py parses/re-serializes and always sends the image-manifest media type);
+* blob downloads as a chunk iterator (hashing and progress happen in :mod:`.unpack`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import oras.auth
+import oras.provider
+import requests
+import requests.adapters
+
+from vmsidecar_runtime.errors import DigestMismatchError, ImageError, RegistryError
+
+from .mediatypes import ACCEPT
+from .reference import Reference, is_loopback_host
+
+ENV_USERNAME = "VMSIDECAR_REGISTRY_USERNAME"
+ENV_PASSWORD = "VMSIDECAR_REGISTRY_PASSWORD"
+
+CONNECT_TIMEOUT = 2.5
+READ_TIMEOUT = 60.0
+TRIES = 3
+BACKOFF = (0.3, 1.0)
+MAX_MANIFEST = 4 << 20
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class RawManifest:
+    """A manifest or index exactly as served."""
+
+    data: bytes
+    media_type: str
+    digest: str
+
+    def json(self) -> dict:
+        """The parsed document.
+
+        :raise ImageError: (code ``bad_manifest``) when it is not a JSON object.
+        """
+        try:
+            doc = json.loads(self.data)
+        except ValueError as exc:
+            raise ImageError(
+                f"manifest {self.digest} is not valid JSON ({exc}); push the image again",
+                code="bad_manifest",
+            ) from exc
+        if not isinstance(doc, dict):
+            raise ImageError(
+                f"manifest {self.digest} is not a JSON object; push the image again", code="bad_manifest"
+            )
+        return doc
+
+
+def sha256_digest(data: bytes) -> str:
+    """``sha256:<hex>`` of ``data``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def resolve_credentials(credentials: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The argument, else ``VMSIDECAR_REGISTRY_USERNAME``/``_PASSWORD`` from the environment."""
+    if credentials:
+        return credentials
+    user, password = os.environ.get(ENV_USERNAME), os.environ.get(ENV_PASSWORD)
+    return (user, password) if user and password else None
+
+
+class _TimeoutAdapter(requests.adapters.HTTPAdapter):
+    def send(self, request, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = (CONNECT_TIMEOUT, READ_TIMEOUT)
+        return super().send(request, **kwargs)
+
+
+class _OrasRegistry(oras.provider.Registry):
+    """oras-py's registry with our request policy (see module docstring)."""
+
+    def __init__(self, hostname: str, insecure: bool, basic: str | None) -> None:
+        super().__init__(hostname=hostname, insecure=insecure)
+        adapter = _TimeoutAdapter()
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self._basic = basic
+        if basic:
+            self.auth._basic_auth = basic  # what set_basic_auth stores, without re-encoding
+
+    def do_request(  # type: ignore[override]
+        self,
+        url: str,
+        method: str = "GET",
+        data: dict | bytes | None = None,
+        headers: dict | None = None,
+        json: dict | None = None,
+        stream: bool = False,
+    ) -> requests.Response:
+        for attempt in range(TRIES):
+            try:
+                return self._request_with_auth(url, method, data, dict(headers or {}), json, stream)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if attempt == TRIES - 1:
+                    raise _Unreachable(str(exc)) from exc
+                time.sleep(BACKOFF[attempt])
+        raise AssertionError("unreachable")
+
+    def _request_with_auth(
+        self, url: str, method: str, data: dict | bytes | None, headers: dict, json: dict | None, stream: bool
+    ) -> requests.Response:
+        auth = self.auth
+        if isinstance(auth, oras.auth.TokenAuth) and auth.token is not None:
+            headers.update(auth.get_auth_header())
+        elif self._basic and getattr(self, "_basic_works", False):
+            headers["Authorization"] = f"Basic {self._basic}"
+
+        def send() -> requests.Response:
+            return self.session.request(
+                method, url, data=data, json=json, headers=headers, stream=stream, verify=self._tls_verify
+            )
+
+        response = send()
+        if response.status_code not in (401, 403):
+            return response
+        challenge = response.headers.get("Www-Authenticate", "")
+        if challenge.lower().startswith("basic"):
+            if not self._basic or getattr(self, "_basic_works", False):
+                return response
+            headers["Authorization"] = f"Basic {self._basic}"
+            response.close()
+            response = send()
+            self._basic_works = response.status_code not in (401, 403)
+            return response
+        if not challenge:
+            return response
+        new_headers, changed = auth.authenticate_request(response, headers)
+        if not changed:
+            return response
+        headers = new_headers
+        response.close()
+        response = send()
+        if response.status_code == 403:
+            new_headers, changed = auth.authenticate_request(response, headers, refresh=True)
+            if changed:
+                headers = new_headers
+                response = send()
+        return response
+
+
+class _Unreachable(Exception):
+    pass
+
+
+class RegistryClient:
+    """One registry repository, as named by a registry :class:`Reference`."""
+
+    def __init__(
+        self,
+        ref: Reference,
+        *,
+        plain_http: bool | None = None,
+        credentials: tuple[str, str] | None = None,
+    ) -> None:
+        assert ref.kind == "registry" and ref.registry and ref.repository
+        self.ref = ref
+        self.host = ref.registry
+        self.plain_http = is_loopback_host(ref.registry) if plain_http is None else plain_http
+        creds = resolve_credentials(credentials)
+        basic = oras.auth.utils.get_basic_auth(*creds) if creds else None
+        self._oras = _OrasRegistry(hostname=ref.registry, insecure=self.plain_http, basic=basic)
+        self._has_credentials = creds is not None
+        self.container = self._oras.get_container(f"{ref.registry}/{ref.repository}")
+        self.scheme = "http" if self.plain_http else "https"
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _call(self, what: str, method: str, url: str, **kwargs) -> requests.Response:  # type: ignore[no-untyped-def]
+        try:
+            return self._oras.do_request(url, method, **kwargs)
+        except _Unreachable as exc:
+            raise RegistryError(
+                f"registry {self.host} is unreachable after {TRIES} tries ({_short(exc)}); "
+                f"check that it runs and that {self.host} is the right host:port",
+                code="registry_unreachable",
+            ) from None
+        except requests.exceptions.SSLError as exc:
+            raise RegistryError(
+                f"TLS to registry {self.host} failed ({_short(exc)}); use --plain-http for an HTTP-only "
+                "registry or install its CA certificate",
+                code="registry_tls",
+            ) from None
+        except requests.RequestException as exc:
+            raise RegistryError(
+                f"request to registry {self.host} failed while {what} ({_short(exc)}); retry, or check the "
+                "registry's logs",
+                code="registry_error",
+            ) from None
+
+    def _fail(self, response: requests.Response, what: str, subject: str) -> RegistryError:
+        codes = _error_codes(response)
+        status = response.status_code
+        if status in (401, 403):
+            hint = (
+                "check VMSIDECAR_REGISTRY_USERNAME/VMSIDECAR_REGISTRY_PASSWORD"
+                if self._has_credentials
+                else "set VMSIDECAR_REGISTRY_USERNAME and VMSIDECAR_REGISTRY_PASSWORD (or pass credentials)"
+            )
+            return RegistryError(
+                f"registry {self.host} refused {what} {subject} ({status} {', '.join(codes) or response.reason}); "
+                + hint,
+                code="registry_unauthorized",
+            )
+        if status == 404 and "NAME_UNKNOWN" in codes:
+            return RegistryError(
+                f"repository {self.ref.repository} not found on {self.host}; check the name or push the "
+                "image there first",
+                code="repository_not_found",
+            )
+        return RegistryError(
+            f"registry {self.host} answered {status} {', '.join(codes) or response.reason} while {what} "
+            f"{subject}; check the reference, or retry if the registry is overloaded",
+            code="registry_error",
+        )
+
+    # -- manifests ------------------------------------------------------------------------
+
+    def get_manifest(self, reference: str, *, expect_digest: str | None = None) -> RawManifest:
+        """GET a manifest or index by tag or digest, as raw bytes.
+
+        :raise RegistryError: unreachable, unauthorized, repository or tag not found.
+        :raise DigestMismatchError: the bytes do not hash to the digest asked for.
+        """
+        url = f"{self.scheme}://{self.container.manifest_url(reference)}"
+        subject = f"{self.ref.name}:{reference}" if ":" not in reference else f"{self.ref.name}@{reference}"
+        response = self._call(
+            "fetching manifest", "GET", url, headers={"Accept": ", ".join(ACCEPT)}, stream=True
+        )
+        with contextlib.closing(response):
+            if response.status_code == 404 and "MANIFEST_UNKNOWN" in _error_codes(response):
+                raise self._manifest_unknown(reference)
+            if response.status_code != 200:
+                raise self._fail(response, "the manifest", subject)
+            data = _read_limited(response, MAX_MANIFEST, subject)
+        digest = sha256_digest(data)
+        wanted = expect_digest or (reference if reference.startswith("sha256:") else None)
+        if wanted and digest != wanted:
+            raise DigestMismatchError(
+                f"manifest {subject} from {self.host} hashes to {digest}, not {wanted}; "
+                "the registry served altered content, so push the image again"
+            )
+        media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
+        return RawManifest(data=data, media_type=media_type, digest=digest)
+
+    def _manifest_unknown(self, reference: str) -> RegistryError:
+        if reference.startswith("sha256:"):
+            return RegistryError(
+                f"manifest {reference} not found in {self.ref.name}; check the digest or pull by tag",
+                code="manifest_not_found",
+            )
+        tags = self.tags()
+        if tags is None:
+            return RegistryError(
+                f"repository {self.ref.repository} not found on {self.host}; check the name or push the "
+                "image there first",
+                code="repository_not_found",
+            )
+        known = f" (tags there: {', '.join(tags[:10])}{' …' if len(tags) > 10 else ''})" if tags else ""
+        return RegistryError(
+            f"tag {reference} not found in {self.ref.name}{known}; check the tag or push it first",
+            code="tag_not_found",
+        )
+
+    def get_manifest_or_none(self, reference: str) -> RawManifest | None:
+        """Like :meth:`get_manifest` but ``None`` for an unknown tag or repository."""
+        try:
+            return self.get_manifest(reference)
+        except RegistryError as exc:
+            if exc.code in ("tag_not_found", "repository_not_found", "manifest_not_found"):
+                return None
+            raise
+
+    def put_manifest(self, reference: str, data: bytes, media_type: str) -> str:
+        """PUT a manifest or index under a tag or its digest; returns its digest.
+
+        :raise RegistryError: when the registry refuses it.
+        """
+        url = f"{self.scheme}://{self.container.manifest_url(reference)}"
+        response = self._call("pushing manifest", "PUT", url, data=data, headers={"Content-Type": media_type})
+        if response.status_code not in (200, 201, 202):
+            raise self._fail(response, "pushing the manifest", f"{self.ref.name}:{reference}")
+        return sha256_digest(data)
+
+    def tags(self) -> list[str] | None:
+        """The repository's tags (first page); ``None`` when the repository does not exist.
+
+        A registry that cannot list tags gives ``[]``.
+        """
+        url = f"{self.scheme}://{self.container.tags_url(100)}"
+        try:
+            response = self._call("listing tags", "GET", url)
+            if response.status_code == 404 and "NAME_UNKNOWN" in _error_codes(response):
+                return None
+            return list(response.json().get("tags") or []) if response.status_code == 200 else []
+        except (RegistryError, ValueError):
+            return []
+
+    # -- blobs ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def open_blob(self, descriptor: dict) -> Iterator[Iterator[bytes]]:
+        """Stream a blob as chunks (unverified: :class:`.unpack.BlobReader` checks it).
+
+        :raise RegistryError: when the blob cannot be fetched or the connection breaks.
+        """
+        digest = descriptor["digest"]
+        url = f"{self.scheme}://{self.container.get_blob_url(digest)}"
+        response = self._call("fetching blob", "GET", url, stream=True)
+        with contextlib.closing(response):
+            if response.status_code != 200:
+                if response.status_code == 404:
+                    raise RegistryError(
+                        f"blob {digest} named by {self.ref} is missing from {self.host}; push the image again",
+                        code="blob_not_found",
+                    )
+                raise self._fail(response, "the blob", digest)
+            yield self._chunks(response, digest)
+
+    def _chunks(self, response: requests.Response, digest: str) -> Iterator[bytes]:
+        try:
+            yield from response.iter_content(chunk_size=CHUNK)
+        except requests.RequestException as exc:
+            raise RegistryError(
+                f"the connection to {self.host} broke while downloading {digest} ({_short(exc)}); "
+                "retry the pull",
+                code="registry_error",
+            ) from None
+
+    def push_blob_file(self, path: Path, digest: str, size: int, media_type: str) -> None:
+        """Upload a file as a blob unless the registry has it (oras-py: HEAD, then chunked upload).
+
+        :raise RegistryError: when the registry refuses it.
+        """
+        layer = {"mediaType": media_type, "digest": digest, "size": size}
+        try:
+            response = self._oras.upload_blob(str(path), self.container, layer, do_chunked=True)
+        except _Unreachable as exc:
+            raise RegistryError(
+                f"registry {self.host} is unreachable after {TRIES} tries ({_short(exc)}); "
+                f"check that it runs and that {self.host} is the right host:port",
+                code="registry_unreachable",
+            ) from None
+        except ValueError as exc:  # oras-py: "Issue retrieving session url"
+            raise RegistryError(
+                f"registry {self.host} refused the upload of {digest} ({_short(exc)}); check push "
+                "permissions for the repository",
+                code="registry_error",
+            ) from None
+        if response.status_code not in (200, 201, 202):
+            raise self._fail(response, "the upload of blob", digest)
+
+    def push_blob_bytes(self, data: bytes, media_type: str, workdir: Path) -> None:
+        """Upload a small in-memory blob (configs).
+
+        :raise RegistryError: when the registry refuses it.
+        """
+        path = workdir / f"blob-{sha256_digest(data)[7:19]}"
+        path.write_bytes(data)
+        self.push_blob_file(path, sha256_digest(data), len(data), media_type)
+
+
+def _read_limited(response: requests.Response, limit: int, subject: str) -> bytes:
+    body = bytearray()
+    for chunk in response.iter_content(chunk_size=65536):
+        body += chunk
+        if len(body) > limit:
+            raise ImageError(
+                f"manifest {subject} is larger than {limit >> 20} MiB, which no disk image needs; "
+                "check the reference",
+                code="bad_manifest",
+            )
+    return bytes(body)
+
+
+def _error_codes(response: requests.Response) -> list[str]:
+    try:
+        errors = response.json().get("errors") or []
+    except ValueError:
+        return []
+    return [str(e.get("code")) for e in errors if isinstance(e, dict) and e.get("code")]
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    # requests' messages repeat the pool and object reprs; keep the useful tail
+    for marker in ("Caused by ", "Failed to establish a new connection: "):
+        if marker in text:
+            text = text.split(marker)[-1]
+    text = text.replace("<urllib3.connection.HTTPConnection object at", "<").strip("()'\" ")
+    if "] " in text and text.startswith("[Errno"):
+        text = text.split("] ", 1)[1]
+    return text[:160].rstrip(".')\"")
+
+
+class RegistrySource:
+    """A registry reference as a :class:`.resolve.Source`."""
+
+    def __init__(self, client: RegistryClient) -> None:
+        self.client = client
+        self.where = str(client.ref)
+
+    def top(self) -> RawManifest:
+        """The manifest or index named by the reference's digest or tag.
+
+        :raise RegistryError: see :meth:`RegistryClient.get_manifest`.
+        """
+        return self.client.get_manifest(self.client.ref.manifest_ref)
+
+    def manifest(self, descriptor: dict) -> RawManifest:
+        """A child manifest, checked against the descriptor's digest and size.
+
+        :raise DigestMismatchError: the registry served other bytes.
+        """
+        raw = self.client.get_manifest(str(descriptor["digest"]), expect_digest=str(descriptor["digest"]))
+        size = descriptor.get("size")
+        if isinstance(size, int) and size != len(raw.data):
+            raise DigestMismatchError(
+                f"manifest {raw.digest} of {self.where} is {len(raw.data)} bytes but its descriptor says {size}; "
+                "push the image again"
+            )
+        return raw
+
+    def open_blob(self, descriptor: dict) -> contextlib.AbstractContextManager[Iterator[bytes]]:
+        """See :meth:`RegistryClient.open_blob`."""
+        return self.client.open_blob(descriptor)
