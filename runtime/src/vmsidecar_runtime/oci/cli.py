@@ -1,0 +1,175 @@
+"""``vmsidecar-oci``: push, pull, inspect disk images and write OCI layouts.
+
+Registry credentials come from ``VMSIDECAR_REGISTRY_USERNAME``/``VMSIDECAR_REGISTRY_PASSWORD``.
+Errors print ``error: <message>`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from vmsidecar_runtime.errors import VmsidecarError
+
+from .pull import Progress, inspect, pull
+from .push import push
+
+DEFAULT_CACHE = "/var/lib/vmsidecar/images"
+ENV_CACHE = "VMSIDECAR_CACHE_DIR"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (one sub-command per operation)."""
+    parser = argparse.ArgumentParser(prog="vmsidecar-oci", description="OCI disk images for vmsidecar")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_http(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--plain-http",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="talk HTTP instead of HTTPS (default: HTTP only for 127.0.0.0/8, localhost, ::1)",
+        )
+
+    p = sub.add_parser("push", help="push a disk to a registry")
+    p.add_argument("disk", type=Path)
+    p.add_argument("ref", help="REGISTRY/REPO:TAG")
+    p.add_argument("--form", choices=["artifact", "containerdisk"], default="artifact")
+    p.add_argument("--arch", default="x86_64", help="x86_64|aarch64 (or amd64|arm64); default x86_64")
+    p.add_argument(
+        "--compression", choices=["zstd", "gzip", "none"], default="zstd", help="artifact form only"
+    )
+    add_http(p)
+
+    p = sub.add_parser("layout", help="write a disk into an OCI image layout directory")
+    p.add_argument("disk", type=Path)
+    p.add_argument("dir", type=Path)
+    p.add_argument("--tag", default="latest")
+    p.add_argument("--form", choices=["artifact", "containerdisk"], default="artifact")
+    p.add_argument("--arch", default="x86_64")
+    p.add_argument("--compression", choices=["zstd", "gzip", "none"], default="zstd")
+
+    p = sub.add_parser("pull", help="pull a disk into the cache and print where it is")
+    p.add_argument("ref", help="REGISTRY/REPO:TAG[@DIGEST], oci-layout:DIR[:TAG] or file:PATH")
+    p.add_argument(
+        "--cache", type=Path, default=None, help=f"cache root (default ${ENV_CACHE} or {DEFAULT_CACHE})"
+    )
+    p.add_argument("--arch", default=None, help="default: the host's")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_http(p)
+
+    p = sub.add_parser("inspect", help="print what a reference resolves to (no disk download)")
+    p.add_argument("ref")
+    p.add_argument("--arch", default=None)
+    add_http(p)
+    return parser
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Progress | None]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("pulling", total=None)
+
+        def update(done: int, total: int | None) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _compression(name: str) -> str | None:
+    return None if name == "none" else name
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed command; returns the exit code.
+
+    :raise VmsidecarError: whatever the operation raises.
+    """
+    if args.command == "push":
+        start = time.monotonic()
+        digest = push(
+            args.disk,
+            args.ref,
+            form=args.form,
+            arch=args.arch,
+            plain_http=args.plain_http,
+            compression=_compression(args.compression),  # type: ignore[arg-type]
+        )
+        print(f"{args.ref}@{digest}" if "@" not in args.ref else digest)
+        print(f"pushed in {time.monotonic() - start:.2f} s", file=sys.stderr)
+        return 0
+    if args.command == "layout":
+        from .layout import write_layout
+
+        digest = write_layout(
+            args.disk,
+            args.dir,
+            tag=args.tag,
+            form=args.form,
+            arch=args.arch,
+            compression=_compression(args.compression),  # type: ignore[arg-type]
+        )
+        print(f"oci-layout:{args.dir}:{args.tag} {digest}")
+        return 0
+    if args.command == "pull":
+        cache = args.cache or Path(os.environ.get(ENV_CACHE) or DEFAULT_CACHE)
+        start = time.monotonic()
+        with _progress_bar(sys.stderr.isatty()) as progress:
+            disk = pull(args.ref, cache, arch=args.arch, plain_http=args.plain_http, progress=progress)
+        elapsed = time.monotonic() - start
+        if args.json:
+            print(json.dumps({**disk.to_dict(), "seconds": round(elapsed, 3)}, indent=2))
+        else:
+            print(disk.path)
+            state = "cached" if disk.cached else f"{disk.bytes_downloaded} bytes downloaded"
+            print(
+                f"{disk.format} {disk.digest} ({disk.size} bytes, {state}, {elapsed:.2f} s)", file=sys.stderr
+            )
+        return 0
+    if args.command == "inspect":
+        print(json.dumps(inspect(args.ref, arch=args.arch, plain_http=args.plain_http), indent=2))
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``vmsidecar-oci``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except VmsidecarError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("VMSIDECAR_DEBUG"):
+            raise
+        print(
+            f"error: unexpected {type(exc).__name__}: {exc}; rerun with VMSIDECAR_DEBUG=1 for the traceback "
+            "and report it",
+            file=sys.stderr,
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

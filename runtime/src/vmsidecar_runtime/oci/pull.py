@@ -1,0 +1,324 @@
+"""Pull a disk from a registry, an OCI layout or a file into the digest-keyed cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vmsidecar_runtime.arch import host_arch, normalize_arch
+from vmsidecar_runtime.errors import DigestMismatchError, ImageError, PlatformError
+
+from .cache import CacheEntry, DiskCache
+from .layout import LayoutSource
+from .mediatypes import DISK_SUFFIXES, DiskFormat, title_format
+from .reference import Reference, parse_reference
+from .registry import RegistryClient, RegistrySource
+from .resolve import DiskLayer, Resolved, Source, config_arch_check, is_index, platform_label, resolve
+from .unpack import CHUNK, BlobReader, unpack_blob
+
+Progress = Callable[[int, int | None], None]
+
+
+@dataclass(frozen=True)
+class PulledDisk:
+    """A disk in the cache, ready to be used as a read-only qcow2 backing file.
+
+    ``path`` is read-only (0444) and decompressed; ``digest`` is the sha256 of its bytes;
+    ``manifest_digest`` is the platform manifest holding the disk (``None`` for ``file:``);
+    ``bytes_downloaded`` counts the blob bytes read by this call (0 when ``cached``).
+    """
+
+    path: Path
+    format: DiskFormat
+    digest: str
+    manifest_digest: str | None
+    reference: str
+    size: int
+    bytes_downloaded: int
+    cached: bool
+
+    def to_dict(self) -> dict:
+        """JSON-friendly form."""
+        d = asdict(self)
+        d["path"] = str(self.path)
+        return d
+
+
+def resolve_arch(arch: str | None) -> str:
+    """The uname name for ``arch`` (the host's when ``None``).
+
+    :raise PlatformError: for an architecture vmsidecar does not support.
+    """
+    try:
+        return normalize_arch(arch) if arch else host_arch()
+    except ValueError as exc:
+        raise PlatformError(str(exc)) from None
+
+
+def open_source(
+    ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None
+) -> Source:
+    """The :class:`.resolve.Source` for a registry or layout reference."""
+    if ref.kind == "layout":
+        return LayoutSource(ref)
+    return RegistrySource(RegistryClient(ref, plain_http=plain_http, credentials=credentials))
+
+
+def pull(
+    ref: str | Reference,
+    cache_dir: Path,
+    *,
+    arch: str | None = None,
+    plain_http: bool | None = None,
+    progress: Progress | None = None,
+    credentials: tuple[str, str] | None = None,
+) -> PulledDisk:
+    """Resolve ``ref`` for ``arch`` and make its disk available, decompressed and verified, in the cache.
+
+    Registry tags cost one small manifest GET when the content is already cached; pinned
+    digests and layouts cost none. Safe to call from several threads and processes at once.
+
+    :raise BadReferenceError: the reference cannot be parsed.
+    :raise RegistryError: the registry is unreachable, refuses, or lacks the repository or tag.
+    :raise PlatformError: nothing for ``arch``.
+    :raise DigestMismatchError: a blob or the disk is not what its digest says (nothing is kept).
+    :raise ImageError: no disk layer, several, unsupported compression/format, unsafe paths or disks.
+    :raise HostError: the cache cannot be written.
+    """
+    reference = parse_reference(ref)
+    wanted = resolve_arch(arch)
+    cache = DiskCache(Path(cache_dir))
+    cache.clean_stale()
+    if reference.kind == "file":
+        return _pull_file(reference, cache, progress)
+    source = open_source(reference, plain_http=plain_http, credentials=credentials)
+    return _pull_oci(source, reference, cache, wanted, progress)
+
+
+def _cached(entry: CacheEntry, cache: DiskCache, reference: Reference, downloaded: int = 0) -> PulledDisk:
+    return PulledDisk(
+        path=cache.disk_path(entry.disk, entry.format),
+        format=entry.format,
+        digest=entry.disk,
+        manifest_digest=entry.manifest_digest,
+        reference=str(reference),
+        size=entry.size,
+        bytes_downloaded=downloaded,
+        cached=downloaded == 0,
+    )
+
+
+def _pull_oci(
+    source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None
+) -> PulledDisk:
+    if reference.digest and (hit := cache.lookup(f"ref:{reference.digest}@{arch}")):
+        return _cached(hit, cache, reference)
+    top = source.top()
+    top_key = f"ref:{top.digest}@{arch}"
+    if hit := cache.lookup(top_key):
+        return _cached(hit, cache, reference)
+    resolved = resolve(source, top, arch)
+    manifest_key = f"ref:{resolved.manifest.digest}@{arch}"
+    if hit := cache.lookup(manifest_key):
+        cache.record([top_key], hit)
+        return _cached(hit, cache, reference)
+    downloaded = config_arch_check(source, resolved, arch)
+    keys = [top_key, manifest_key]
+    for layer in resolved.layers:
+        layer_key = f"layer:{layer.digest}:{layer.kind.format or 'auto'}"
+        if hit := cache.lookup(layer_key):
+            entry = CacheEntry(hit.disk, hit.format, hit.size, resolved.manifest.digest, arch)
+            cache.record(keys, entry)
+            return _cached(entry, cache, reference, downloaded)
+        with cache.lock(layer_key):
+            if hit := cache.lookup(layer_key):
+                entry = CacheEntry(hit.disk, hit.format, hit.size, resolved.manifest.digest, arch)
+                cache.record(keys, entry)
+                return _cached(entry, cache, reference, downloaded)
+            try:
+                disk, count = _fetch_layer(source, layer, cache, progress)
+            except ImageError as exc:
+                if exc.code == "no_disk" and layer.kind.kind == "tar":
+                    downloaded += getattr(exc, "bytes_read", 0)
+                    continue  # a lower layer of a multi-layer containerDisk may hold it
+                raise
+            downloaded += count
+            entry = CacheEntry(disk.digest, disk.format, disk.size, resolved.manifest.digest, arch)
+            cache.record([*keys, layer_key], entry)
+            return PulledDisk(
+                path=cache.disk_path(disk.digest, disk.format),
+                format=disk.format,
+                digest=disk.digest,
+                manifest_digest=resolved.manifest.digest,
+                reference=str(reference),
+                size=disk.size,
+                bytes_downloaded=downloaded,
+                cached=False,
+            )
+    raise _no_disk_error(source, resolved)
+
+
+def _no_disk_error(source: Source, resolved: Resolved) -> ImageError:
+    return ImageError(
+        f"containerDisk {source.where} has no .qcow2, .raw or .img file under /disk in any of its "
+        f"{len(resolved.layers)} layer(s); build the image with the disk at /disk/<name>.qcow2",
+        code="no_disk",
+    )
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    digest: str
+    format: DiskFormat
+    size: int
+
+
+def _fetch_layer(
+    source: Source, layer: DiskLayer, cache: DiskCache, progress: Progress | None
+) -> tuple[_Fetched, int]:
+    where = f"layer {layer.digest} of {source.where}"
+    tmp = cache.tmp_path()
+    reader: BlobReader | None = None
+    try:
+        with source.open_blob(layer.descriptor) as chunks:
+            reader = BlobReader(chunks, digest=layer.digest, size=layer.size, where=where, progress=progress)
+            unpacked = unpack_blob(
+                reader,
+                tmp,
+                kind=layer.kind.kind,
+                compression=layer.kind.compression,
+                format_hint=layer.kind.format,
+                title=layer.title,
+            )
+        _check_annotations(unpacked.digest, unpacked.size, layer, where)
+        cache.install(tmp, unpacked.digest, unpacked.format)
+    except ImageError as exc:
+        tmp.unlink(missing_ok=True)
+        exc.bytes_read = reader.count if reader else 0  # type: ignore[attr-defined]
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return _Fetched(unpacked.digest, unpacked.format, unpacked.size), reader.count
+
+
+def _check_annotations(digest: str, size: int, layer: DiskLayer, where: str) -> None:
+    if layer.disk_digest and digest != layer.disk_digest:
+        raise DigestMismatchError(
+            f"the disk in {where} has digest {digest} but the layer's io.vmsidecar.disk.digest names "
+            f"{layer.disk_digest}; the image was built wrongly or altered, so push it again"
+        )
+    if layer.disk_size is not None and size != layer.disk_size:
+        raise DigestMismatchError(
+            f"the disk in {where} is {size} bytes but the layer's io.vmsidecar.disk.size says "
+            f"{layer.disk_size}; push the image again"
+        )
+
+
+def _find_file(reference: Reference) -> Path:
+    assert reference.path is not None
+    path = reference.path
+    if path.is_dir():
+        disk_dir = path / "disk" if (path / "disk").is_dir() else path
+        found = sorted(
+            p for p in disk_dir.iterdir() if p.is_file() and p.name.lower().endswith(tuple(DISK_SUFFIXES))
+        )
+        if len(found) != 1:
+            raise ImageError(
+                f"directory {path} holds {len(found)} disk files under {disk_dir.name}/ instead of one; "
+                "name the disk file itself with file:PATH",
+                code="file_not_found" if not found else "several_disks",
+            )
+        return found[0]
+    if not path.is_file():
+        raise ImageError(
+            f"disk file {path} does not exist; check the path in file:{path}",
+            code="file_not_found",
+        )
+    return path
+
+
+def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None) -> PulledDisk:
+    path = _find_file(reference).resolve()
+    st = path.stat()
+    key = f"file:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    if hit := cache.lookup(key):
+        return _cached(hit, cache, reference)
+    with cache.lock(key):
+        if hit := cache.lookup(key):
+            return _cached(hit, cache, reference)
+        tmp = cache.tmp_path()
+        try:
+            with open(path, "rb") as f:
+                reader = BlobReader(
+                    iter(lambda: f.read(CHUNK), b""),
+                    digest=None,
+                    size=None,
+                    where=f"file:{path}",
+                    progress=progress,
+                )
+                unpacked = unpack_blob(
+                    reader, tmp, kind="disk", compression="auto", format_hint=title_format(path.name)[0]
+                )
+            after = os.stat(path)
+            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise ImageError(
+                    f"disk file {path} changed while it was read; pull again once nothing writes to it",
+                    code="file_changed",
+                )
+            cache.install(tmp, unpacked.digest, unpacked.format)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    entry = CacheEntry(unpacked.digest, unpacked.format, unpacked.size, None, None)
+    cache.record([key], entry)
+    return PulledDisk(
+        path=cache.disk_path(unpacked.digest, unpacked.format),
+        format=unpacked.format,
+        digest=unpacked.digest,
+        manifest_digest=None,
+        reference=str(reference),
+        size=unpacked.size,
+        bytes_downloaded=reader.count,
+        cached=False,
+    )
+
+
+def inspect(
+    ref: str | Reference,
+    *,
+    arch: str | None = None,
+    plain_http: bool | None = None,
+    credentials: tuple[str, str] | None = None,
+) -> dict:
+    """What ``ref`` resolves to for ``arch``, without downloading any disk.
+
+    Returns ``reference``, ``digest`` and ``mediaType`` of the top object, its ``platforms``
+    (for an index), and the resolved ``manifest`` (digest and document) and ``disk`` layer.
+
+    :raise ImageError: as :func:`pull`, for everything but the disk bytes.
+    """
+    reference = parse_reference(ref)
+    wanted = resolve_arch(arch)
+    if reference.kind == "file":
+        path = _find_file(reference)
+        return {"reference": str(reference), "kind": "file", "path": str(path), "size": path.stat().st_size}
+    source = open_source(reference, plain_http=plain_http, credentials=credentials)
+    top = source.top()
+    doc = top.json()
+    result: dict = {
+        "reference": str(reference),
+        "kind": reference.kind,
+        "digest": top.digest,
+        "mediaType": doc.get("mediaType") or top.media_type,
+    }
+    if is_index(top, doc):
+        result["platforms"] = [
+            {"platform": platform_label(d), "digest": d.get("digest")} for d in doc.get("manifests") or []
+        ]
+    resolved = resolve(source, top, wanted)
+    result["manifest"] = {"digest": resolved.manifest.digest, "document": resolved.doc}
+    result["disk"] = resolved.layers[0].descriptor
+    return result

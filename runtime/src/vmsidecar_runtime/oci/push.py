@@ -1,0 +1,114 @@
+"""Push a disk to a registry as an artifact or a containerDisk, under a per-arch image index."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from vmsidecar_runtime.errors import BadReferenceError
+
+from .mediatypes import OCI_INDEX, OCI_MANIFEST, Compression
+from .pack import Form, merged_index, pack
+from .pull import resolve_arch
+from .reference import parse_reference
+from .registry import RawManifest, RegistryClient
+from .resolve import is_index
+
+
+def push(
+    disk: Path,
+    ref: str,
+    *,
+    form: Form = "artifact",
+    arch: str = "x86_64",
+    plain_http: bool | None = None,
+    compression: Compression | None = "zstd",
+    credentials: tuple[str, str] | None = None,
+) -> str:
+    """Push ``disk`` to ``ref`` (``REGISTRY/REPO:TAG``) and return the platform manifest digest.
+
+    The tag then names an OCI image index; an index already under the tag keeps its entries for
+    other architectures (the entry for ``arch`` is replaced). Blobs the registry already has
+    are not uploaded again.
+
+    :raise BadReferenceError: ``ref`` is not a registry tag reference.
+    :raise RegistryError: the registry is unreachable or refuses the push.
+    :raise ImageError: the disk cannot be packed (missing, compressed, unsafe qcow2).
+    :raise PlatformError: unsupported ``arch``.
+    """
+    reference = parse_reference(ref)
+    if reference.kind != "registry":
+        raise BadReferenceError(
+            f"cannot push to {ref!r}, which is not a registry reference; push to REGISTRY/REPO:TAG, "
+            "or write a layout with vmsidecar-oci layout"
+        )
+    if reference.digest:
+        raise BadReferenceError(
+            f"cannot push to {ref!r}, which pins a digest; push to REGISTRY/REPO:TAG without @sha256:…"
+        )
+    arch = resolve_arch(arch)
+    tag = reference.tag or "latest"
+    client = RegistryClient(reference, plain_http=plain_http, credentials=credentials)
+    client.get_manifest_or_none(tag)  # fail fast (unreachable, unauthorized) before packing
+    with tempfile.TemporaryDirectory(prefix="vmsidecar-push-") as tmp:
+        packed = pack(Path(disk), Path(tmp), form=form, arch=arch, compression=compression)
+        for blob in packed.blobs:
+            if blob.data is not None:
+                client.push_blob_bytes(blob.data, blob.media_type, Path(tmp))
+            else:
+                assert blob.path is not None
+                client.push_blob_file(blob.path, blob.digest, blob.size, blob.media_type)
+    client.put_manifest(packed.manifest_digest, packed.manifest, OCI_MANIFEST)
+    existing = client.get_manifest_or_none(tag)
+    client.put_manifest(tag, merged_index(_index_doc(existing), packed.index_entry), OCI_INDEX)
+    return packed.manifest_digest
+
+
+def _index_doc(raw: RawManifest | None) -> dict | None:
+    if raw is None:
+        return None
+    doc = raw.json()
+    return doc if is_index(raw, doc) else None
+
+
+def push_artifact(
+    disk: Path,
+    ref: str,
+    *,
+    arch: str = "x86_64",
+    plain_http: bool | None = None,
+    compression: Compression | None = "zstd",
+    credentials: tuple[str, str] | None = None,
+) -> str:
+    """Push ``disk`` as a disk artifact (one ``application/vnd.diskimage.*`` layer); see :func:`push`.
+
+    :raise BadReferenceError: ``ref`` is not a registry tag reference.
+    :raise RegistryError: the registry is unreachable or refuses the push.
+    :raise ImageError: the disk cannot be packed.
+    """
+    return push(
+        disk,
+        ref,
+        form="artifact",
+        arch=arch,
+        plain_http=plain_http,
+        compression=compression,
+        credentials=credentials,
+    )
+
+
+def push_containerdisk(
+    disk: Path,
+    ref: str,
+    *,
+    arch: str = "x86_64",
+    plain_http: bool | None = None,
+    credentials: tuple[str, str] | None = None,
+) -> str:
+    """Push ``disk`` as a KubeVirt containerDisk (``/disk/<name>`` in a tar+gzip layer); see :func:`push`.
+
+    :raise BadReferenceError: ``ref`` is not a registry tag reference.
+    :raise RegistryError: the registry is unreachable or refuses the push.
+    :raise ImageError: the disk cannot be packed.
+    """
+    return push(disk, ref, form="containerdisk", arch=arch, plain_http=plain_http, credentials=credentials)
