@@ -22,6 +22,7 @@ _BY_CODE: dict[str, type[errors.VmsidecarError]] = {
     cls.code: cls
     for cls in (
         errors.SpecError, errors.RequestError, errors.NotFoundError, errors.StateError, errors.ImageError,
+        errors.GenerationChangedError,
         errors.BadReferenceError, errors.RegistryError, errors.DigestMismatchError, errors.PlatformError,
         errors.HostError, errors.GuestError,
     )
@@ -119,9 +120,16 @@ class RuntimeClient:
             body["graceful"] = graceful
         return VmState.model_validate(await self._request("POST", "/v1/vm/power", json=body))
 
-    async def recycle(self, *, boot: bool = True) -> VmState:
+    async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """``POST /v1/vm/recycle``."""
-        return VmState.model_validate(await self._request("POST", "/v1/vm/recycle", json={"boot": boot}))
+        body: dict[str, Any] = {"boot": boot}
+        if if_generation is not None:
+            body["if_generation"] = if_generation
+        return VmState.model_validate(await self._request("POST", "/v1/vm/recycle", json=body))
+
+    async def claim(self) -> VmState:
+        """``POST /v1/vm/lease``: a generation no earlier lease has used."""
+        return VmState.model_validate(await self._request("POST", "/v1/vm/lease"))
 
     async def shutdown(self) -> None:
         """``POST /v1/shutdown``: the guest stops and the runtime exits 0."""

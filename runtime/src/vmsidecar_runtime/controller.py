@@ -21,7 +21,7 @@ from . import ports
 from .accel import AccelChoice, choose_accel
 from .console import ConsoleHub
 from .disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
-from .errors import GuestError, HostError, ImageError, SpecError, VmsidecarError
+from .errors import GenerationChangedError, GuestError, HostError, ImageError, SpecError, VmsidecarError
 from .events import EventBus
 from .firmware import prepare_firmware
 from .plan import BootPlan
@@ -111,6 +111,7 @@ class VmController:
         self._last_error: VmsidecarError | None = None
         self._last_exit: ExitInfo | None = None
         self._expect_exit = False
+        self._claimed = False
         self._hubs: dict[str, ConsoleHub] = {}
         self._ready_task: asyncio.Task[None] | None = None
         self._ready_window = b""
@@ -155,6 +156,7 @@ class VmController:
         return VmState(
             phase=self.phase,
             generation=self.generation,
+            claimed=self._claimed,
             backend=self.spec.backend if self.spec else "qemu",
             image=self.spec.image if self.spec else None,
             image_digest=disk.digest if disk else None,
@@ -513,26 +515,52 @@ class VmController:
             return self.phase
 
     # ---- recycle, flash, dump ------------------------------------------------------------
-    async def recycle(self, *, boot: bool = True) -> VmState:
+    async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """Back to pristine: guest stopped, overlay and flashed disks discarded, consoles cleared,
-        generation bumped; then boot a fresh overlay of the spec's image."""
+        generation bumped; then boot a fresh overlay of the spec's image.
+
+        :raise GenerationChangedError: when ``if_generation`` is no longer the current one (an
+            earlier recycle already happened, e.g. the next lease claimed the VM first).
+        """
         async with self._lock:
-            await self._stop_backend(graceful=False)
-            self._overlay.unlink(missing_ok=True)
-            self._flashed = None
-            shutil.rmtree(self._flash_dir, ignore_errors=True)
-            shutil.rmtree(self.paths.state / "firmware", ignore_errors=True)
-            for hub in self._hubs.values():
-                hub.clear(disconnect_clients=True)
-            self._timings = Timings()
-            self._last_error = None
-            self._last_exit = None
-            self.events.generation += 1
-            self._set_phase(Phase.STOPPED, reason="recycled")
-            self.events.publish("recycled", generation=self.generation)
-            if boot and self.spec is not None and self.spec.image:
-                await self._boot()
+            if if_generation is not None and if_generation != self.generation:
+                raise GenerationChangedError(
+                    f"generation {if_generation} was already recycled (now {self.generation}); nothing to do"
+                )
+            await self._recycle_locked(boot=boot)
             return self.state()
+
+    async def claim(self) -> VmState:
+        """Start a lease: the caller gets a generation no earlier lease has used.
+
+        A generation already claimed (the previous lease's recycle has not run yet) is recycled
+        first, so a new lease never sees the previous one, whatever order the exporter closes
+        and opens its driver trees in.
+        """
+        async with self._lock:
+            if self._claimed:
+                await self._recycle_locked(boot=True)
+            self._claimed = True
+            self.events.publish("claimed", generation=self.generation)
+            return self.state()
+
+    async def _recycle_locked(self, *, boot: bool) -> None:
+        await self._stop_backend(graceful=False)
+        self._overlay.unlink(missing_ok=True)
+        self._flashed = None
+        shutil.rmtree(self._flash_dir, ignore_errors=True)
+        shutil.rmtree(self.paths.state / "firmware", ignore_errors=True)
+        for hub in self._hubs.values():
+            hub.clear(disconnect_clients=True)
+        self._timings = Timings()
+        self._last_error = None
+        self._last_exit = None
+        self._claimed = False
+        self.events.generation += 1
+        self._set_phase(Phase.STOPPED, reason="recycled")
+        self.events.publish("recycled", generation=self.generation)
+        if boot and self.spec is not None and self.spec.image:
+            await self._boot()
 
     async def flash(
         self,

@@ -7,6 +7,7 @@ Tree::
     ├── RequestError               bad_request     400
     ├── NotFoundError              not_found       404
     ├── StateError                 wrong_phase     409
+    │   └── GenerationChangedError generation_changed 409
     ├── ImageError                 image_error     422
     │   ├── BadReferenceError      bad_reference   400
     │   ├── RegistryError          registry_error  502
@@ -69,6 +70,12 @@ class StateError(VmsidecarError):
         super().__init__(message)
         self.actual = actual
         self.required = required
+
+
+class GenerationChangedError(StateError):
+    """A conditional operation named a generation that is no longer current."""
+
+    code = "generation_changed"
 
 
 class ImageError(VmsidecarError):

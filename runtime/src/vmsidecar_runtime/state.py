@@ -65,6 +65,8 @@ class VmState(BaseModel):
 
     phase: Phase
     generation: int
+    #: a lease has used this generation (the next lease gets a recycled guest)
+    claimed: bool = False
     backend: str
     image: str | None = None
     image_digest: str | None = None

@@ -26,6 +26,8 @@ class RecycleRequest(_Request):
 
     #: boot the fresh guest right away (the next lease finds it Ready)
     boot: bool = True
+    #: only recycle if this is still the current generation (409 generation_changed otherwise)
+    if_generation: int | None = Field(default=None, ge=0)
 
 
 class PullRequest(_Request):

@@ -58,7 +58,11 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
     "/v1/vm/recycle": {"post": {
         "summary": "Back to pristine (overlay, flashed disk, scrollback discarded; generation bumped), then boot. Any phase.",
         "requestBody": {"required": False, "content": _json(RecycleRequest)},
-        "responses": {**_STATE_OK, **_errors(400, 500)}}},
+        "responses": {**_STATE_OK, **_errors(400, 409, 500)}}},
+    "/v1/vm/lease": {"post": {
+        "summary": "Claim the VM for a new lease: when an earlier lease used this generation it is recycled first "
+                   "(the answer then comes after the fresh boot has started). Any phase.",
+        "responses": {**_STATE_OK, **_errors(500)}}},
     "/v1/vm/disk": {
         "put": {"summary": "Flash: the body is the image (qcow2/raw, optionally zstd/gzip/xz). Stopped|Crashed|Error, "
                            "or any phase with power_off=true.",

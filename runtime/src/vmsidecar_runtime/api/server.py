@@ -132,7 +132,14 @@ async def post_recycle(request: web.Request) -> web.Response:
     """Back to pristine for the next lease."""
     vm = _vm(request)
     req = await _model(request, RecycleRequest)
-    await vm.recycle(boot=req.boot)
+    await vm.recycle(boot=req.boot, if_generation=req.if_generation)
+    return _state(vm)
+
+
+async def post_lease(request: web.Request) -> web.Response:
+    """Claim the VM for a new lease (recycles first when an earlier lease used this generation)."""
+    vm = _vm(request)
+    await vm.claim()
     return _state(vm)
 
 
@@ -250,6 +257,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("PUT", "/v1/vm/spec", put_spec),
     ("POST", "/v1/vm/power", post_power),
     ("POST", "/v1/vm/recycle", post_recycle),
+    ("POST", "/v1/vm/lease", post_lease),
     ("PUT", "/v1/vm/disk", put_disk),
     ("GET", "/v1/vm/disk", get_disk),
     ("POST", "/v1/vm/disk/pull", post_disk_pull),
