@@ -174,8 +174,8 @@ def _parse_registry(original: str, ref: str) -> Reference:
         _check_digest(original, digest)
     if "/" not in ref or not _is_host(ref.split("/", 1)[0]):
         raise BadReferenceError(
-            f"reference {original!r} has no registry host; write it as HOST[:PORT]/REPO:TAG "
-            "(e.g. 127.0.0.1:5000/vm/disk:1), since vmsidecar never defaults to Docker Hub"
+            f"reference {original!r} has no registry host; add it in front, as in 127.0.0.1:5000/{ref} "
+            "(vmsidecar never defaults to Docker Hub)"
         )
     registry, path = ref.split("/", 1)
     tag = None

@@ -239,6 +239,6 @@ def config_arch_check(source: Source, resolved: Resolved, arch: str) -> int:
         if not matches:
             raise PlatformError(
                 f"{source.where} is a single-arch image for {their}, not {oci_arch(arch)} "
-                f"(available: linux/{their}); pull with --arch {their} or push a {oci_arch(arch)} image"
+                f"(available: linux/{their}); pull with --arch {their} or push an image for {oci_arch(arch)}"
             )
     return len(data or b"")
