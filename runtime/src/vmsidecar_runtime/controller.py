@@ -289,7 +289,8 @@ class VmController:
 
     def _require_spec(self) -> VmSpec:
         if self.spec is None:
-            raise SpecError("the runtime has no VM spec yet; PUT /v1/vm/spec or start it with --spec/--image")
+            raise SpecError("the runtime has no VM spec yet; PUT /v1/vm/spec or start it with --spec/--image",
+                            code="no_spec")
         return self.spec
 
     # ---- power ---------------------------------------------------------------------------

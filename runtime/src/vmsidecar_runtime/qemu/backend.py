@@ -105,6 +105,8 @@ class QemuBackend:
             if self._exited.is_set():
                 raise HostError(self._early_exit_message())
             try:
+                if not self.plan.qmp_socket.exists():  # qemu.qmp logs every refused attempt as an error
+                    raise FileNotFoundError(self.plan.qmp_socket)
                 await qmp.connect(str(self.plan.qmp_socket))
                 break
             except (QMPError, OSError):

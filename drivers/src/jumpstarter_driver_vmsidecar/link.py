@@ -1,0 +1,98 @@
+"""The link from a driver tree to its runtime: one API client, the lease claim, error translation.
+
+Every child driver of one ``VirtualMachine`` shares one ``RuntimeLink``. The first call of a lease
+claims the VM (``POST /v1/vm/lease``), so a lease never sees a guest an earlier lease used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_runtime.spec import VmSpec
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def translate(e: VmsidecarError) -> Exception:
+    """Map a runtime error onto what Jumpstarter turns into the right gRPC status.
+
+    The runtime's sentence is kept verbatim: the ``j`` user reads exactly what the runtime said.
+    """
+    if 400 <= e.http_status < 500:
+        return ValueError(e.message)  # INVALID_ARGUMENT on the client side
+    return RuntimeError(e.message)
+
+
+@dataclass
+class RuntimeLink:
+    """Shared by the children of one driver tree (one tree per lease in controller mode)."""
+
+    socket: Path
+    spec: VmSpec | None = None
+    claim_leases: bool = True
+    claimed_generation: int | None = None
+    #: called once, right after this tree claimed the VM (ExitAndReplace hooks in here)
+    on_claim: Callable[[], None] | None = None
+    _client: RuntimeClient | None = field(default=None, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _claim_lock: asyncio.Lock | None = field(default=None, repr=False)
+
+    def client(self) -> RuntimeClient:
+        """The API client bound to the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            self._client = RuntimeClient(self.socket)
+            self._loop = loop
+            self._claim_lock = asyncio.Lock()
+        return self._client
+
+    async def call(self, fn: Callable[[RuntimeClient], Awaitable[T]], *, claim: bool = True) -> T:
+        """Run one API call (claiming the VM first in a new lease); runtime errors become driver errors."""
+        try:
+            if claim:
+                await self.claim()
+            try:
+                return await fn(self.client())
+            except VmsidecarError as e:
+                if e.code != "no_spec" or self.spec is None:
+                    raise
+                # the runtime restarted without a spec of its own: give it ours again, then retry
+                await self.client().put_spec(self.spec)
+                return await fn(self.client())
+        except VmsidecarError as e:
+            raise translate(e) from e
+
+    async def claim(self) -> None:
+        """Claim the VM once per driver tree."""
+        if not self.claim_leases or self.claimed_generation is not None:
+            return
+        client = self.client()
+        assert self._claim_lock is not None
+        async with self._claim_lock:
+            if self.claimed_generation is None:
+                if self.spec is not None:
+                    await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
+                state = await client.claim()
+                self.claimed_generation = state.generation
+                log.info("claimed the VM at generation %d", state.generation)
+                if self.on_claim is not None:
+                    self.on_claim()
+
+    def run_sync(self, coro_fn: Callable[[RuntimeClient], Coroutine[Any, Any, T]], timeout: float = 120) -> T:
+        """Run an API call from synchronous code (``close()``/``reset()``) on a private loop."""
+
+        async def runner() -> T:
+            async with RuntimeClient(self.socket) as client:
+                return await coro_fn(client)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, runner()).result(timeout)
