@@ -45,7 +45,7 @@ class DiskCache:
     """A cache root; safe to share between threads and processes (flock + atomic renames)."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()
         self.disks = self.root / "disks"
         self.tmp = self.root / "tmp"
         self.locks = self.root / "locks"

@@ -144,7 +144,11 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     if args.command == "inspect":
-        print(json.dumps(inspect(args.ref, arch=args.arch, plain_http=args.plain_http), indent=2))
+        result = inspect(args.ref, arch=args.arch, plain_http=args.plain_http)
+        print(json.dumps(result, indent=2))
+        if "error" in result:
+            print(f"error: {result['error']['message']}", file=sys.stderr)
+            return 2
         return 0
     raise AssertionError(args.command)
 

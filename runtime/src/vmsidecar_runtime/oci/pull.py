@@ -296,7 +296,8 @@ def inspect(
     """What ``ref`` resolves to for ``arch``, without downloading any disk.
 
     Returns ``reference``, ``digest`` and ``mediaType`` of the top object, its ``platforms``
-    (for an index), and the resolved ``manifest`` (digest and document) and ``disk`` layer.
+    (for an index), and the resolved ``manifest`` (digest and document) and ``disk`` layer, or
+    ``error`` (``{"error": code, "message": …}``) when nothing matches ``arch``.
 
     :raise ImageError: as :func:`pull`, for everything but the disk bytes.
     """
@@ -318,7 +319,11 @@ def inspect(
         result["platforms"] = [
             {"platform": platform_label(d), "digest": d.get("digest")} for d in doc.get("manifests") or []
         ]
-    resolved = resolve(source, top, wanted)
+    try:
+        resolved = resolve(source, top, wanted)
+    except PlatformError as exc:  # still show what is there
+        result["error"] = exc.to_dict()
+        return result
     result["manifest"] = {"digest": resolved.manifest.digest, "document": resolved.doc}
     result["disk"] = resolved.layers[0].descriptor
     return result
