@@ -105,3 +105,14 @@ def test_credentials_from_argument_and_environment(
     monkeypatch.setenv("VMSIDECAR_REGISTRY_PASSWORD", SECRET)
     disk = pull(ref, tmp_path / "c")
     assert disk.path.read_bytes() == oci_qcow2.read_bytes()
+
+
+def test_cli_inspect_without_matching_arch_still_lists_platforms(
+    registry: RunningRegistry, oci_qcow2: Path
+) -> None:
+    ref = f"{registry.host}/cli/amd64only:1"
+    assert main(["push", str(oci_qcow2), ref]) == 0
+    result = run_cli("inspect", ref, "--arch", "aarch64")
+    assert result.returncode == 2
+    assert [p["platform"] for p in json.loads(result.stdout)["platforms"]] == ["linux/amd64"]
+    assert "error: " in result.stderr and "available: linux/amd64" in result.stderr
