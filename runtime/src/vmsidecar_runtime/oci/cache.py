@@ -81,7 +81,7 @@ class DiskCache:
             index = self._read_index()
             for key in keys:
                 index[key] = asdict(entry)
-            tmp = self.tmp / f"index.{os.getpid()}.{secrets.token_hex(4)}.json"
+            tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
             tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
             os.replace(tmp, self.index_path)
 

@@ -139,6 +139,9 @@ class LayoutSource:
         with f:
             yield iter(lambda: f.read(CHUNK), b"")
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 def write_layout(
     disk: Path,

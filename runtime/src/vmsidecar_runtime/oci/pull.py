@@ -27,7 +27,9 @@ class PulledDisk:
 
     ``path`` is read-only (0444) and decompressed; ``digest`` is the sha256 of its bytes;
     ``manifest_digest`` is the platform manifest holding the disk (``None`` for ``file:``);
-    ``bytes_downloaded`` counts the blob bytes read by this call (0 when ``cached``).
+    ``bytes_downloaded`` counts the blob bytes read by this call; ``cached`` says the disk was
+    already in the cache (then ``bytes_downloaded`` is 0, or the size of a small image config
+    that had to be read to check the architecture).
     """
 
     path: Path
@@ -94,7 +96,10 @@ def pull(
     if reference.kind == "file":
         return _pull_file(reference, cache, progress)
     source = open_source(reference, plain_http=plain_http, credentials=credentials)
-    return _pull_oci(source, reference, cache, wanted, progress)
+    try:
+        return _pull_oci(source, reference, cache, wanted, progress)
+    finally:
+        source.close()
 
 
 def _cached(entry: CacheEntry, cache: DiskCache, reference: Reference, downloaded: int = 0) -> PulledDisk:
@@ -106,7 +111,7 @@ def _cached(entry: CacheEntry, cache: DiskCache, reference: Reference, downloade
         reference=str(reference),
         size=entry.size,
         bytes_downloaded=downloaded,
-        cached=downloaded == 0,
+        cached=True,
     )
 
 
@@ -307,6 +312,13 @@ def inspect(
         path = _find_file(reference)
         return {"reference": str(reference), "kind": "file", "path": str(path), "size": path.stat().st_size}
     source = open_source(reference, plain_http=plain_http, credentials=credentials)
+    try:
+        return _inspect(source, reference, wanted)
+    finally:
+        source.close()
+
+
+def _inspect(source: Source, reference: Reference, wanted: str) -> dict:
     top = source.top()
     doc = top.json()
     result: dict = {

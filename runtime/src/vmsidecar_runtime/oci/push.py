@@ -49,9 +49,18 @@ def push(
     arch = resolve_arch(arch)
     tag = reference.tag or "latest"
     client = RegistryClient(reference, plain_http=plain_http, credentials=credentials)
+    try:
+        return _push(client, Path(disk), tag, form=form, arch=arch, compression=compression)
+    finally:
+        client.close()
+
+
+def _push(
+    client: RegistryClient, disk: Path, tag: str, *, form: Form, arch: str, compression: Compression | None
+) -> str:
     client.get_manifest_or_none(tag)  # fail fast (unreachable, unauthorized) before packing
     with tempfile.TemporaryDirectory(prefix="vmsidecar-push-") as tmp:
-        packed = pack(Path(disk), Path(tmp), form=form, arch=arch, compression=compression)
+        packed = pack(disk, Path(tmp), form=form, arch=arch, compression=compression)
         for blob in packed.blobs:
             if blob.data is not None:
                 client.push_blob_bytes(blob.data, blob.media_type, Path(tmp))

@@ -187,6 +187,10 @@ class RegistryClient:
         self.container = self._oras.get_container(f"{ref.registry}/{ref.repository}")
         self.scheme = "http" if self.plain_http else "https"
 
+    def close(self) -> None:
+        """Close the HTTP session (its pooled connections)."""
+        self._oras.session.close()
+
     # -- requests -------------------------------------------------------------------------
 
     def _call(self, what: str, method: str, url: str, **kwargs) -> requests.Response:  # type: ignore[no-untyped-def]
@@ -447,3 +451,7 @@ class RegistrySource:
     def open_blob(self, descriptor: dict) -> contextlib.AbstractContextManager[Iterator[bytes]]:
         """See :meth:`RegistryClient.open_blob`."""
         return self.client.open_blob(descriptor)
+
+    def close(self) -> None:
+        """Close the HTTP session."""
+        self.client.close()

@@ -47,6 +47,10 @@ class Source(Protocol):
         """The blob's bytes as chunks (verified by the caller)."""
         ...
 
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
 
 @dataclass(frozen=True)
 class DiskLayer:

@@ -192,7 +192,12 @@ def unpack_blob(
             if title and not fmt_from_name:
                 fmt_from_name = title_format(title)[0]
         reader.drain()
-    except (DigestMismatchError, ImageError, HostError):
+    except (DigestMismatchError, HostError):
+        raise
+    except ImageError:
+        # the content looked wrong: make sure it is the content the digest names before saying so
+        _drain_quietly(reader)
+        reader.verify()
         raise
     except (OSError, EOFError, zstandard.ZstdError, lzma.LZMAError, tarfile.TarError) as exc:
         _drain_quietly(reader)
