@@ -1,0 +1,166 @@
+"""The runtime on a real guest (QEMU, TCG here): boot, power, crash, recycle, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from guestio import Console
+from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_runtime.oci import push_artifact
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _spec(image: str, **extra: Any) -> dict[str, Any]:
+    return {"image": image, "memory": "256M", **extra}
+
+
+async def _events_until(client: RuntimeClient, types: list[str], stop: str, timeout: float = 60) -> list[dict]:
+    seen: list[dict] = []
+
+    async def collect() -> None:
+        async for event in client.events(types):
+            seen.append(event)
+            if event["type"] == stop:
+                return
+
+    await asyncio.wait_for(collect(), timeout)
+    return seen
+
+
+async def test_registry_boot_without_exporter_graceful_and_hard_off(
+    start_runtime: Any, tiny_image: Any, registry: Any
+) -> None:
+    ref = f"{registry.host}/vm/tiny:lifecycle"
+    push_artifact(tiny_image.disk, ref)
+    rt = await start_runtime(_spec(ref))
+    client = rt.client()
+    state = await client.wait_ready(180)  # nobody asked: the runtime pulls and boots on its own
+    assert state.accel in ("tcg", "kvm") and state.accel_reason
+    assert state.image_digest and state.timings.ready and state.timings.ready < 120
+    hvc0 = await Console.open(rt.shared / "hvc0.sock")
+    await hvc0.expect("VMSIDECAR-READY image=tiny")  # the marker on the second console too
+
+    # graceful off: the guest sees the ACPI power button and shuts itself down
+    events = asyncio.create_task(_events_until(client, ["qemu.powerdown", "qemu.shutdown", "phase"], "qemu.shutdown"))
+    await asyncio.sleep(0.2)
+    state = await client.power("off", graceful=True, timeout=60)
+    assert state.phase.value == "Stopped"
+    kinds = [(e["type"], e["data"].get("reason")) for e in await events]
+    assert ("qemu.powerdown", None) in kinds
+    assert ("qemu.shutdown", "guest-shutdown") in kinds, kinds
+
+    # hard off: no ACPI, QEMU is simply ended
+    await client.power("on")
+    await client.wait_ready(180)
+    events = asyncio.create_task(_events_until(client, ["qemu.powerdown", "phase"], "phase", timeout=60))
+    await asyncio.sleep(0.2)
+    state = await client.power("off", graceful=False)
+    assert state.phase.value == "Stopped"
+    await asyncio.sleep(0.5)
+    events.cancel()
+    await hvc0.close()
+
+
+async def test_disk_survives_power_cycle_but_not_recycle(start_runtime: Any, tiny_image: Any) -> None:
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    client = rt.client()
+    await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    await con.run("echo lease-one-was-here > /data/marker; sync")
+    assert "lease-one-was-here" in await con.run("cat /data/marker")
+    await con.close()
+
+    state = await client.power("cycle")  # a power cycle keeps the disk, like a real board
+    assert state.generation == 0
+    await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    assert "lease-one-was-here" in await con.run("cat /data/marker")
+    await con.close()
+
+    state = await client.recycle()
+    assert state.generation == 1
+    await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    assert b"lease-one-was-here" not in con.seen  # scrollback of the old generation is gone
+    await con.wake()
+    out = await con.run("cat /data/marker 2>&1; ls /data")
+    assert "No such file" in out and "lease-one-was-here" not in out
+    await con.close()
+    base = Path(str(tiny_image.disk))
+    assert not os.access(base, os.W_OK) or base.stat().st_mode & 0o222 == 0  # the base was never writable
+
+
+async def test_qemu_killed_is_crashed_then_power_on_recovers(
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any
+) -> None:
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    client = rt.client()
+    await client.wait_ready(180)
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, str(rt.state))]
+    assert len(pids) == 1
+    os.kill(int(pids[0]), signal.SIGKILL)
+    for _ in range(100):
+        state = await client.state()
+        if state.phase.value == "Crashed":
+            break
+        await asyncio.sleep(0.1)
+    assert state.phase.value == "Crashed"
+    assert state.last_exit and state.last_exit.signal == signal.SIGKILL
+    assert state.last_error and "power on again to recover" in state.last_error["message"]
+    await client.power("on")
+    await client.wait_ready(180)
+    assert qemu_processes(str(rt.state)) == 1
+
+
+async def test_concurrent_power_requests_never_start_two_qemus(
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any
+) -> None:
+    spec = _spec(f"file:{tiny_image.disk}")
+    rt = await start_runtime(None)
+    client = rt.client()
+    await client.put_spec(spec)
+    results = await asyncio.gather(*(client.power(a) for a in ["on", "on", "cycle", "on", "on"]),
+                                   return_exceptions=True)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert qemu_processes(str(rt.state)) == 1
+    await client.wait_ready(180)
+    assert qemu_processes(str(rt.state)) == 1
+
+
+async def test_sigterm_stops_guest_and_runtime_cleanly(
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any
+) -> None:
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    await rt.client().wait_ready(180)
+    assert qemu_processes(str(rt.state)) == 1
+    rc = await asyncio.to_thread(rt.stop, signal.SIGTERM, 60)
+    assert rc == 0, rt.log_text()[-2000:]
+    assert qemu_processes(str(rt.state)) == 0
+    assert sorted(p.name for p in rt.shared.iterdir()) == []  # api.sock, console sockets and lock removed
+
+
+async def test_second_runtime_on_same_shared_dir_is_refused(start_runtime: Any) -> None:
+    first = await start_runtime(None, name="first")
+    second = await start_runtime(None, name="second", wait=False,
+                                 extra_args=["--shared-dir", str(first.shared)])
+    rc = await asyncio.to_thread(second.proc.wait, 30)
+    assert rc == 2
+    assert "another vmsidecar runtime" in second.log_text() and "--shared-dir" in second.log_text()
+    async with RuntimeClient(first.socket) as c:
+        assert await c.healthy()
+
+
+def _cmdline_has(pid: str, needle: str) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return cmd.startswith(b"qemu-system") and needle.encode() in cmd
