@@ -1,0 +1,128 @@
+"""Bad input to the runtime on real QEMU: each gets one clear sentence and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from guestio import Console
+
+from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_runtime.errors import VmsidecarError
+
+pytestmark = pytest.mark.timeout(600)
+
+
+async def _settle(client: RuntimeClient, *phases: str, timeout: float = 120) -> Any:
+    for _ in range(int(timeout * 10)):
+        state = await client.state()
+        if state.phase.value in phases:
+            return state
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"phase {state.phase.value}, wanted {phases}")
+
+
+async def test_unpullable_image_is_error_with_the_cause(start_runtime: Any) -> None:
+    rt = await start_runtime({"image": "127.0.0.1:1/vm/nothing:1"})
+    state = await _settle(rt.client(), "Error", timeout=60)
+    assert state.last_error and state.last_error["error"] == "registry_unreachable"
+    assert "127.0.0.1:1" in state.last_error["message"]
+    assert await rt.client().healthy()
+
+
+async def test_corrupt_qcow2_is_refused(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    bad = tmp_path / "corrupt.qcow2"
+    data = bytearray(tiny_image.disk.read_bytes())
+    data[0x30:0x38] = b"\xff" * 8  # l1 table offset far past the end of the file
+    bad.write_bytes(bytes(data))
+    rt = await start_runtime({"image": f"file:{bad}"})
+    state = await _settle(rt.client(), "Error", timeout=60)
+    assert "is a corrupt qcow2" in state.last_error["message"]
+    assert "re-download or rebuild the image" in state.last_error["message"]
+
+
+async def test_missing_qemu_binary_names_the_package(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"  # a PATH with qemu-img but no QEMU system emulator
+    bin_dir.mkdir()
+    os.symlink(shutil.which("qemu-img"), bin_dir / "qemu-img")
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}"}, env={"PATH": str(bin_dir)})
+    state = await _settle(rt.client(), "Error", timeout=60)
+    assert "qemu-system-x86_64 is not installed" in state.last_error["message"]
+    assert "apt-get install qemu-system-x86" in state.last_error["message"]
+
+
+async def test_guest_that_never_prints_the_marker(start_runtime: Any, tiny_image: Any) -> None:
+    spec = {"image": f"file:{tiny_image.disk}", "readiness": {"pattern": "NEVER-PRINTED", "timeout": 25}}
+    rt = await start_runtime(spec)
+    state = await _settle(rt.client(), "Error", timeout=120)
+    message = state.last_error["message"]
+    assert "did not print 'NEVER-PRINTED' on ttyS0 within 25 s" in message
+    assert "VMSIDECAR-READY" in message  # the console tail shows what the guest did print
+    assert state.console_tail and "VMSIDECAR-READY" in state.console_tail
+    async with RuntimeClient(rt.socket) as client:
+        assert (await client.power("off", graceful=False)).phase.value == "Stopped"
+
+
+async def test_bad_flashes_keep_the_old_disk(start_runtime: Any, tiny_image: Any, tmp_path: Path,
+                                             tiny_b_image: Any) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}"})
+    client = rt.client()
+    ready = await client.wait_ready(180)
+
+    # while running, a flash without power_off is refused
+    with pytest.raises(VmsidecarError) as exc:
+        await client.flash(tiny_b_image.disk)
+    assert exc.value.code == "wrong_phase" and "power_off=true" in exc.value.message
+
+    await client.power("off")
+    garbage = tmp_path / "garbage.img"
+    garbage.write_bytes(os.urandom(3 << 20))
+    with pytest.raises(VmsidecarError) as exc:
+        await client.flash(garbage)
+    assert "not a disk image" in exc.value.message
+
+    truncated = tmp_path / "truncated.qcow2"
+    truncated.write_bytes(tiny_b_image.disk.read_bytes()[: 1 << 20])
+    with pytest.raises(VmsidecarError) as exc:
+        await client.flash(truncated)
+    assert "qcow2" in exc.value.message
+
+    async def cut_short() -> Any:  # announces more bytes than it sends: the stream ends early
+        yield tiny_b_image.disk.read_bytes()[: 1 << 20]
+
+    with pytest.raises(VmsidecarError) as exc:
+        await client.flash(cut_short(), size=tiny_b_image.disk.stat().st_size)
+    state = await client.state()
+    assert state.image_digest == ready.image_digest  # the old disk is untouched
+    assert not list((rt.state / "flashed").glob(".incoming-*"))  # no half-written file left
+
+    await client.power("on")
+    await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.expect("VMSIDECAR-READY image=tiny ")
+    await con.close()
+
+
+async def test_good_flash_boots_the_new_image(start_runtime: Any, tiny_image: Any, tiny_b_image: Any) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}"})
+    client = rt.client()
+    ready = await client.wait_ready(180)
+    state = await client.flash(tiny_b_image.disk, power_off=True)
+    assert state.phase.value == "Stopped" and state.image_digest != ready.image_digest
+    await client.power("on")
+    await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.expect("VMSIDECAR-READY image=tiny-b ")
+    await con.close()
+    await client.power("off", graceful=False)
+    dumped = rt.state.parent / "dump.qcow2"
+    size = await client.dump(dumped)
+    assert size > 0 and dumped.read_bytes()[:4] == b"QFI\xfb"
+    state = await client.recycle(boot=False)  # back to the spec's image, not the flashed one
+    await client.power("on")
+    state = await client.wait_ready(180)
+    assert state.generation == 1 and state.image_digest == ready.image_digest
