@@ -1,0 +1,158 @@
+"""Pinned Debian packages: download once into a cache with ``apt-get download``, extract."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .errors import BuildError, PinError, ToolError
+from .recipe import Pin
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME/vmsidecar`` or ``~/.cache/vmsidecar``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vmsidecar"
+
+
+def deb_cache_dir() -> Path:
+    """Where downloaded .deb files are kept (shared by every build)."""
+    return cache_home() / "debs"
+
+
+def deb_filename(pin: Pin, deb_arch: str) -> str:
+    """The file name ``apt-get download`` gives (``:`` of the epoch becomes ``%3a``)."""
+    return f"{pin.package}_{pin.version.replace(':', '%3a')}_{deb_arch}.deb"
+
+
+def run(
+    argv: list[str],
+    *,
+    what: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    input: str | None = None,
+) -> str:
+    """Run a host tool; a missing tool or a failure becomes one clear sentence."""
+    if shutil.which(argv[0]) is None:
+        raise ToolError(
+            f"{argv[0]} is not installed (needed to {what}); install it with apt-get "
+            "(see images/README.md for the package list)"
+        )
+    proc = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        input=input,
+        check=False,
+    )
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise ToolError(
+            f"{' '.join(argv[:2])} failed (rc {proc.returncode}) while trying to {what}: "
+            f"{detail[-1] if detail else 'no output'}"
+        )
+    return proc.stdout
+
+
+def apt_versions(package: str) -> list[str]:
+    """Versions of ``package`` that apt can download now (``apt-cache madison``), newest first."""
+    proc = subprocess.run(["apt-cache", "madison", package], capture_output=True, text=True, check=False)
+    versions: list[str] = []
+    for line in proc.stdout.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) >= 2 and parts[1] not in versions:
+            versions.append(parts[1])
+    return versions
+
+
+def fetch(pin: Pin, deb_arch: str, *, versions_file: Path, cache_dir: Path | None = None) -> Path:
+    """Return the cached .deb of ``pin``, downloading it with ``apt-get download`` if needed.
+
+    :raise PinError: when apt no longer offers the pinned version (names the versions it offers
+        and the file to edit).
+    """
+    cache_dir = cache_dir or deb_cache_dir()
+    target = cache_dir / deb_filename(pin, deb_arch)
+    if target.is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if shutil.which("apt-get") is None:
+        raise ToolError(
+            f"{target.name} is not in {cache_dir} and apt-get is missing; build on Debian/Ubuntu or "
+            "copy the .deb there"
+        )
+    qualified = pin.package if deb_arch == _host_deb_arch() else f"{pin.package}:{deb_arch}"
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".dl-") as tmp:
+        os.chmod(tmp, 0o755)  # apt's _apt sandbox user must be able to write here
+        proc = subprocess.run(
+            ["apt-get", "download", "-q", f"{qualified}={pin.version}"],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        got = Path(tmp) / target.name
+        if proc.returncode != 0 or not got.is_file():
+            raise _pin_error(pin, deb_arch, qualified, proc.stderr, versions_file)
+        os.replace(got, target)
+    return target
+
+
+def _pin_error(pin: Pin, deb_arch: str, qualified: str, stderr: str, versions_file: Path) -> BuildError:
+    offered = apt_versions(qualified)
+    apt_said = next((ln for ln in stderr.splitlines() if ln.startswith("E:")), stderr.strip()[-200:])
+    if pin.version in offered:
+        return BuildError(
+            f"apt knows {qualified}={pin.version} but downloading it failed ({apt_said}); "
+            "run `apt-get update` and check the network, then rebuild"
+        )
+    if offered:
+        offer = f"apt offers {', '.join(offered)}"
+    else:
+        offer = f"apt offers no version of {qualified} (package unknown{_arch_hint(deb_arch)})"
+    return PinError(
+        f"pinned {qualified}={pin.version} cannot be downloaded: {offer}; "
+        f"edit the pin in {versions_file} (run `apt-get update` first if the lists are old)"
+    )
+
+
+def _arch_hint(deb_arch: str) -> str:
+    if deb_arch == _host_deb_arch():
+        return "; a kernel ABI bump renames it, see `apt-cache depends linux-image-" + deb_arch + "`"
+    return f"; `dpkg --add-architecture {deb_arch} && apt-get update` enables {deb_arch} packages"
+
+
+_HOST_DEB_ARCH: str | None = None
+
+
+def _host_deb_arch() -> str:
+    global _HOST_DEB_ARCH
+    if _HOST_DEB_ARCH is None:
+        try:
+            out = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True)
+            _HOST_DEB_ARCH = out.stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            _HOST_DEB_ARCH = "amd64"
+    return _HOST_DEB_ARCH
+
+
+def extract(deb: Path, dest: Path) -> Path:
+    """``dpkg-deb -x deb dest``; returns ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    run(["dpkg-deb", "-x", str(deb), str(dest)], what=f"extract {deb.name}")
+    return dest
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,182 @@
+"""Recipes: where they live, what they pin, and the cache key of a build."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vmsidecar_runtime.arch import normalize_arch
+
+from .errors import BuildError
+
+#: Bump when the builder changes in a way the source hash would not show (it hashes itself too).
+BUILDER_FORMAT = 1
+#: Every timestamp inside the image (cpio, FAT, ext4) is this instant (2024-01-01T00:00:00Z).
+SOURCE_DATE_EPOCH = 1704067200
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+#: modules whose source is part of the cache key (the CLI is not: it cannot change the output)
+_BUILDER_MODULES = ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py")
+
+
+def recipes_root() -> Path:
+    """The recipes directory: ``images/recipes`` in the source tree, else the copy in the wheel."""
+    for candidate in (_PACKAGE_DIR.parents[1] / "recipes", _PACKAGE_DIR / "recipes"):
+        if candidate.is_dir():
+            return candidate
+    raise BuildError(
+        f"no recipes directory next to {_PACKAGE_DIR}; reinstall vmsidecar-images (the wheel ships "
+        "vmsidecar_images/recipes) or run from the source tree"
+    )
+
+
+def available_recipes() -> list[str]:
+    """Names of the recipes (directories holding a ``recipe.toml``)."""
+    return sorted(p.parent.name for p in recipes_root().glob("*/recipe.toml"))
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One Debian package pinned to an exact version."""
+
+    package: str
+    version: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}={self.version}"
+
+
+@dataclass
+class ArchPins:
+    """The pins of one architecture."""
+
+    deb_arch: str
+    kernel: Pin
+    busybox: Pin
+
+    @property
+    def kernel_release(self) -> str:
+        """``linux-image-6.1.0-56-amd64`` -> ``6.1.0-56-amd64`` (the /lib/modules directory)."""
+        prefix = "linux-image-"
+        if not self.kernel.package.startswith(prefix):
+            raise BuildError(
+                f"kernel pin {self.kernel.package!r} is not a linux-image-<release> package; "
+                "pin the ABI package, e.g. linux-image-6.1.0-56-amd64"
+            )
+        return self.kernel.package[len(prefix) :]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "deb_arch": self.deb_arch,
+            "kernel": {"package": self.kernel.package, "version": self.kernel.version},
+            "busybox": {"package": self.busybox.package, "version": self.busybox.version},
+        }
+
+
+@dataclass
+class Recipe:
+    """A parsed recipe directory (``recipe.toml`` + ``versions.toml`` + guest files)."""
+
+    name: str
+    dir: Path
+    config: dict
+    pins: dict[str, ArchPins] = field(default_factory=dict)
+
+    @property
+    def versions_file(self) -> Path:
+        return self.dir / "versions.toml"
+
+    @property
+    def default_label(self) -> str:
+        return str(self.config["recipe"].get("default_label", self.name))
+
+    @property
+    def ready_marker(self) -> str:
+        return str(self.config["recipe"].get("ready_marker", "VMSIDECAR-READY"))
+
+    @property
+    def prompt(self) -> str:
+        return str(self.config["recipe"].get("prompt", "vm# "))
+
+    def arch_config(self, arch: str) -> dict:
+        try:
+            return self.config["arch"][arch]
+        except KeyError:
+            raise BuildError(
+                f"recipe {self.name!r} has no [arch.{arch}] section in {self.dir / 'recipe.toml'}; "
+                f"build one of: {', '.join(sorted(self.config.get('arch', {})))}"
+            ) from None
+
+    def arch_pins(self, arch: str) -> ArchPins:
+        try:
+            return self.pins[arch]
+        except KeyError:
+            raise BuildError(
+                f"recipe {self.name!r} pins no packages for {arch} in {self.versions_file}; "
+                f"add an [{arch}] table or build one of: {', '.join(sorted(self.pins))}"
+            ) from None
+
+    def module_list(self, key: str) -> list[str]:
+        """Module names from the list file named by ``recipe.<key>`` (comments stripped)."""
+        path = self.dir / self.config["recipe"][key]
+        names = []
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                names.append(line)
+        return names
+
+    def files(self) -> list[Path]:
+        """Every file of the recipe, sorted (these feed the cache key)."""
+        return sorted(p for p in self.dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+    def input_hash(self, *, arch: str, label: str) -> str:
+        """sha256 over recipe files, the parsed pins, label, arch and the builder's own code."""
+        h = hashlib.sha256()
+
+        def feed(tag: str, data: bytes) -> None:
+            h.update(f"{tag}\0{len(data)}\0".encode())
+            h.update(data)
+
+        feed("format", str(BUILDER_FORMAT).encode())
+        feed("epoch", str(SOURCE_DATE_EPOCH).encode())
+        for path in self.files():
+            rel = path.relative_to(self.dir).as_posix()
+            executable = path.stat().st_mode & 0o111 != 0
+            feed(f"file:{rel}:{'x' if executable else '-'}", path.read_bytes())
+        feed("pins", json.dumps(self.arch_pins(arch).as_dict(), sort_keys=True).encode())
+        feed("arch", arch.encode())
+        feed("label", label.encode())
+        for module in _BUILDER_MODULES:
+            feed(f"builder:{module}", (_PACKAGE_DIR / module).read_bytes())
+        return h.hexdigest()
+
+
+def load_recipe(name: str = "tiny") -> Recipe:
+    """Parse ``recipes/<name>/recipe.toml`` and its ``versions.toml``."""
+    root = recipes_root()
+    rdir = root / name
+    if not (rdir / "recipe.toml").is_file():
+        raise BuildError(
+            f"no recipe named {name!r} under {root}; available: {', '.join(available_recipes()) or 'none'}"
+        )
+    config = tomllib.loads((rdir / "recipe.toml").read_text())
+    versions = tomllib.loads((rdir / "versions.toml").read_text())
+    pins = {}
+    for arch, table in versions.items():
+        try:
+            pins[normalize_arch(arch)] = ArchPins(
+                deb_arch=table["deb_arch"],
+                kernel=Pin(**table["kernel"]),
+                busybox=Pin(**table["busybox"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise BuildError(
+                f"[{arch}] in {rdir / 'versions.toml'} is incomplete ({exc}); it needs deb_arch and "
+                "kernel/busybox = { package = ..., version = ... }"
+            ) from None
+    return Recipe(name=name, dir=rdir, config=config, pins=pins)
