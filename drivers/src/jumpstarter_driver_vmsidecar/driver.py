@@ -114,6 +114,7 @@ class VirtualMachine(Driver):
         except Exception as e:
             log.error("end-of-lease %s failed: %s", self.recycle, e)
         finally:
+            self.link.close()
             super().close()
 
     # ---- extras for Python clients -------------------------------------------------------

@@ -19,6 +19,7 @@ from vmsidecar_runtime.errors import VmsidecarError
 from vmsidecar_runtime.spec import VmSpec
 
 T = TypeVar("T")
+_closing: set[asyncio.Task[None]] = set()
 log = logging.getLogger(__name__)
 
 
@@ -86,6 +87,23 @@ class RuntimeLink:
                 log.info("claimed the VM at generation %d", state.generation)
                 if self.on_claim is not None:
                     self.on_claim()
+
+    def close(self) -> None:
+        """Close the API client's connection pool on its loop (called from the sync ``close`` hook)."""
+        client, loop = self._client, self._loop
+        self._client = self._loop = None
+        if client is None or loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            task = loop.create_task(client.close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+        else:
+            asyncio.run_coroutine_threadsafe(client.close(), loop)
 
     def run_sync(self, coro_fn: Callable[[RuntimeClient], Coroutine[Any, Any, T]], timeout: float = 120) -> T:
         """Run an API call from synchronous code (``close()``/``reset()``) on a private loop."""

@@ -20,7 +20,7 @@ OFF_READING = PowerReading(voltage=0.0, current=0.0)
 
 @dataclass(kw_only=True)
 class VmPower(PowerInterface, Driver):
-    """``j vm power on|off|cycle|read``; ``reset`` presses the reset button."""
+    """``j vm power on|off|cycle|read``; ``hard_reset`` presses the reset button."""
 
     parent: VirtualMachine
 
@@ -36,8 +36,8 @@ class VmPower(PowerInterface, Driver):
         await self.parent.link.call(lambda c: c.power("off", graceful=True, timeout=timeout))
 
     @export
-    async def reset(self) -> None:
-        """Hard reset: the guest reboots on the same disk."""
+    async def hard_reset(self) -> None:
+        """Press the reset button: the guest reboots on the same disk (``Driver.reset`` is the lease hook)."""
         await self.parent.link.call(lambda c: c.power("reset"))
 
     @export

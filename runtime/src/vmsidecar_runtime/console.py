@@ -101,6 +101,9 @@ class ConsoleHub:
                 if self._upstream is not None and not self._upstream.is_closing():
                     self._upstream.write(data)
                     await self._upstream.drain()
+            # EOF on input is a half-close (`echo cmd | console`): keep sending output until the
+            # client goes away, is dropped as too slow, or the scrollback is cleared.
+            await pump
         except (ConnectionError, OSError):
             pass
         finally:
