@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fixtures.jmp import exporter_config, run_shell
 from vmsidecar_runtime.oci import push_artifact
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guestio import Console
 
+from guestio import Console
 from vmsidecar_runtime.oci import pull, push_artifact, push_containerdisk, write_layout
 
 pytestmark = pytest.mark.timeout(600)

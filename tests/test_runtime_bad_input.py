@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guestio import Console
 
+from guestio import Console
 from vmsidecar_runtime.client import RuntimeClient
 from vmsidecar_runtime.errors import VmsidecarError
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from guestio import Console
 from vmsidecar_runtime.client import RuntimeClient
 from vmsidecar_runtime.oci import push_artifact

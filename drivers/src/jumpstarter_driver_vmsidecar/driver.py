@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jumpstarter.driver import Driver, export
+
 from vmsidecar_runtime.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_runtime.spec import VmSpec, load_spec
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jumpstarter.driver import Driver, FlasherInterface, export
+
 from vmsidecar_runtime.client import RuntimeClient
 
 if TYPE_CHECKING:

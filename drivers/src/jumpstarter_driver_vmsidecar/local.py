@@ -1,0 +1,115 @@
+"""``vmsidecar-shell``: a VM and a ``jmp shell`` on it, on a developer's machine, no container engine.
+
+Starts ``vmsidecar-runtime serve`` as a child process on a private shared directory, waits until
+the guest is Ready, then runs ``jmp shell --exporter-config`` (local mode) with a
+``VirtualMachine`` driver exported as ``vm``. ``-- COMMAND`` runs a command in that shell
+instead of an interactive one. When the shell ends, the runtime and the guest are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_runtime.errors import VmsidecarError
+
+
+def _exporter_config(path: Path, socket: Path, recycle: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "jumpstarter.dev/v1alpha1",
+        "kind": "ExporterConfig",
+        "metadata": {"namespace": "default", "name": "vmsidecar-local"},
+        "endpoint": "",
+        "token": "",
+        "export": {"vm": {"type": "jumpstarter_driver_vmsidecar.driver.VirtualMachine",
+                          "config": {"socket": str(socket), "recycle": recycle}}},
+    }))
+    return path
+
+
+async def _wait_ready(socket: Path, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> float:
+    started = time.monotonic()
+    while not socket.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"vmsidecar-runtime exited ({proc.returncode}); see {log}:\n{log.read_text()[-2000:]}")
+        if time.monotonic() - started > 30:
+            raise SystemExit(f"vmsidecar-runtime did not start; see {log}")
+        await asyncio.sleep(0.1)
+    async with RuntimeClient(socket) as client:
+        try:
+            await client.wait_ready(timeout)
+        except VmsidecarError as e:
+            raise SystemExit(f"error: {e.message}") from None
+    return time.monotonic() - started
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments (exposed for docs)."""
+    p = argparse.ArgumentParser(prog="vmsidecar-shell", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--image", help="image reference (OCI, oci-layout:DIR[:TAG], file:PATH)")
+    p.add_argument("--spec", help="VM spec file (YAML/JSON) instead of --image")
+    p.add_argument("--memory", default=None)
+    p.add_argument("--cpus", type=int, default=None)
+    p.add_argument("--recycle", choices=["ExitAndReplace", "InPlaceReuse"], default="ExitAndReplace")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, overlay) afterwards")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND to run in the shell")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = build_parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not args.image and not args.spec:
+        print("error: give --image REF or --spec FILE (./scripts/run passes the tiny guest)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="vmsidecar-local-"))
+    shared, log = work / "shared", work / "runtime.log"
+    serve = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--shared-dir", str(shared),
+             "--state-dir", str(work / "state")]
+    for flag, value in (("--image", args.image), ("--spec", args.spec), ("--memory", args.memory),
+                        ("--cpus", args.cpus)):
+        if value is not None:
+            serve += [flag, str(value)]
+    with open(log, "wb") as fh:
+        runtime = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        print(f"vmsidecar: booting the guest (log {log}) …", file=sys.stderr)
+        seconds = asyncio.run(_wait_ready(shared / "api.sock", runtime, args.ready_timeout, log))
+        print(f"vmsidecar: guest ready in {seconds:.1f} s; try `j vm console start-console` "
+              "(Ctrl-B three times to leave), `j vm power cycle`, `j vm storage flash FILE`", file=sys.stderr)
+        config = _exporter_config(work / "exporter.yaml", shared / "api.sock", args.recycle)
+        jmp = shutil.which("jmp", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}") or "jmp"
+        shell = [jmp, "shell", "--exporter-config", str(config)]
+        if command:
+            shell += ["--", *command]
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        return subprocess.call(shell, env=env)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if runtime.poll() is None:
+            runtime.send_signal(signal.SIGTERM)
+            try:
+                runtime.wait(60)
+            except subprocess.TimeoutExpired:
+                runtime.kill()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
