@@ -79,9 +79,10 @@ def make_boot_partition(
 ) -> None:
     """FAT16 file system in a file, syslinux installed (if asked), ``files`` copied to its root."""
     env = _fixed_env()
+    # --invariant fixes every generated value; the -i after it then sets our volume id
     run(
         [
-            "mkfs.fat", "-F", "16", "-n", label, "-i", FAT_VOLUME_ID, "--invariant",
+            "mkfs.fat", "-F", "16", "-n", label, "--invariant", "-i", FAT_VOLUME_ID,
             "-h", str(layout.boot_start), "-C", str(out), str(layout.boot_sectors * SECTOR // 1024),
         ],
         what="create the FAT16 boot file system",

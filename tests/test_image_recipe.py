@@ -1,0 +1,231 @@
+"""The tiny guest recipe: build, cache, disk layout, initramfs content, pin errors.
+
+Booting the image is tested through the runtime (which owns the QEMU command line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from vmsidecar_images import build as build_mod
+from vmsidecar_images import debs, disk
+from vmsidecar_images.build import BuiltImage, build_image, list_images
+from vmsidecar_images.cli import main as cli_main
+from vmsidecar_images.cpio import Entry, read_cpio, write_cpio
+from vmsidecar_images.errors import PinError
+from vmsidecar_images.recipe import load_recipe
+
+
+def _raw(image: BuiltImage, tmp_path: Path) -> Path:
+    raw = tmp_path / "disk.img"
+    subprocess.run(["qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(image.disk), str(raw)], check=True)
+    return raw
+
+
+def _initramfs(image: BuiltImage) -> dict[str, Entry]:
+    return read_cpio(gzip.decompress(image.initrd.read_bytes()))
+
+
+def test_recipe_builds(tiny_image: BuiltImage) -> None:
+    m = tiny_image.manifest
+    for path in (tiny_image.disk, tiny_image.kernel, tiny_image.initrd, tiny_image.dir / "manifest.json"):
+        assert path.is_file()
+    assert (m["name"], m["arch"], m["label"]) == ("tiny", "x86_64", "tiny")
+    assert tiny_image.dir.name == f"tiny-x86_64-{m['input_hash'][:12]}"
+    assert m["ready_marker"] == "VMSIDECAR-READY"
+    assert m["prompt"] == "vm# "
+    assert m["pins"]["kernel"]["package"].startswith("linux-image-6.1.0-")
+    assert m["pins"]["busybox"]["package"] == "busybox-static"
+    for name, info in m["files"].items():
+        data = (tiny_image.dir / name).read_bytes()
+        assert info["size"] == len(data)
+        assert info["sha256"] == hashlib.sha256(data).hexdigest()
+    assert m["cmdline"] == "console=ttyS0,115200 console=hvc0 panic=-1 quiet"
+    assert not tiny_image.disk.stat().st_mode & 0o222, "cached disk must be read-only"
+
+
+def test_cache_hit_is_fast_and_downloads_nothing(
+    tiny_image: BuiltImage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_download(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("a cache hit must not fetch packages")
+
+    monkeypatch.setattr(debs, "fetch", no_download)
+    t0 = time.monotonic()
+    again = build_image("tiny")
+    elapsed = time.monotonic() - t0
+    assert again.dir == tiny_image.dir
+    assert again.manifest["input_hash"] == tiny_image.manifest["input_hash"]
+    assert elapsed < 5, f"cache hit took {elapsed:.2f} s"
+    assert tiny_image.dir in [i.dir for i in list_images()]
+
+
+def test_second_label_is_a_distinct_image(tiny_image: BuiltImage, tiny_b_image: BuiltImage) -> None:
+    assert tiny_b_image.dir != tiny_image.dir
+    assert tiny_b_image.manifest["label"] == "tiny-b"
+    files = _initramfs(tiny_b_image)
+    assert files["etc/vmsidecar-image"].data == b"tiny-b\n"
+    assert (
+        tiny_b_image.manifest["files"]["disk.qcow2"]["sha256"]
+        != tiny_image.manifest["files"]["disk.qcow2"]["sha256"]
+    )
+
+
+def test_disk_layout(tiny_image: BuiltImage, tmp_path: Path) -> None:
+    raw = _raw(tiny_image, tmp_path)
+    data = raw.read_bytes()
+    assert data[510:512] == b"\x55\xaa", "MBR boot signature"
+    assert data[:440] == disk.syslinux_mbr().read_bytes()[:440], "syslinux MBR boot code"
+    parts = disk.read_partitions(data)
+    assert [(p["type"], p["bootable"]) for p in parts] == [(0x0E, True), (0x83, False)]
+    p1, p2 = parts
+    assert p1["start"] == 2048
+    assert p2["start"] == p1["start"] + p1["sectors"]
+    assert (p2["start"] + p2["sectors"]) * 512 == len(data)
+    assert p2["sectors"] * 512 == 64 << 20
+
+    # p1: FAT16 with syslinux, its config, the kernel and the initrd (read with mtools, no mount)
+    at = f"{raw}@@{p1['start'] * 512}"
+    listing = subprocess.run(["mdir", "-a", "-b", "-i", at, "::/"], capture_output=True, text=True, check=True,
+                             env={"MTOOLS_SKIP_CHECK": "1", "PATH": "/usr/bin:/bin"}).stdout  # fmt: skip
+    names = {line.strip().lstrip(":/").lower() for line in listing.splitlines() if line.strip()}
+    assert {"ldlinux.sys", "ldlinux.c32", "syslinux.cfg", "vmlinuz", "initrd.gz"} <= names
+    cfg = subprocess.run(["mtype", "-i", at, "::/syslinux.cfg"], capture_output=True, text=True, check=True,
+                         env={"MTOOLS_SKIP_CHECK": "1", "PATH": "/usr/bin:/bin"}).stdout  # fmt: skip
+    assert "LINUX /vmlinuz" in cfg
+    assert "INITRD /initrd.gz" in cfg
+    assert tiny_image.manifest["cmdline"] in cfg
+    boot_sector = data[p1["start"] * 512 : p1["start"] * 512 + 512]
+    assert boot_sector[54:62] == b"FAT16   "
+    assert boot_sector[39:43] == int(disk.FAT_VOLUME_ID, 16).to_bytes(4, "little"), "fixed volume id"
+
+    # p2: ext4 labelled vmdata (checked on an extracted copy, no mount)
+    p2_img = tmp_path / "p2.img"
+    p2_img.write_bytes(data[p2["start"] * 512 : (p2["start"] + p2["sectors"]) * 512])
+    probe = subprocess.run(["blkid", "-p", "-o", "export", str(p2_img)], capture_output=True, text=True,
+                           check=True).stdout  # fmt: skip
+    fields = dict(line.split("=", 1) for line in probe.splitlines() if "=" in line)
+    assert fields["TYPE"] == "ext4"
+    assert fields["LABEL"] == "vmdata"
+
+
+def test_initramfs_contents(tiny_image: BuiltImage) -> None:
+    files = _initramfs(tiny_image)
+    recipe = load_recipe("tiny")
+    release = tiny_image.manifest["guest"]["kernel_release"]
+
+    init = files["init"]
+    assert stat.S_ISLNK(init.mode) and init.data == b"bin/busybox"
+    assert stat.S_ISREG(files["bin/busybox"].mode), "the busybox applet link must not replace the binary"
+    assert stat.S_ISLNK(files["sbin/modprobe"].mode)
+    assert stat.S_ISCHR(files["dev/console"].mode) and files["dev/console"].rdev == (5, 1)
+    for d in ("var/log", "data", "proc", "sys", "dev"):
+        assert stat.S_ISDIR(files[d].mode), d
+
+    inittab = files["etc/inittab"].data.decode()
+    assert "::sysinit:/etc/rcS" in inittab
+    assert "/etc/vmsidecar/getty ttyS0" in inittab and "/etc/vmsidecar/getty hvc0" in inittab
+    assert "::shutdown:/bin/umount /data" in inittab
+    getty = files["etc/vmsidecar/getty"].data.decode()
+    assert "getty -n -l /bin/sh 115200" in getty
+    assert files["etc/vmsidecar/getty"].mode & 0o111
+
+    rcs = files["etc/rcS"].data.decode()
+    assert files["etc/rcS"].mode & 0o111
+    assert 'msg="VMSIDECAR-READY image=$label uptime=' in rcs
+    assert "/dev/$tty" in rcs and "hvc0" in rcs
+    assert rcs.index("ip link set eth0 up") < rcs.index("udhcpc")
+    assert "PS1='vm# '" in files["etc/profile"].data.decode()
+    assert b"poweroff" in files["etc/acpi/PWRF/00000080"].data
+    assert files["etc/vmsidecar-image"].data == b"tiny\n"
+
+    boot = files["etc/vmsidecar/modules.boot"].data.decode().split()
+    assert boot == recipe.module_list("modules_boot")
+    assert {"virtio_pci", "virtio_console", "virtio_blk", "virtio_net", "ext4", "vfat", "evdev"} <= set(boot)
+    moddir = f"lib/modules/{release}"
+    dep = files[f"{moddir}/modules.dep"].data.decode()
+    shipped = {Path(p).name for p in tiny_image.manifest["guest"]["modules_shipped"]}
+    for mod in ("slcan.ko", "vcan.ko", "kvaser_pci.ko", "sja1000.ko", "can-dev.ko", "can-raw.ko", "ext4.ko"):
+        assert mod in shipped
+        assert any(path.endswith(f"/{mod}") for path in files), mod
+    assert "kvaser_pci.ko: kernel/drivers/net/can/sja1000/sja1000.ko" in dep
+
+
+def test_cpio_writer_roundtrip() -> None:
+    entries = [
+        Entry("bin", stat.S_IFDIR | 0o755),
+        Entry("bin/sh", stat.S_IFLNK | 0o777, b"busybox"),
+        Entry("bin/busybox", stat.S_IFREG | 0o755, b"\x7fELF..."),
+    ]
+    a, b = io.BytesIO(), io.BytesIO()
+    write_cpio(a, entries, mtime=1)
+    write_cpio(b, list(reversed(entries)), mtime=1)
+    assert a.getvalue() == b.getvalue(), "order of input must not matter"
+    assert len(a.getvalue()) % 4 == 0
+    back = read_cpio(a.getvalue())
+    assert back["bin/busybox"].data == b"\x7fELF..."
+    assert back["bin/sh"].data == b"busybox"
+    # GNU cpio agrees with our reading
+    listing = subprocess.run(["cpio", "-it", "--quiet"], input=a.getvalue(), capture_output=True, check=True)
+    assert listing.stdout.decode().split() == ["bin", "bin/busybox", "bin/sh"]
+
+
+def test_stale_pin_names_package_versions_and_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The fault is real: apt itself answers that the version does not exist."""
+    monkeypatch.setenv("VMSIDECAR_IMAGE_CACHE", str(tmp_path / "images"))
+    real_load = build_mod.load_recipe
+    bogus = "0.0.0-vmsidecar-nonexistent"
+
+    def load_with_bad_pin(name: str = "tiny"):
+        recipe = real_load(name)
+        pins = recipe.pins["x86_64"]
+        recipe.pins["x86_64"] = dataclasses.replace(
+            pins, kernel=dataclasses.replace(pins.kernel, version=bogus)
+        )
+        return recipe
+
+    monkeypatch.setattr(build_mod, "load_recipe", load_with_bad_pin)
+    with pytest.raises(PinError) as err:
+        build_image("tiny")
+    msg = str(err.value)
+    recipe = real_load("tiny")
+    package = recipe.pins["x86_64"].kernel.package
+    assert package in msg
+    assert bogus in msg
+    assert str(recipe.versions_file) in msg
+    offered = debs.apt_versions(package)
+    assert offered, f"apt should still offer {package}"
+    assert all(v in msg for v in offered)
+    assert not list((tmp_path / "images").glob("tiny-*")), "a failed build must leave no image behind"
+
+
+def test_cli_build_and_list(tiny_image: BuiltImage, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["build", "tiny"]) == 0
+    assert capsys.readouterr().out.strip() == str(tiny_image.dir)
+    assert cli_main(["build", "tiny", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest["input_hash"] == tiny_image.manifest["input_hash"]
+    assert cli_main(["list"]) == 0
+    assert str(tiny_image.dir) in capsys.readouterr().out
+
+
+def test_build_is_reproducible(
+    tiny_image: BuiltImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh build elsewhere (other time, other directory) gives the same bytes."""
+    monkeypatch.setenv("VMSIDECAR_IMAGE_CACHE", str(tmp_path))
+    again = build_image("tiny")
+    assert again.dir != tiny_image.dir
+    assert again.manifest["input_hash"] == tiny_image.manifest["input_hash"]
+    for name in ("disk.qcow2", "initrd.gz", "vmlinuz"):
+        assert again.manifest["files"][name]["sha256"] == tiny_image.manifest["files"][name]["sha256"], name
