@@ -1,0 +1,90 @@
+"""Boot benchmark: runtime start → Ready (image cached) and recycle → Ready, medians of N runs.
+
+    uv run python bench/boot.py [--runs 5] [--image file:PATH] [--backend qemu|libvirt]
+
+Prints one line per run and a summary with medians and the recycle/cold ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vmsidecar_runtime.client import RuntimeClient
+
+
+async def _serve_until_ready(work: Path, spec: dict, cache: Path) -> tuple[subprocess.Popen[bytes], float]:
+    shared = work / "shared"
+    work.mkdir(parents=True, exist_ok=True)
+    spec_file = work / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(spec_file), "--shared-dir",
+         str(shared), "--cache-dir", str(cache), "--state-dir", str(work / "state")],
+        stdout=subprocess.DEVNULL, stderr=open(work / "runtime.log", "wb"),  # noqa: SIM115
+    )
+    while not (shared / "api.sock").exists():
+        await asyncio.sleep(0.02)
+    async with RuntimeClient(shared / "api.sock") as client:
+        await client.wait_ready(300, poll=0.05)
+    return proc, time.monotonic() - started
+
+
+async def bench(image: str, runs: int, backend: str) -> dict[str, float]:
+    """Measure and print; returns the medians."""
+    spec = {"image": image, "memory": "256M", "backend": backend}
+    cold: list[float] = []
+    recycle: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="vmsidecar-bench-") as tmp:
+        cache = Path(tmp) / "cache"
+        # warm the cache once: the benchmark measures boots, not pulls
+        proc, first = await _serve_until_ready(Path(tmp) / "warm", spec, cache)
+        proc.terminate()
+        proc.wait(60)
+        print(f"warm-up (pull + boot): {first:.2f} s")
+        for i in range(runs):
+            work = Path(tmp) / f"run{i}"
+
+            proc, seconds = await _serve_until_ready(work, spec, cache)
+            cold.append(seconds)
+            async with RuntimeClient(work / "shared" / "api.sock") as client:
+                t0 = time.monotonic()
+                await client.recycle()
+                await client.wait_ready(300, poll=0.05)
+                recycle.append(time.monotonic() - t0)
+            proc.terminate()
+            proc.wait(60)
+            print(f"run {i + 1}: start→Ready {cold[-1]:.2f} s, recycle→Ready {recycle[-1]:.2f} s")
+    result = {"cold_median": statistics.median(cold), "recycle_median": statistics.median(recycle)}
+    result["ratio"] = result["recycle_median"] / result["cold_median"]
+    print(f"\n{backend}: runtime start→Ready median {result['cold_median']:.2f} s; "
+          f"recycle→Ready median {result['recycle_median']:.2f} s; recycle/cold {result['ratio']:.2f} "
+          f"({runs} runs, cached image)")
+    return result
+
+
+def main() -> None:
+    """Entry point."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--image", help="default: the tiny guest built by vmsidecar-image")
+    p.add_argument("--backend", default="qemu", choices=["qemu", "libvirt"])
+    args = p.parse_args()
+    image = args.image
+    if image is None:
+        from vmsidecar_images.build import build_image
+
+        image = f"file:{build_image('tiny').disk}"
+    asyncio.run(bench(image, args.runs, args.backend))
+
+
+if __name__ == "__main__":
+    main()
