@@ -229,3 +229,26 @@ def test_build_is_reproducible(
     assert again.manifest["input_hash"] == tiny_image.manifest["input_hash"]
     for name in ("disk.qcow2", "initrd.gz", "vmlinuz"):
         assert again.manifest["files"][name]["sha256"] == tiny_image.manifest["files"][name]["sha256"], name
+
+
+def _has_arm64_packages() -> bool:
+    out = subprocess.run(["dpkg", "--print-foreign-architectures"], capture_output=True, text=True)
+    return "arm64" in out.stdout.split()
+
+
+@pytest.mark.skipif(
+    not _has_arm64_packages(), reason="needs `dpkg --add-architecture arm64 && apt-get update`"
+)
+def test_aarch64_builds_for_direct_kernel_boot(tmp_path: Path) -> None:
+    image = build_image("tiny", arch="aarch64")
+    m = image.manifest
+    assert (m["arch"], m["boot"]) == ("aarch64", "direct-kernel")
+    assert m["cmdline"].startswith("console=ttyAMA0 ")
+    assert image.kernel.read_bytes()[56:60] == b"ARM\x64", "arm64 Image magic"
+    files = _initramfs(image)
+    assert stat.S_ISREG(files["bin/busybox"].mode)
+    assert files["bin/busybox"].data[18:20] == (183).to_bytes(2, "little"), "EM_AARCH64 busybox"
+    boot = files["etc/vmsidecar/modules.boot"].data.decode().split()
+    assert {"virtio_mmio", "gpio_keys"} <= set(boot)
+    parts = disk.read_partitions(_raw(image, tmp_path).read_bytes())
+    assert [(p["type"], p["bootable"]) for p in parts] == [(0x0E, False), (0x83, False)]

@@ -192,7 +192,10 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
 
     # 3. disk: p1 FAT16 (syslinux, kernel, initrd), p2 ext4 (vmdata), MBR, qcow2
     dcfg = recipe.config["disk"]
-    layout = disk.Layout(boot_mib=int(dcfg["boot_mib"]), data_mib=int(dcfg["data_mib"]))
+    layout = disk.Layout(
+        boot_mib=int(arch_cfg.get("boot_mib", dcfg["boot_mib"])),
+        data_mib=int(arch_cfg.get("data_mib", dcfg["data_mib"])),
+    )
     cmdline = str(arch_cfg["cmdline"])
     bootable = bool(arch_cfg.get("bootable_disk", True))
     boot_img, data_img, raw = work / "p1.img", work / "p2.img", work / "disk.img"
@@ -223,7 +226,7 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
         mke2fs_conf=recipe.dir / "mke2fs.conf",
     )
     disk.assemble(raw, layout=layout, boot=boot_img, data=data_img, bootable=bootable)
-    disk.to_qcow2(raw, out / DISK)
+    disk.to_qcow2(raw, out / DISK, compress=bool(arch_cfg.get("qcow2_compress", False)))
     t = step("disk", t)
 
     shutil.rmtree(work)

@@ -118,7 +118,7 @@ def stage(
     (stage_dir / "init").symlink_to("bin/busybox")
 
     # kernel modules + their dependencies, then a depmod of just those
-    boot = recipe.module_list("modules_boot")
+    boot = recipe.module_list("modules_boot") + list(recipe.arch_config(arch).get("modules_boot_extra", []))
     extra = recipe.module_list("modules_extra")
     src_moddir = kernel_root / "lib" / "modules" / release
     dst_moddir = stage_dir / "lib" / "modules" / release
