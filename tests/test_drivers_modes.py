@@ -9,21 +9,11 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import exporter_config, run_shell
+from fixtures.jmp import PIPE_UNTIL, exporter_config, run_shell
 from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(900)
 
-#: `j vm console pipe` runs until Ctrl-C: feed it input, stop it (SIGINT) once PATTERN shows up
-PIPE_UNTIL = r"""
-pipe_until() {  # PATTERN OUTFILE [INPUT]
-  printf "${3:-}" > "$2.in"
-  j vm console pipe < "$2.in" > "$2" 2>/dev/null & local pid=$!
-  for _ in $(seq 240); do grep -q "$1" "$2" 2>/dev/null && break; sleep 0.25; done
-  kill -INT $pid 2>/dev/null; wait $pid || true
-  grep -q "$1" "$2"
-}
-"""
 CONSOLE_CHECK = PIPE_UNTIL + r"""
 j vm power on
 pipe_until vmsidecar-42 console.txt '\necho vmsidecar-$((6*7))\n'

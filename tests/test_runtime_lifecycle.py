@@ -12,6 +12,7 @@ import pytest
 
 from guestio import Console
 from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_runtime.errors import GenerationChangedError
 from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(600)
@@ -165,3 +166,20 @@ def _cmdline_has(pid: str, needle: str) -> bool:
     except OSError:
         return False
     return cmd.startswith(b"qemu-system") and needle.encode() in cmd
+
+
+async def test_claim_recycles_a_used_generation_and_late_recycle_is_a_no_op(
+    start_runtime: Any, tiny_image: Any
+) -> None:
+    """0.9.0 may open lease N+1's drivers before lease N's close() ran: the claim covers that order."""
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    client = rt.client()
+    await client.wait_ready(180)
+    first = await client.claim()
+    assert (first.generation, first.claimed) == (0, True)
+    second = await client.claim()  # the next lease claims before the previous one recycled
+    assert (second.generation, second.claimed) == (1, True)
+    with pytest.raises(GenerationChangedError):
+        await client.recycle(if_generation=0)  # the previous lease's late recycle must not wipe lease 2
+    state = await client.wait_ready(180)
+    assert state.generation == 1 and state.claimed

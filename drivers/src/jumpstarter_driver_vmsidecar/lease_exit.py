@@ -1,12 +1,13 @@
 """ExitAndReplace on jumpstarter 0.9.0: make ``jmp run`` end after the first lease.
 
-0.9.0 has no ``exitOnLeaseEnd``. Its ``jmp run`` restarts the exporter child whenever it exits 0
-and passes any other exit code through. SIGHUP to the child is its own "exit after the current
-lease" switch: the exporter then skips reporting AVAILABLE, unregisters, and exits 129, which the
-parent does not restart. We send it when the first lease claims the VM, so the pool never offers
-this exporter again. ``vmsidecar-exporter`` (the exporter image's entrypoint) turns that
-requested 129 into exit 0 so the pod completes Succeeded. Where jumpstarter has
-``exitOnLeaseEnd`` and the config sets it, jumpstarter does all of this itself.
+0.9.0 has no ``exitOnLeaseEnd``. Its ``jmp run`` restarts the exporter child whenever the child
+exits 0. SIGHUP to the child is its own "exit after the current lease" switch: the exporter then
+skips reporting AVAILABLE (except on the ``EndSession`` path of ``jmp shell`` auto-leases, which
+reports it before exiting), unregisters, and its parent does not restart it. ``jmp run`` itself
+then exits 0 (click discards the internal code 129), so a ``restartPolicy: Never`` pod completes
+Succeeded. We send SIGHUP at the first driver call of a lease: driver calls are only served in
+LEASE_READY, and a SIGHUP before the first lease would stop the exporter at once. Where
+jumpstarter has ``exitOnLeaseEnd`` and the config sets it, jumpstarter does this itself.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import sys
 from pathlib import Path
 
 import yaml
-
-#: set by ``vmsidecar-exporter``: a file the driver writes when it asked for the exit
-MARKER_ENV = "VMSIDECAR_EXIT_MARKER"
 
 
 def _argv_option(argv: list[str], name: str) -> str | None:
@@ -63,8 +61,5 @@ def request_exit_after_lease(log: logging.Logger) -> None:
     if config_exits_on_lease_end():
         log.info("ExitAndReplace: exitOnLeaseEnd is set; jumpstarter exits after this lease")
         return
-    marker = os.environ.get(MARKER_ENV)
-    if marker:
-        Path(marker).write_text("ExitAndReplace\n")
     log.info("ExitAndReplace: asking jmp run (pid %d) to exit after this lease", os.getpid())
     os.kill(os.getpid(), signal.SIGHUP)
