@@ -209,6 +209,29 @@ def test_stale_pin_names_package_versions_and_file(monkeypatch: pytest.MonkeyPat
     assert not list((tmp_path / "images").glob("tiny-*")), "a failed build must leave no image behind"
 
 
+def test_failed_build_leaves_nothing_that_looks_complete(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Builds happen in a dot-temp dir renamed at the end; leftovers of killed builds are swept."""
+    root = tmp_path / "images"
+    monkeypatch.setenv("VMSIDECAR_IMAGE_CACHE", str(root))
+    recipe = load_recipe("tiny")
+    final = build_mod.image_dir("tiny", "x86_64", recipe.input_hash(arch="x86_64", label="tiny"))
+    stale = root / f".tmp-{final.name}-99999"  # as if a build had been SIGKILLed
+    stale.mkdir(parents=True)
+    (stale / "manifest.json").write_text("{}")
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(disk, "to_qcow2", boom)
+    with pytest.raises(OSError, match="simulated"):
+        build_image("tiny")
+    assert not final.exists()
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".lock-")] == []
+    assert list_images() == []
+
+
 def test_cli_build_and_list(tiny_image: BuiltImage, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["build", "tiny"]) == 0
     assert capsys.readouterr().out.strip() == str(tiny_image.dir)
