@@ -25,7 +25,7 @@ _BUILDER_MODULES = ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py",
 def recipes_root() -> Path:
     """The recipes directory: ``images/recipes`` in the source tree, else the copy in the wheel."""
     for candidate in (_PACKAGE_DIR.parents[1] / "recipes", _PACKAGE_DIR / "recipes"):
-        if candidate.is_dir():
+        if any(candidate.glob("*/recipe.toml")):
             return candidate
     raise BuildError(
         f"no recipes directory next to {_PACKAGE_DIR}; reinstall vmsidecar-images (the wheel ships "
@@ -145,9 +145,8 @@ class Recipe:
         feed("format", str(BUILDER_FORMAT).encode())
         feed("epoch", str(SOURCE_DATE_EPOCH).encode())
         for path in self.files():
-            rel = path.relative_to(self.dir).as_posix()
-            executable = path.stat().st_mode & 0o111 != 0
-            feed(f"file:{rel}:{'x' if executable else '-'}", path.read_bytes())
+            # no mode bits: guest modes derive from content (#!), and wheels may drop exec bits
+            feed(f"file:{path.relative_to(self.dir).as_posix()}", path.read_bytes())
         feed("pins", json.dumps(self.arch_pins(arch).as_dict(), sort_keys=True).encode())
         feed("arch", arch.encode())
         feed("label", label.encode())
