@@ -1,9 +1,11 @@
 """``vmsidecar-shell``: a VM and a ``jmp shell`` on it, on a developer's machine, no container engine.
 
 Starts ``vmsidecar-runtime serve`` as a child process on a private shared directory, waits until
-the guest is Ready, then runs ``jmp shell --exporter-config`` (local mode) with a
-``VirtualMachine`` driver exported as ``vm``. ``-- COMMAND`` runs a command in that shell
-instead of an interactive one. When the shell ends, the runtime and the guest are stopped.
+the guest is Ready, then does what ``jmp shell --exporter-config`` does (serve the exporter
+config on a local socket, ``launch_shell``) with a ``VirtualMachine`` driver exported as ``vm``.
+``-- COMMAND`` runs a command in that shell instead of an interactive one, and its exit code is
+ours: jumpstarter 0.9.0's ``jmp shell --exporter-config`` drops it and always exits 0. When the
+shell ends, the runtime and the guest are stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from pathlib import Path
 
 import yaml
+from jumpstarter.common.utils import launch_shell
+from jumpstarter.config.exporter import ExporterConfigV1Alpha1
 
 from vmsidecar_runtime.client import RuntimeClient
 from vmsidecar_runtime.errors import VmsidecarError
@@ -91,13 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         seconds = asyncio.run(_wait_ready(shared / "api.sock", runtime, args.ready_timeout, log))
         print(f"vmsidecar: guest ready in {seconds:.1f} s; try `j vm console start-console` "
               "(Ctrl-B three times to leave), `j vm power cycle`, `j vm storage flash FILE`", file=sys.stderr)
-        config = _exporter_config(work / "exporter.yaml", shared / "api.sock", args.recycle)
-        jmp = shutil.which("jmp", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}") or "jmp"
-        shell = [jmp, "shell", "--exporter-config", str(config)]
-        if command:
-            shell += ["--", *command]
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-        return subprocess.call(shell, env=env)
+        config = ExporterConfigV1Alpha1.load_path(
+            _exporter_config(work / "exporter.yaml", shared / "api.sock", args.recycle))
+        os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"  # `j` for the shell
+        with config.serve_unix() as path:
+            return launch_shell(path, "vmsidecar", allow=[], unsafe=True, use_profiles=False,
+                                command=tuple(command) or None)
     except KeyboardInterrupt:
         return 130
     finally:

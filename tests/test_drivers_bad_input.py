@@ -1,0 +1,75 @@
+"""Bad input on the exporter side, through real `jmp` processes: each gives a clear sentence and the
+exporter keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.jmp import exporter_config, jmp_env, run_shell
+
+pytestmark = pytest.mark.timeout(900)
+
+
+async def test_runtime_down_then_back_and_restarted_mid_session(
+    start_runtime: Any, tiny_image: Any, standalone_exporter: Any, tmp_path: Path
+) -> None:
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M"}
+    socket = tmp_path / "rt" / "shared" / "api.sock"
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(socket), "spec": spec,
+                                                        "recycle": "InPlaceReuse"})
+    exp = await asyncio.to_thread(standalone_exporter, cfg)  # the runtime does not exist yet
+
+    result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm power on", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "the vmsidecar runtime is not reachable" in result.stderr and "does not exist" in result.stderr
+    assert exp.proc.poll() is None  # the exporter keeps running
+
+    rt = await start_runtime(None, name="rt")  # no spec of its own: the driver hands over its spec
+    result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm power on", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:] + exp.log_text()[-3000:]
+    await rt.client().wait_ready(180)
+
+    await asyncio.to_thread(rt.stop, signal.SIGTERM, 60)  # the runtime restarts mid-session
+    rt = await start_runtime(None, name="rt")
+    result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm power on\nj vm power read", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:] + exp.log_text()[-3000:]
+    assert "voltage=5.0" in result.stdout
+    assert (await rt.client().wait_ready(180)).phase.value == "Ready"
+
+    bad_url = "j vm storage flash http://127.0.0.1:1/disk.qcow2"
+    result = await asyncio.to_thread(run_shell, exp.shell_args, bad_url, cwd=tmp_path)
+    assert result.returncode != 0 and "127.0.0.1:1" in result.stderr
+    assert exp.proc.poll() is None
+
+
+async def test_runtime_rejects_the_spec_and_j_user_reads_why(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    rt = await start_runtime(None)
+    spec = {"image": f"file:{tiny_image.disk}", "extra_args": ["-device", "virtio-balloon-pci"]}
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket), "spec": spec})
+    result = await asyncio.to_thread(run_shell, ["--exporter-config", str(cfg)], "j vm power on", cwd=tmp_path)
+    # (0.9.0's `jmp shell --exporter-config` always exits 0, so the error text is what counts here)
+    assert ("Error: DriverCall 'on' failed with gRPC INVALID_ARGUMENT: extra_args may only be set by an "
+            "administrator; start the runtime with --allow-extra-args" in " ".join(result.stderr.split()))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"recycle": "InPlaceReuze"}, "recycle: 'InPlaceReuze' is not a recycle strategy; use ExitAndReplace or InPlaceReuse"),
+        ({"spec": {"memory": "12Q"}}, "memory: '12Q' is not a size"),
+    ],
+)
+def test_bad_exporter_config_fails_at_start(config: dict[str, Any], message: str, tmp_path: Path) -> None:
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(tmp_path / "api.sock"), **config})
+    result = subprocess.run(["jmp", "shell", "--exporter-config", str(cfg), "--", "true"], env=jmp_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert message in " ".join((result.stdout + result.stderr).split())
