@@ -183,3 +183,17 @@ async def test_claim_recycles_a_used_generation_and_late_recycle_is_a_no_op(
         await client.recycle(if_generation=0)  # the previous lease's late recycle must not wipe lease 2
     state = await client.wait_ready(180)
     assert state.generation == 1 and state.claimed
+
+
+async def test_runtime_killed_takes_its_qemu_along(start_runtime: Any, tiny_image: Any, qemu_processes: Any) -> None:
+    """Even SIGKILL (no cleanup code runs) must not leave a QEMU holding the disk and sockets."""
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    await rt.client().wait_ready(180)
+    assert qemu_processes(str(rt.state)) == 1
+    rt.proc.kill()
+    rt.proc.wait(10)
+    for _ in range(50):
+        if qemu_processes(str(rt.state)) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert qemu_processes(str(rt.state)) == 0

@@ -212,6 +212,15 @@ class VmController:
             await hub.close()
         self._hubs.clear()
 
+    async def kill(self) -> None:
+        """Last resort (grace period over): SIGKILL the backend, whatever the controller was doing."""
+        backend = self._backend
+        if backend is not None and backend.alive:
+            await backend.kill()
+        for hub in self._hubs.values():
+            await hub.close()
+        self._hubs.clear()
+
     # ---- spec ----------------------------------------------------------------------------
     async def set_spec(self, spec: VmSpec, *, from_api: bool = True) -> bool:
         """Replace the spec; returns False when it equals the current one (idempotent).
@@ -379,6 +388,8 @@ class VmController:
         self._disarm_readiness()
         self._expect_exit = True
         if backend.alive:
+            # A guest still booting has nothing to save and usually no ACPI handler yet: stop it hard.
+            graceful = graceful and self.phase == Phase.READY
             self._set_phase(Phase.STOPPING, graceful=graceful)
             if graceful:
                 await self._acpi_powerdown(backend, timeout)
@@ -578,7 +589,7 @@ class VmController:
         """
         async with self._lock:
             if self.phase in LIVE and not power_off:
-                require(self.phase, BOOTABLE, "flash the disk (ask with power_off=true to power it off first)")
+                require(self.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
             received = await receive_image(
                 chunks, self._flash_dir, expected_size=expected_size, expected_digest=expected_digest
             )
@@ -597,7 +608,7 @@ class VmController:
                               progress: Callable[[int, int | None], None] | None = None) -> VmState:
         """Pull an image by reference and make it the disk (the cache keeps it read-only)."""
         if self.phase in LIVE and not power_off:
-            require(self.phase, BOOTABLE, "flash the disk (ask with power_off=true to power it off first)")
+            require(self.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
         disk = await self.pull(reference, progress=progress)
         async with self._lock:
             if self.phase in LIVE or self.phase == Phase.ERROR:

@@ -55,20 +55,21 @@ async def run_tool(*argv: str) -> tuple[int, str, str]:
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
-async def check_image(path: Path, fmt: str) -> None:
+async def check_image(path: Path, fmt: str, label: str | None = None) -> None:
     """Refuse an image QEMU could not boot from (corrupt qcow2, empty file).
 
     :raise ImageError: naming what is wrong and what to do.
     """
+    label = label or f"disk image {path.name}"
     if path.stat().st_size == 0:
-        raise ImageError(f"disk image {path.name} is empty; provide a qcow2 or raw disk with content")
+        raise ImageError(f"{label} is empty; provide a qcow2 or raw disk with content")
     if fmt == "qcow2":
         rc, out, err = await run_tool("qemu-img", "check", "-f", "qcow2", "--output=json", str(path))
         # rc 3 = only leaked clusters, harmless for a read-only base
         if rc not in (0, 3):
             detail = (err or out).strip().splitlines()
             raise ImageError(
-                f"disk image {path.name} is a corrupt qcow2 ({detail[-1] if detail else f'qemu-img check rc {rc}'}); "
+                f"{label} is a corrupt qcow2 ({detail[-1] if detail else f'qemu-img check rc {rc}'}); "
                 "re-download or rebuild the image"
             )
 
@@ -194,11 +195,16 @@ async def receive_image(
                 f"the flashed image has digest {digest} but {expected_digest} was expected; "
                 "the data was corrupted on the way or the digest is wrong"
             )
-        await check_image(tmp, fmt)
+        await check_image(tmp, fmt, "the flashed image")
         return ReceivedImage(tmp, fmt, digest, written, compression)
     except OSError as e:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(e, ConnectionError):
+            raise ImageError(
+                f"the image stream was cut off after {received} bytes (the sender disconnected); the previous disk "
+                "is kept; flash again"
+            ) from e
         if e.errno == 28:
             raise HostError(f"no space left in {dest_dir} while flashing; free space or use a larger volume") from e
         raise

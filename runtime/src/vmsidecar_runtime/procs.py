@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import signal
+import sys
 from typing import Any
 
 #: pids started through ``spawn`` and not yet waited for; the reaper leaves these to asyncio
 OWN: set[int] = set()
 
 
-async def spawn(*argv: str, **kwargs: Any) -> asyncio.subprocess.Process:
-    """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid."""
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # PR_SET_PDEATHSIG(SIGKILL): a QEMU must never outlive the runtime that owns its disk and sockets
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asyncio.subprocess.Process:
+    """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid.
+
+    ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies.
+    """
+    if die_with_parent and sys.platform == "linux":
+        kwargs["preexec_fn"] = _die_with_parent
     proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
     OWN.add(proc.pid)
     wait = proc.wait

@@ -28,15 +28,15 @@ LIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.READY})
 BOOTABLE = frozenset({Phase.STOPPED, Phase.CRASHED, Phase.ERROR})
 
 
-def require(actual: Phase, allowed: frozenset[Phase], operation: str) -> None:
+def require(actual: Phase, allowed: frozenset[Phase], operation: str, *, hint: str = "") -> None:
     """Raise a 409-mapped error when ``actual`` is not one of ``allowed``.
 
-    :raise StateError: naming the actual and the required phases.
+    :raise StateError: naming the actual and the required phases (and ``hint``, another way out).
     """
     if actual not in allowed:
         wanted = "|".join(sorted(p.value for p in allowed))
         raise StateError(
-            f"cannot {operation} while the VM is {actual.value}; it needs {wanted}",
+            f"cannot {operation} while the VM is {actual.value}; it needs {wanted}" + (f", {hint}" if hint else ""),
             actual=actual.value,
             required=wanted,
         )

@@ -40,6 +40,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except VmsidecarError as e:
+        log.info("%s %s -> %d %s: %s", request.method, request.path, e.http_status, e.code, e.message)
         return _error_response(e.http_status, e.code, e.message)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
@@ -167,7 +168,7 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
     if vm.phase in (Phase.STARTING, Phase.RUNNING, Phase.READY) and not req.power_off:
         from ..state import BOOTABLE, require
 
-        require(vm.phase, BOOTABLE, "flash the disk (ask with power_off=true to power it off first)")
+        require(vm.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

@@ -68,6 +68,7 @@ class QemuBackend:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
+            die_with_parent=True,
         )
         self._tasks = [
             asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
