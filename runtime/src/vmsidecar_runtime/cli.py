@@ -23,6 +23,10 @@ from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
 from .spec import spec_from_sources
 from .state import VmState
 
+#: environment that configures the process, not the VM spec
+_PROCESS_ENV = {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
+                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL"}
+
 
 def _default_socket() -> Path:
     return Path(os.environ.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED)) / "api.sock"
@@ -136,8 +140,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     overrides = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
                  "accel": args.accel, "backend": args.backend}
     spec_given = args.spec or any(v is not None for v in overrides.values()) or any(
-        k.startswith("VMSIDECAR_") and k not in ("VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR")
-        for k in os.environ)
+        k.startswith("VMSIDECAR_") and k not in _PROCESS_ENV for k in os.environ)
     spec = spec_from_sources(Path(args.spec) if args.spec else None, overrides) if spec_given else None
     paths = default_paths(
         Path(args.shared_dir) if args.shared_dir else None,
@@ -163,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shared-dir", help=f"sockets for the exporter (default {DEFAULT_SHARED}, VMSIDECAR_SHARED_DIR)")
     s.add_argument("--cache-dir", help="image cache (default /var/lib/vmsidecar/cache, VMSIDECAR_CACHE_DIR)")
     s.add_argument("--state-dir", help="overlay, logs, flashed disks (VMSIDECAR_STATE_DIR)")
-    s.add_argument("--log-format", choices=["text", "json"], default="text")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("VMSIDECAR_LOG_FORMAT", "text"))
+    s.add_argument("--log-level", default=os.environ.get("VMSIDECAR_LOG_LEVEL", "INFO"))
     s.add_argument("--allow-extra-args", action="store_true", help="accept extra_args in specs sent over the API")
     s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
 

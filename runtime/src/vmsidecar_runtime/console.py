@@ -16,6 +16,8 @@ import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from .perms import share
+
 log = logging.getLogger(__name__)
 
 #: chunks a slow client may fall behind before it is disconnected
@@ -88,7 +90,7 @@ class ConsoleHub:
             self._server = await asyncio.start_unix_server(self._serve_client, path=str(self.listen_path))
         finally:
             os.umask(old)
-        os.chmod(self.listen_path, 0o660)
+        share(self.listen_path, 0o660)
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(CLIENT_QUEUE_CHUNKS)

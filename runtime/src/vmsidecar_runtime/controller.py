@@ -117,6 +117,8 @@ class VmController:
         self._ready_window = b""
         self._launched_at = 0.0
         self.shutdown_requested = asyncio.Event()
+        #: started without an image (a pool pod): boot as soon as a spec with an image arrives
+        self._boot_on_spec = spec is None or not spec.image
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- state ---------------------------------------------------------------------------
@@ -245,6 +247,9 @@ class VmController:
                 self._overlay.unlink(missing_ok=True)
             await self._open_hubs(spec)
             self.events.publish("spec", spec=spec.model_dump(mode="json"))
+            if self._boot_on_spec and spec.image:
+                self._boot_on_spec = False
+                self._spawn(self._autostart())
             return True
 
     # ---- images --------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from . import procs
 from .api.server import serve_api
 from .controller import RuntimePaths, VmController
 from .errors import HostError
+from .perms import share
 from .spec import VmSpec
 
 log = logging.getLogger("vmsidecar_runtime")
@@ -141,7 +142,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     lock.acquire()
-    paths.shared.chmod(0o2770 if os.getuid() == 0 else paths.shared.stat().st_mode & 0o7777)
+    share(paths.shared, 0o2770)
     vm = VmController(spec, paths, allow_extra_args=allow_extra_args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..controller import VmController
 from ..errors import RequestError, VmsidecarError
+from ..perms import share
 from ..spec import load_spec
 from ..state import Phase
 from .models import Accepted, Health, PowerRequest, PullRequest, RecycleRequest
@@ -290,5 +291,5 @@ async def serve_api(vm: VmController, socket_path: Path) -> web.AppRunner:
         await site.start()
     finally:
         os.umask(old)
-    os.chmod(socket_path, 0o660)
+    share(socket_path, 0o660)
     return runner
