@@ -53,7 +53,7 @@ def test_uefi_direct_kernel_channels_and_can() -> None:
     assert _opt(argv, "-kernel") == ["/k"] and _opt(argv, "-append") == ["console=ttyS0"]
     devices = _opt(argv, "-device")
     assert "virtserialport,chardev=channel_agent,name=agent" in devices
-    assert "virtconsole,chardev=can_can0,name=can.can0" in devices
+    assert "virtconsole,chardev=can_can0,name=can.can0.500000" in devices
 
 
 def test_extra_args_are_separate_items_never_a_shell_string() -> None:

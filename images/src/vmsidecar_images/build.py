@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vmsidecar_runtime.arch import normalize_arch
 
-from . import debs, disk, initramfs
+from . import debs, disk, extras, initramfs
 from .errors import BuildError
 from .recipe import BUILDER_FORMAT, SOURCE_DATE_EPOCH, Recipe, load_recipe
 
@@ -171,7 +171,14 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     busybox_root = debs.extract(busybox_deb, work / "busybox")
     t = step("extract", t)
 
-    # 2. initramfs
+    # 2. out-of-tree modules (gpio-virtio), then the initramfs with the guest tools
+    oot: list[Path] = []
+    oot_sources = list(recipe.config.get("module_build", {}).get("sources", []))
+    if pins.module_build and oot_sources:
+        names = extras.build_modules(pins.module_build, pins.deb_arch, oot_sources, release,
+                                     versions_file=recipe.versions_file, work=work, dest=work / "oot")
+        oot = [work / "oot" / f"{n}.ko" for n in names]
+        t = step("modules", t)
     stage_dir = work / "initramfs"
     facts = initramfs.stage(
         recipe=recipe,
@@ -182,7 +189,12 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
         release=release,
         stage_dir=stage_dir,
         fallback_busybox=fallback_busybox,
+        oot_modules=oot,
     )
+    binaries = list(recipe.config.get("tools", {}).get("binaries", []))
+    if pins.tools and binaries:
+        facts.update(extras.stage_tools(pins.tools, pins.deb_arch, binaries, versions_file=recipe.versions_file,
+                                        work=work, stage_dir=stage_dir))
     initramfs.pack(stage_dir, out / INITRD)
     vmlinuz = kernel_root / "boot" / f"vmlinuz-{release}"
     if not vmlinuz.is_file():

@@ -82,6 +82,9 @@ def fetch(pin: Pin, deb_arch: str, *, versions_file: Path, cache_dir: Path | Non
     target = cache_dir / deb_filename(pin, deb_arch)
     if target.is_file():
         return target
+    arch_all = cache_dir / deb_filename(pin, "all")  # architecture-independent packages
+    if arch_all.is_file():
+        return arch_all
     cache_dir.mkdir(parents=True, exist_ok=True)
     if shutil.which("apt-get") is None:
         raise ToolError(
@@ -99,6 +102,8 @@ def fetch(pin: Pin, deb_arch: str, *, versions_file: Path, cache_dir: Path | Non
             check=False,
         )
         got = Path(tmp) / target.name
+        if not got.is_file() and (Path(tmp) / arch_all.name).is_file():
+            got, target = Path(tmp) / arch_all.name, arch_all
         if proc.returncode != 0 or not got.is_file():
             raise _pin_error(pin, deb_arch, qualified, proc.stderr, versions_file)
         os.replace(got, target)

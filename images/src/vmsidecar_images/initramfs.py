@@ -94,8 +94,12 @@ def stage(
     release: str,
     stage_dir: Path,
     fallback_busybox: Path | None = None,
+    oot_modules: list[Path] | None = None,
 ) -> dict[str, object]:
-    """Fill ``stage_dir`` with the guest's root file system; returns facts for the manifest."""
+    """Fill ``stage_dir`` with the guest's root file system; returns facts for the manifest.
+
+    ``oot_modules`` (built out of tree) go to ``lib/modules/<release>/extra/`` before depmod.
+    """
     for d in _EMPTY_DIRS:
         (stage_dir / d).mkdir(parents=True, exist_ok=True)
 
@@ -136,6 +140,10 @@ def stage(
         keep = set(shipped)
         lines = [ln for ln in order.read_text().splitlines() if ln in keep]
         order.write_text("".join(f"{ln}\n" for ln in lines))
+    for ko in oot_modules or []:
+        (dst_moddir / "extra").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ko, dst_moddir / "extra" / ko.name)
+        shipped.append(f"extra/{ko.name}")
     run(["depmod", "-b", str(stage_dir), release], what="index the initramfs modules")
 
     # recipe files (rootfs/), then generated ones
@@ -148,7 +156,8 @@ def stage(
     (stage_dir / "etc" / "group").write_text("root:x:0:\ntty:x:5:\n")
     for path in stage_dir.rglob("*"):  # deterministic permissions whatever the checkout's umask
         if path.is_file() and not path.is_symlink():
-            executable = path.read_bytes()[:2] == b"#!" or path == stage_dir / "bin" / "busybox"
+            head = path.read_bytes()[:4]
+            executable = head[:2] == b"#!" or (head == b"\x7fELF" and not path.name.endswith(".ko"))
             os.chmod(path, 0o755 if executable else 0o644)
     return {
         "kernel_release": release,

@@ -19,7 +19,7 @@ SOURCE_DATE_EPOCH = 1704067200
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 #: modules whose source is part of the cache key (the CLI is not: it cannot change the output)
-_BUILDER_MODULES = ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py")
+_BUILDER_MODULES = ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py", "extras.py")
 
 
 def recipes_root() -> Path:
@@ -57,6 +57,10 @@ class ArchPins:
     deb_arch: str
     kernel: Pin
     busybox: Pin
+    #: packages the guest tools (and their libraries) are copied from; empty: no tools
+    tools: list[Pin] = field(default_factory=list)
+    #: source/headers/headers_common/kbuild for out-of-tree modules; empty: none built
+    module_build: dict[str, Pin] = field(default_factory=dict)
 
     @property
     def kernel_release(self) -> str:
@@ -70,11 +74,16 @@ class ArchPins:
         return self.kernel.package[len(prefix) :]
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "deb_arch": self.deb_arch,
             "kernel": {"package": self.kernel.package, "version": self.kernel.version},
             "busybox": {"package": self.busybox.package, "version": self.busybox.version},
         }
+        if self.tools:
+            out["tools"] = [{"package": p.package, "version": p.version} for p in self.tools]
+        if self.module_build:
+            out["module_build"] = {k: {"package": p.package, "version": p.version} for k, p in self.module_build.items()}
+        return out
 
 
 @dataclass
@@ -172,6 +181,8 @@ def load_recipe(name: str = "tiny") -> Recipe:
                 deb_arch=table["deb_arch"],
                 kernel=Pin(**table["kernel"]),
                 busybox=Pin(**table["busybox"]),
+                tools=[Pin(**t) for t in table.get("tools", [])],
+                module_build={k: Pin(**v) for k, v in table.get("module_build", {}).items()},
             )
         except (KeyError, TypeError) as exc:
             raise BuildError(

@@ -76,7 +76,8 @@ def _streams(plan: BootPlan) -> list[str]:
     if spec.virtio_console:
         virtio_ports.append(("virtconsole", "hvc0", "console.0"))
     # CAN buses ride on virtio *consoles* (ttys in the guest), so slcand can attach a line discipline.
-    virtio_ports += [("virtconsole", f"can-{c.name}", f"can.{c.name}") for c in spec.can if c.mode == "slcan"]
+    # The port name tells the guest the bus (= interface name) and bitrate: can.<bus>.<bitrate>.
+    virtio_ports += [("virtconsole", f"can-{c.name}", f"can.{c.name}.{c.bitrate}") for c in spec.can if c.mode == "slcan"]
     virtio_ports += [("virtserialport", f"channel-{c.name}", c.name) for c in spec.channels]
     if virtio_ports:
         argv += ["-device", "virtio-serial-pci,id=vser0,max_ports=31"]
