@@ -175,8 +175,10 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     oot: list[Path] = []
     oot_sources = list(recipe.config.get("module_build", {}).get("sources", []))
     if pins.module_build and oot_sources:
+        patches = [recipe.dir / p for p in recipe.config["module_build"].get("patches", [])]
         names = extras.build_modules(pins.module_build, pins.deb_arch, oot_sources, release,
-                                     versions_file=recipe.versions_file, work=work, dest=work / "oot")
+                                     versions_file=recipe.versions_file, work=work, dest=work / "oot",
+                                     patches=patches)
         oot = [work / "oot" / f"{n}.ko" for n in names]
         t = step("modules", t)
     stage_dir = work / "initramfs"

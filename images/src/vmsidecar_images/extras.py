@@ -132,8 +132,11 @@ def _kernel_source_file(pin: Pin, member: str, *, versions_file: Path, work: Pat
 
 
 def build_modules(pins: dict[str, Pin], deb_arch: str, sources: list[str], release: str, *, versions_file: Path,
-                  work: Path, dest: Path) -> list[str]:
-    """Build each ``drivers/…/x.c`` of ``sources`` into ``dest/x.ko``; returns the module names."""
+                  work: Path, dest: Path, patches: list[Path] | None = None) -> list[str]:
+    """Build each ``drivers/…/x.c`` of ``sources`` into ``dest/x.ko``; returns the module names.
+
+    ``patches`` (``-p1``, paths like ``drivers/gpio/x.c``) are applied to the sources first.
+    """
     missing = {"source", "headers", "headers_common", "kbuild"} - set(pins)
     if missing:
         raise BuildError(f"module_build in versions.toml lacks {sorted(missing)}; pin all four packages")
@@ -148,11 +151,18 @@ def build_modules(pins: dict[str, Pin], deb_arch: str, sources: list[str], relea
     makefile.write_text(makefile.read_text().replace("/usr/src/", f"{hdr_root}/usr/src/"))
     mod_dir = work / "modsrc"
     mod_dir.mkdir(parents=True, exist_ok=True)
+    tree = work / "modtree"
     names = []
     for member in sources:
         src = _kernel_source_file(pins["source"], member, versions_file=versions_file, work=work)
-        shutil.copyfile(src, mod_dir / Path(member).name)
+        (tree / member).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, tree / member)
         names.append(Path(member).stem)
+    for patch in patches or []:
+        debs.run(["patch", "-p1", "--no-backup-if-mismatch", "-d", str(tree), "-i", str(patch)],
+                 what=f"apply {patch.name}")
+    for member in sources:
+        shutil.copyfile(tree / member, mod_dir / Path(member).name)
     (mod_dir / "Kbuild").write_text(
         "".join(f"obj-m += {n}.o\n" for n in names) + "ccflags-y += -fmacro-prefix-map=$(src)/=\n"
     )

@@ -24,6 +24,7 @@ from .disk import DiskImage, check_image, create_overlay, install_image, receive
 from .errors import GenerationChangedError, GuestError, HostError, ImageError, SpecError, VmsidecarError
 from .events import EventBus
 from .firmware import prepare_firmware
+from .gpio import GpioDevice
 from .plan import BootPlan
 from .spec import VmSpec
 from .state import BOOTABLE, LIVE, ExitInfo, Phase, Timings, VmState, require
@@ -113,6 +114,8 @@ class VmController:
         self._expect_exit = False
         self._claimed = False
         self._hubs: dict[str, ConsoleHub] = {}
+        #: the vhost-user virtio-gpio backend + <shared>/gpio.sock, when the spec has GPIO lines
+        self.gpio: GpioDevice | None = None
         self._ready_task: asyncio.Task[None] | None = None
         self._ready_window = b""
         self._launched_at = 0.0
@@ -205,6 +208,14 @@ class VmController:
                 )
                 await hub.listen()
                 self._hubs[name] = hub
+        if self.gpio is not None and [(x.name, x.direction, x.initial) for x in self.gpio.lines] != [
+            (x.name, x.direction, x.initial) for x in spec.gpio
+        ]:
+            await self.gpio.close()
+            self.gpio = None
+        if spec.gpio and self.gpio is None:
+            self.gpio = GpioDevice(spec.gpio)
+            await self.gpio.listen_control(self.paths.shared / "gpio.sock")
 
     async def close(self) -> None:
         """Stop the guest (bounded) and close every socket."""
@@ -213,6 +224,8 @@ class VmController:
         for hub in self._hubs.values():
             await hub.close()
         self._hubs.clear()
+        if self.gpio is not None:
+            await self.gpio.close()
 
     async def kill(self) -> None:
         """Last resort (grace period over): SIGKILL the backend, whatever the controller was doing."""
@@ -346,6 +359,8 @@ class VmController:
             self._timings = Timings(launched_at=time.time(), pull=self._timings.pull)
             backend = self._backend_factory(plan, self._on_backend_event)
             self._backend = backend
+            if self.gpio is not None:  # QEMU asks the vhost-user backend for its config at realize
+                await self.gpio.start_vhost(plan.run_dir / "gpio-vhost.sock")
             await backend.launch()
             for name in plan.stream_names:
                 hub = self._hubs.get(name)
@@ -402,6 +417,8 @@ class VmController:
         else:
             await backend.quit(timeout=1)
         self._last_exit = backend.exit_info
+        if self.gpio is not None:
+            await self.gpio.stop_vhost()
         for name, hub in self._hubs.items():
             if name in ("ttyS0", "hvc0") or name.startswith(("can-", "channel-")):
                 await hub.detach()
