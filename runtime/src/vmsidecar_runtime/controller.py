@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from . import ports
 from .accel import AccelChoice, choose_accel
+from .canhost import check_native_can
 from .console import ConsoleHub
 from .disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
 from .errors import GenerationChangedError, GuestError, HostError, ImageError, SpecError, VmsidecarError
@@ -248,6 +249,7 @@ class VmController:
                 "extra_args may only be set by an administrator; start the runtime with --allow-extra-args "
                 "or put them in the runtime's own --spec file"
             )
+        check_native_can(spec)
         async with self._lock:
             if spec == self.spec:
                 return False
@@ -337,6 +339,7 @@ class VmController:
         spec = self._require_spec()
         await self._stop_backend(graceful=False)  # a leftover from Error/Crashed
         try:
+            check_native_can(spec)
             base = await self._ensure_base()
             self._set_phase(Phase.STARTING)
             self._accel = choose_accel(spec.accel, spec.arch)
@@ -464,12 +467,14 @@ class VmController:
                 return
             self._disarm_readiness()
             info = backend.exit_info or ExitInfo()
+            backend_reason = info.reason  # libvirt knows no exit status, only why the domain stopped
             info.reason = "QEMU exited without being asked to"
             self._last_exit = info
             for hub in self._hubs.values():
                 await hub.detach()
             self._backend = None
-            how = f"signal {info.signal}" if info.signal else f"exit code {info.returncode}"
+            how = (f"signal {info.signal}" if info.signal else f"exit code {info.returncode}"
+                   if info.returncode is not None or not backend_reason else backend_reason)
             tail = " | ".join(info.stderr_tail[-3:]) or "no output"
             self._fail(
                 Phase.CRASHED,

@@ -165,6 +165,9 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
             await asyncio.wait_for(vm.close(), grace)
         except TimeoutError:
             log.error("guest did not stop within %.0f s; killed", grace)
+        libvirt_backend = sys.modules.get("vmsidecar_runtime.libvirt_backend")
+        if libvirt_backend is not None:  # only loaded once a libvirt boot happened: stop its daemon
+            await libvirt_backend.close_all()
         return 0
     finally:
         stop.set()

@@ -1,0 +1,243 @@
+"""``LibvirtBackend``: the controller's ``Backend`` over libvirt-python, mirroring ``QemuBackend``.
+
+The domain is transient (``createXML``) and created paused, so the console hubs attach before
+``resume()``. libvirt lifecycle/reboot events are translated into the QMP event names the direct
+backend forwards (``SHUTDOWN`` with ``reason``, ``RESET``, ``STOP``, ``RESUME``; ``POWERDOWN``
+when we press the ACPI button; ``EXITED`` when the domain is gone) and handed to the asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import HostError
+from ..plan import BootPlan
+from ..state import ExitInfo
+from . import daemon
+from .xml import render_domain
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+# virDomainEventType / details (stable libvirt ABI numbers, so this module imports without libvirt)
+_SUSPENDED, _RESUMED, _STOPPED, _SHUTDOWN = 3, 4, 5, 6
+_SHUTDOWN_REASON = {0: "guest-shutdown", 1: "guest-shutdown", 2: "host-signal"}
+_STOPPED_REASON = {0: "shutdown", 1: "destroyed", 2: "crashed", 3: "migrated", 4: "saved", 5: "failed",
+                   6: "from-snapshot"}
+
+
+class LibvirtBackend:
+    """One transient libvirt domain for one boot plan."""
+
+    name = "libvirt"
+
+    def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
+        self._libvirt = daemon.import_libvirt()  # fail at once, with the fix, when the extra is missing
+        self.plan = plan
+        self._on_event = on_event
+        self.domain_name = f"vmsidecar-{plan.run_dir.name.removeprefix('vmsidecar-')}"
+        self.exit_info: ExitInfo | None = None
+        self._exited = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: daemon.Connection | None = None
+        self._dom: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._remove_close_cb: Callable[[], None] | None = None
+        self.create_seconds: float | None = None
+        self._log_offset = 0
+
+    @property
+    def uri(self) -> str | None:
+        """The libvirt URI this boot uses (set after ``launch``)."""
+        return self._conn.uri if self._conn else None
+
+    # ---- launch --------------------------------------------------------------------------
+    async def launch(self) -> None:
+        """Create the domain paused.
+
+        :raise HostError: when libvirt refuses the domain or the daemon is unreachable.
+        """
+        libvirt = self._libvirt
+        self._loop = asyncio.get_running_loop()
+        xml = render_domain(self.plan, self.domain_name)
+        self._conn = await daemon.connect(self.plan.spec.libvirt_uri, self.plan.run_dir)
+        conn = self._conn.conn
+        if self._conn.daemon is None and self.plan.run_dir.stat().st_mode & 0o777 != 0o777:
+            # a system daemon runs QEMU as its own user, which must create the console sockets here
+            self.plan.run_dir.chmod(0o1777)
+        self._unsubscribe = self._conn.subscribe(self.domain_name, self._domain_event)
+        self._remove_close_cb = self._conn.on_close(self._connection_lost)
+        log.debug("domain XML:\n%s", xml)
+        log_path = self._conn.log_path(self.domain_name)
+        with contextlib.suppress(OSError):
+            self._log_offset = log_path.stat().st_size if log_path else 0  # the log is per name, appended
+        started = time.monotonic()
+        try:
+            self._dom = await asyncio.to_thread(conn.createXML, xml, libvirt.VIR_DOMAIN_START_PAUSED)
+        except libvirt.libvirtError as e:
+            await self.close()
+            tail = " | ".join(self._log_tail()[-3:])
+            raise HostError(f"libvirt could not start the domain ({e}{'; ' + tail if tail else ''}); "
+                            "fix the cause libvirt names (image, firmware or spec)") from e
+        self.create_seconds = round(time.monotonic() - started, 3)
+        log.info("libvirt domain %s created paused in %.2f s on %s", self.domain_name, self.create_seconds,
+                 self._conn.uri)
+        if not await asyncio.to_thread(self._is_active):
+            self._mark_exited("the domain ended right after start")
+
+    # ---- events (libvirt's event thread → asyncio) ---------------------------------------
+    def _domain_event(self, kind: str, event: int, detail: int) -> None:
+        if self._loop is None:
+            return
+        if kind == "reboot":
+            self._loop.call_soon_threadsafe(self._emit, "RESET", {})
+        else:
+            self._loop.call_soon_threadsafe(self._handle_lifecycle, event, detail)
+
+    def _connection_lost(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._mark_exited, "the libvirt connection closed")
+
+    def _emit(self, name: str, data: dict[str, Any]) -> None:
+        if not self._exited.is_set():
+            self._on_event(name, data)
+
+    def _handle_lifecycle(self, event: int, detail: int) -> None:
+        log.debug("libvirt lifecycle event %d detail %d", event, detail)
+        if event == _SUSPENDED:
+            self._emit("STOP", {})
+        elif event == _RESUMED:
+            self._emit("RESUME", {})
+        elif event == _SHUTDOWN and detail != 2:
+            # detail HOST (2) is QEMU ending on a signal (a destroy): the STOPPED event that
+            # follows says whether that was asked for; only a guest power-off is a SHUTDOWN
+            self._emit("SHUTDOWN", {"guest": detail != 2, "reason": _SHUTDOWN_REASON.get(detail, "guest-shutdown")})
+        elif event == _STOPPED:
+            self._mark_exited(f"domain stopped: {_STOPPED_REASON.get(detail, str(detail))}")
+
+    def _mark_exited(self, reason: str) -> None:
+        if self._exited.is_set():
+            return
+        self.exit_info = ExitInfo(stderr_tail=self._log_tail(), reason=reason)
+        self._exited.set()
+        self._detach()
+        self._on_event("EXITED", {"reason": reason})
+
+    def _log_tail(self, lines: int = 20) -> list[str]:
+        """The domain log's last lines (libvirt's stand-in for QEMU's stderr)."""
+        path: Path | None = self._conn.log_path(self.domain_name) if self._conn else None
+        if path is None:
+            return []
+        try:
+            with path.open("rb") as fh:
+                fh.seek(self._log_offset)
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return []
+        kept = [line for line in text.splitlines() if line.strip()]
+        # libvirt starts each boot's log with QEMU's command line (one argument per line): skip it
+        argv_end = max((i for i, line in enumerate(kept) if line.endswith("\\") or line.startswith("-msg ")),
+                       default=-1)
+        return kept[argv_end + 1:][-lines:]
+
+    # ---- guest control -------------------------------------------------------------------
+    def _require_dom(self) -> Any:
+        if self._dom is None or self._exited.is_set():
+            raise HostError("the libvirt domain is not running; power the VM on first")
+        return self._dom
+
+    async def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return await asyncio.to_thread(fn)
+        except self._libvirt.libvirtError as e:
+            raise HostError(f"libvirt could not {what} ({e})") from e
+
+    def _is_active(self) -> bool:
+        try:
+            return bool(self._dom is not None and self._dom.isActive())
+        except self._libvirt.libvirtError:
+            return False
+
+    async def resume(self) -> None:
+        """Let the guest run."""
+        dom = self._require_dom()
+        await self._call("resume the guest", dom.resume)
+
+    async def powerdown(self) -> None:
+        """Press the ACPI power button (what QMP ``system_powerdown`` does)."""
+        dom = self._require_dom()
+        await self._call("press the power button",
+                         lambda: dom.shutdownFlags(self._libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN))
+        self._emit("POWERDOWN", {})  # QEMU's POWERDOWN event has no libvirt counterpart
+
+    async def reset(self) -> None:
+        """Hard reset, like a reset button (libvirt reports QEMU's RESET as a reboot event)."""
+        dom = self._require_dom()
+        await self._call("reset the guest", lambda: dom.reset(0))
+
+    async def qmp(self, command: str, **arguments: Any) -> Any:
+        """A QMP command through libvirt, for what libvirt has no API for."""
+        import libvirt_qemu
+
+        dom = self._require_dom()
+        cmd = json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})})
+        answer = await self._call(f"run {command}", lambda: libvirt_qemu.qemuMonitorCommand(dom, cmd, 0))
+        return json.loads(answer).get("return")
+
+    async def status(self) -> str:
+        """QEMU's run state (``running``, ``paused`` …), as the direct backend reports it."""
+        return str((await self.qmp("query-status"))["status"])
+
+    @property
+    def alive(self) -> bool:
+        """Whether the domain still exists."""
+        return self._dom is not None and not self._exited.is_set()
+
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        """Wait for the domain to end; False on timeout."""
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+            return True
+        except TimeoutError:
+            if self._dom is not None and not await asyncio.to_thread(self._is_active):
+                self._mark_exited("domain gone")  # the event was lost (connection hiccup)
+                return True
+            return False
+
+    async def quit(self, timeout: float = 5.0) -> None:
+        """Destroy the domain (QEMU is ended; nothing of it is left in libvirt), bounded."""
+        if self.alive:
+            await self._destroy()
+            await self.wait_exit(timeout)
+        await self.close()
+
+    async def kill(self) -> None:
+        """Destroy the domain at once."""
+        if self.alive:
+            await self._destroy()
+            await self.wait_exit(10)
+
+    async def _destroy(self) -> None:
+        dom = self._dom
+        with contextlib.suppress(self._libvirt.libvirtError):  # already gone
+            await asyncio.to_thread(dom.destroy)
+
+    async def close(self) -> None:
+        """Stop listening to the domain's events (the domain must be gone)."""
+        self._detach()
+
+    def _detach(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._remove_close_cb is not None:
+            self._remove_close_cb()
+            self._remove_close_cb = None

@@ -1,0 +1,322 @@
+"""libvirt connections, the event loop thread, and the runtime's private libvirtd.
+
+With ``libvirt_uri`` in the spec the runtime connects to that daemon. Without one (the
+runtime-container case) it starts its own libvirtd lazily, in the foreground, without systemd:
+in a private mount+PID namespace whose etc/run/lib/cache/log dirs live under the runtime's run
+dir. Its qemu.conf runs QEMU as root (so the capability cache stays valid; see docs/libvirt.md,
+"the /dev/kvm trap"), without security driver, cgroups or namespaces, and with QEMU's output in
+a plain log file (no virtlogd needed). The runtime stops it at exit (``close_all``); if the
+runtime dies, PR_SET_PDEATHSIG and the PID namespace take the daemon and every QEMU along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import HostError
+from ..procs import spawn
+
+log = logging.getLogger(__name__)
+
+FIX = ("pip install 'vmsidecar-runtime[libvirt]' (in this repository: uv sync --all-packages --all-extras), "
+       "after apt-get install libvirt-dev pkg-config gcc so it can build, plus libvirt-daemon-system "
+       "libvirt-daemon-driver-qemu for the daemon; or use backend: qemu")
+
+QEMU_CONF = """\
+# vmsidecar private libvirtd: QEMU runs as root, so /dev/kvm access never differs between the
+# daemon and QEMU and the capability cache is not re-probed on every domain start.
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+security_driver = "none"
+namespaces = []
+cgroup_controllers = []
+stdio_handler = "file"
+"""
+
+LIBVIRTD_CONF = """\
+# vmsidecar private libvirtd: one root-only Unix socket in the private run dir, nothing else.
+unix_sock_group = "root"
+unix_sock_ro_perms = "0700"
+unix_sock_rw_perms = "0700"
+auth_unix_ro = "none"
+auth_unix_rw = "none"
+log_outputs = "3:stderr"
+"""
+
+
+def import_libvirt() -> Any:
+    """The ``libvirt`` module.
+
+    :raise HostError: naming the fix when libvirt-python is not installed.
+    """
+    try:
+        import libvirt
+    except ImportError as e:
+        raise HostError(f"backend libvirt needs libvirt-python, which is not installed ({e}); {FIX}") from None
+    return libvirt
+
+
+# ---- event loop -----------------------------------------------------------------------------
+_event_thread: threading.Thread | None = None
+_event_lock = threading.Lock()
+
+
+def ensure_event_loop() -> None:
+    """Register libvirt's default event implementation once and run it in a daemon thread.
+
+    Callbacks run in that thread; backends hand them to asyncio with ``call_soon_threadsafe``.
+    """
+    global _event_thread
+    libvirt = import_libvirt()
+    with _event_lock:
+        if _event_thread is not None:
+            return
+        libvirt.virEventRegisterDefaultImpl()
+
+        def run() -> None:
+            while True:
+                try:
+                    libvirt.virEventRunDefaultImpl()
+                except Exception:  # pragma: no cover - never let the loop thread die
+                    log.exception("libvirt event loop")
+                    time.sleep(0.1)
+
+        _event_thread = threading.Thread(target=run, name="libvirt-events", daemon=True)
+        _event_thread.start()
+
+
+# ---- private daemon -------------------------------------------------------------------------
+class PrivateDaemon:
+    """A libvirtd owned by this runtime, in its own mount and PID namespace."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.proc: asyncio.subprocess.Process | None = None
+        self._stderr: list[str] = []
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "run" / "libvirt-sock"
+
+    @property
+    def uri(self) -> str:
+        return f"qemu+unix:///system?socket={self.socket}"
+
+    def log_path(self, domain: str) -> Path:
+        """QEMU's stdout/stderr for a domain (stdio_handler = "file")."""
+        return self.root / "log" / "qemu" / f"{domain}.log"
+
+    def _prepare(self) -> None:
+        for sub in ("etc", "run", "lib", "cache", "log"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "etc" / "qemu").mkdir(exist_ok=True)
+        (self.root / "log" / "qemu").mkdir(exist_ok=True)
+        (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
+        (self.root / "etc" / "qemu.conf").write_text(QEMU_CONF)
+        (self.root / "etc" / "libvirt.conf").write_text("")
+        self.root.chmod(0o700)
+
+    async def start(self, timeout: float = 30.0) -> None:
+        """Start libvirtd and wait until its socket answers.
+
+        :raise HostError: when libvirtd or unshare is missing, or the daemon does not come up.
+        """
+        for tool, package in (("libvirtd", "libvirt-daemon-system libvirt-daemon-driver-qemu"),
+                              ("unshare", "util-linux")):
+            if shutil.which(tool) is None:
+                raise HostError(f"backend libvirt without libvirt_uri starts a private libvirtd, but {tool} is "
+                                f"not installed; apt-get install {package}, or set libvirt_uri to a running daemon")
+        self._prepare()
+        argv = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
+                "--kill-child", sys.executable, "-m", "vmsidecar_runtime.libvirt.nsinit", str(self.root)]
+        started = time.monotonic()
+        self.proc = await spawn(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                                stderr=asyncio.subprocess.PIPE, start_new_session=True, die_with_parent=True)
+        asyncio.get_running_loop().create_task(self._collect())
+        libvirt = import_libvirt()
+        while True:
+            if self.proc.returncode is not None:
+                raise HostError(
+                    f"the private libvirtd exited during start-up (code {self.proc.returncode}): "
+                    f"{' | '.join(self._stderr[-4:]) or 'no output'}; the runtime needs root with CAP_SYS_ADMIN "
+                    "for its own daemon, otherwise set libvirt_uri to a running libvirt daemon"
+                )
+            if self.socket.exists():
+                try:
+                    conn = await asyncio.to_thread(libvirt.open, self.uri)
+                    conn.close()
+                    break
+                except libvirt.libvirtError:
+                    pass
+            if time.monotonic() - started > timeout:
+                await self.stop()
+                raise HostError(f"the private libvirtd did not open {self.socket} within {timeout:.0f} s: "
+                                f"{' | '.join(self._stderr[-4:]) or 'no output'}")
+            await asyncio.sleep(0.05)
+        log.info("private libvirtd up in %.2f s (uri %s)", time.monotonic() - started, self.uri)
+
+    async def _collect(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            text = line.decode(errors="replace").rstrip()
+            self._stderr = [*self._stderr[-19:], text]
+            log.debug("libvirtd: %s", text)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM libvirtd (via the namespace's init), then SIGKILL; the namespace dies with it."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        # unshare ignores SIGTERM while it waits: signal its child, the namespace's init, which
+        # forwards it to libvirtd (SIGKILL of unshare still takes the whole namespace down)
+        init = _children(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(init[0], signal.SIGTERM) if init else proc.kill()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        log.info("private libvirtd stopped")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+# ---- connections ----------------------------------------------------------------------------
+#: handler(kind, event, detail) for one domain; kind is "lifecycle" or "reboot"
+DomainHandler = Callable[[str, int, int], None]
+
+
+class Connection:
+    """One open libvirt connection (shared by the boots of this runtime) and what is behind it.
+
+    It registers libvirt's lifecycle and reboot callbacks once and dispatches them by domain
+    name (libvirt refuses a second registration of the same callback on one connection).
+    """
+
+    def __init__(self, conn: Any, uri: str, daemon: PrivateDaemon | None) -> None:
+        libvirt = import_libvirt()
+        self.conn = conn
+        self.uri = uri
+        self.daemon = daemon
+        self._on_close: set[Callable[[], None]] = set()
+        self._domains: dict[str, DomainHandler] = {}
+        conn.registerCloseCallback(self._closed, None)
+        self._callbacks = [
+            conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._lifecycle, None),
+            conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_REBOOT, self._reboot, None),
+        ]
+
+    def _dispatch(self, dom: Any, kind: str, event: int, detail: int) -> None:
+        try:
+            handler = self._domains.get(dom.name())
+        except Exception:  # the domain vanished meanwhile
+            return
+        if handler is not None:
+            handler(kind, event, detail)
+
+    def _lifecycle(self, _conn: Any, dom: Any, event: int, detail: int, _opaque: Any) -> None:
+        self._dispatch(dom, "lifecycle", event, detail)
+
+    def _reboot(self, _conn: Any, dom: Any, _opaque: Any) -> None:
+        self._dispatch(dom, "reboot", 0, 0)
+
+    def subscribe(self, domain: str, handler: DomainHandler) -> Callable[[], None]:
+        """Route events of ``domain`` to ``handler`` (replacing an earlier boot's); returns the remover."""
+        self._domains[domain] = handler
+
+        def remove() -> None:
+            if self._domains.get(domain) is handler:
+                del self._domains[domain]
+
+        return remove
+
+    def _closed(self, _conn: Any, reason: int, _opaque: Any) -> None:
+        log.warning("libvirt connection to %s closed (reason %d)", self.uri, reason)
+        for cb in list(self._on_close):
+            cb()
+
+    def on_close(self, cb: Callable[[], None]) -> Callable[[], None]:
+        """Call ``cb`` (in the event thread) if the connection drops; returns the remover."""
+        self._on_close.add(cb)
+        return lambda: self._on_close.discard(cb)
+
+    def log_path(self, domain: str) -> Path | None:
+        """Where QEMU's output for ``domain`` lands, when this host can read it."""
+        if self.daemon is not None:
+            return self.daemon.log_path(domain)
+        if self.uri.startswith("qemu:///system"):
+            return Path("/var/log/libvirt/qemu") / f"{domain}.log"
+        return None
+
+
+_connections: dict[str, Connection] = {}
+_connect_lock: asyncio.Lock | None = None
+
+
+async def connect(uri: str | None, run_dir: Path) -> Connection:
+    """The connection for ``uri``; with None, to the runtime's private daemon (started on first use).
+
+    :raise HostError: when libvirt-python is missing or the daemon cannot be reached.
+    """
+    global _connect_lock
+    libvirt = import_libvirt()
+    ensure_event_loop()
+    if _connect_lock is None:
+        _connect_lock = asyncio.Lock()
+    key = uri or ""
+    async with _connect_lock:
+        existing = _connections.get(key)
+        if existing is not None and existing.conn.isAlive():
+            return existing
+        daemon = None
+        target = uri
+        if uri is None:
+            daemon = existing.daemon if existing is not None else None
+            if daemon is None or daemon.proc is None or daemon.proc.returncode is not None:
+                daemon = PrivateDaemon(run_dir / "libvirt")
+                await daemon.start()
+            target = daemon.uri
+        assert target is not None
+        try:
+            conn = await asyncio.to_thread(libvirt.open, target)
+            conn.setKeepAlive(5, 3)
+            _connections[key] = Connection(conn, target, daemon)
+        except libvirt.libvirtError as e:
+            raise HostError(f"cannot connect to libvirt at {target} ({e}); start the daemon or fix libvirt_uri") from e
+        log.info("libvirt URI: %s", target)
+        return _connections[key]
+
+
+async def close_all() -> None:
+    """Close every connection and stop the private daemon (runtime exit)."""
+    for key, c in list(_connections.items()):
+        for cb in c._callbacks:
+            with contextlib.suppress(Exception):
+                c.conn.domainEventDeregisterAny(cb)
+        with contextlib.suppress(Exception):
+            c.conn.unregisterCloseCallback()
+        with contextlib.suppress(Exception):
+            c.conn.close()
+        if c.daemon is not None:
+            await c.daemon.stop()
+        _connections.pop(key, None)
