@@ -9,8 +9,10 @@ Config (all optional but ``socket``)::
         recycle: InPlaceReuse          # or ExitAndReplace (default)
         spec: {image: REGISTRY/REPO:TAG, memory: 1G, network: {forwards: [{name: ssh, guest_port: 22}]}}
 
-Children: ``power``, ``console`` (ttyS0), ``hvc0`` (virtio console), ``storage``, and one network
-child per named port forward of the spec.
+Children: ``power``, ``console`` (ttyS0), ``hvc0`` (virtio console), ``storage``, one network
+child per named port forward of the spec, CAN (``can`` for a single bus, else one child per bus
+named after the bus; upstream ``jumpstarter_driver_can.driver.Can`` → ``CanClient``) and ``gpio``
+(one ``DigitalOutputClient``/``DigitalInputClient`` child per line).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from jumpstarter.driver import Driver, export
+from jumpstarter_driver_can.driver import Can
 
+from vmsidecar_runtime.canhost import check_native_can
 from vmsidecar_runtime.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_runtime.spec import VmSpec, load_spec
 
 from .console import VmConsole
+from .gpio import VmGpio, VmGpioInput, VmGpioOutput
 from .lease_exit import request_exit_after_lease
-from .link import RuntimeLink, translate
+from .link import RuntimeLink
 from .network import VmForward
 from .power import VmPower
 from .storage import VmStorage
@@ -74,6 +79,30 @@ class VirtualMachine(Driver):
             if fwd.name in RESERVED_NAMES:
                 raise ValueError(f"port forward name {fwd.name!r} clashes with a child driver; rename the forward")
             self.children[fwd.name] = VmForward(parent=self, forward=fwd.name)
+        if self._spec is not None:
+            self._add_can(self._spec)
+            if self._spec.gpio:
+                gpio = VmGpio(parent=self)
+                for line in self._spec.gpio:
+                    kind = VmGpioOutput if line.direction == "in" else VmGpioInput
+                    gpio.children[line.name] = kind(parent=self, line=line.name)
+                self.children["gpio"] = gpio
+
+    def _add_can(self, spec: VmSpec) -> None:
+        """``can`` for one bus, else one child per bus; slcan buses use our python-can interface."""
+        try:
+            check_native_can(spec)
+        except VmsidecarError as e:
+            raise ValueError(f"spec in the exporter config: {e.message}") from e
+        for bus in spec.can:
+            name = "can" if len(spec.can) == 1 else bus.name
+            if len(spec.can) > 1 and (name in RESERVED_NAMES or name in self.children):
+                raise ValueError(f"CAN bus name {name!r} clashes with a child driver; rename the bus")
+            if bus.mode == "slcan":
+                channel = f"{Path(self.socket).parent / 'can' / f'{bus.name}.sock'};bitrate={bus.bitrate}"
+                self.children[name] = Can(channel=channel, interface="vmsidecar-slcan")
+            else:
+                self.children[name] = Can(channel=bus.host_interface, interface="socketcan")
 
     @classmethod
     def client(cls) -> str:
@@ -122,10 +151,7 @@ class VirtualMachine(Driver):
     @export
     async def state(self) -> dict[str, Any]:
         """The runtime's state (phase, generation, accel, forwards, timings…)."""
-        try:
-            return (await self.link.client().state()).model_dump(mode="json")
-        except VmsidecarError as e:
-            raise translate(e) from e
+        return (await self.link.call(lambda c: c.state())).model_dump(mode="json")
 
     @export
     async def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:

@@ -57,7 +57,11 @@ class RuntimeLink:
         return self._client
 
     async def call(self, fn: Callable[[RuntimeClient], Awaitable[T]], *, claim: bool = True) -> T:
-        """Run one API call (claiming the VM first in a new lease); runtime errors become driver errors."""
+        """Run one API call (claiming the VM first in a new lease); runtime errors become driver errors.
+
+        Every call of a lease claims, reads included: a lease that touched the VM in any way counts
+        as used (ExitAndReplace ends the pod after it; InPlaceReuse recycles after it).
+        """
         try:
             if claim:
                 await self.claim()

@@ -43,5 +43,5 @@ class VmPower(PowerInterface, Driver):
     @export
     async def read(self) -> AsyncGenerator[PowerReading, None]:
         """One reading: nominal power when the guest runs, zero otherwise."""
-        state = await self.parent.link.call(lambda c: c.state(), claim=False)
+        state = await self.parent.link.call(lambda c: c.state())
         yield ON_READING if state.phase.value in ("Starting", "Running", "Ready") else OFF_READING

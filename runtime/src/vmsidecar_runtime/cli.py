@@ -126,6 +126,13 @@ async def _client_command(args: argparse.Namespace) -> int:
             print(json.dumps({"file": args.file, "bytes": size}) if args.json else f"wrote {size} bytes to {args.file}")
         elif args.command == "wait-ready":
             _print_state(await client.wait_ready(args.timeout), args.json)
+        elif args.command == "ready":
+            healthy = await client.healthy()
+            state = await client.state() if healthy else None
+            ready = state is not None and state.phase.value == "Ready"
+            if not args.quiet:
+                print(state.phase.value if state else "runtime not reachable")
+            return 0 if ready else 1
         elif args.command == "shutdown":
             await client.shutdown()
             print(json.dumps({"status": "shutting-down"}) if args.json else "runtime shutting down")
@@ -195,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--format", choices=["qcow2", "raw"], default="qcow2")
     c = client_parser("wait-ready", "wait until the guest is Ready")
     c.add_argument("--timeout", type=float, default=300.0)
+    c = client_parser("ready", "exit 0 when the guest is Ready, 1 otherwise (a readiness probe)")
+    c.add_argument("--quiet", action="store_true")
     client_parser("shutdown", "stop the guest and the runtime")
     c = client_parser("console", "attach to a console (Ctrl-] detaches)")
     c.add_argument("--stream", default="ttyS0", choices=["ttyS0", "hvc0"])

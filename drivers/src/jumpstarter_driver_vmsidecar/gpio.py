@@ -1,0 +1,117 @@
+"""GPIO lines of the guest's virtio gpiochip, on the standard ``jumpstarter_driver_gpiod`` clients.
+
+Directions are the guest's (as in the spec): a guest *input* (``direction: in``) is driven by the
+host, like a button wired to a board: ``VmGpioOutput`` → ``DigitalOutputClient`` (``on``, ``off``,
+``read``). A guest *output* (``direction: out``) is read by the host, like an LED:
+``VmGpioInput`` → ``DigitalInputClient`` (``read``, ``wait_for_active``, ``wait_for_inactive``,
+``wait_for_edge``). Both talk to the runtime's ``gpio.sock`` (JSON lines, see
+``vmsidecar_runtime.gpio``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jumpstarter.driver import Driver, export
+
+if TYPE_CHECKING:
+    from .driver import VirtualMachine
+
+
+@dataclass(kw_only=True)
+class VmGpio(Driver):
+    """``gpio``: one child per line of the spec."""
+
+    parent: VirtualMachine
+
+    @classmethod
+    def client(cls) -> str:
+        return "jumpstarter_driver_composite.client.CompositeClient"
+
+
+@dataclass(kw_only=True)
+class _Line(Driver):
+    parent: VirtualMachine
+    line: str
+
+    async def _call(self, request: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
+        await self.parent.link.call(lambda c: c.state())  # claims the VM; clear error when the runtime is down
+        path = self.parent.link.socket.parent / "gpio.sock"
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+        except OSError as e:
+            raise RuntimeError(
+                f"cannot open the GPIO control socket {path} ({e.strerror}); the runtime serves it while its "
+                "spec has gpio lines"
+            ) from e
+        try:
+            writer.write(json.dumps({**request, "line": self.line}).encode() + b"\n")
+            await writer.drain()
+            raw = await asyncio.wait_for(reader.readline(), None if timeout is None else timeout + 5)
+        finally:
+            writer.close()
+        if not raw:
+            raise RuntimeError("the runtime closed the GPIO control socket (spec changed or runtime stopping)")
+        reply = json.loads(raw)
+        if not reply.get("ok"):
+            if reply.get("error") == "timeout":
+                raise TimeoutError(reply.get("message"))
+            raise ValueError(reply.get("message"))
+        return reply
+
+    @export
+    async def read_pin(self) -> int:
+        """The line's level: 1 (active) or 0 (inactive)."""
+        return int((await self._call({"op": "get"}))["value"])
+
+
+@dataclass(kw_only=True)
+class VmGpioOutput(_Line):
+    """A guest input the host drives (``j vm gpio NAME on|off|read``)."""
+
+    @classmethod
+    def client(cls) -> str:
+        return "jumpstarter_driver_gpiod.client.DigitalOutputClient"
+
+    @export
+    async def on(self) -> None:
+        """Drive the line high."""
+        await self._call({"op": "set", "value": 1})
+
+    @export
+    async def off(self) -> None:
+        """Drive the line low."""
+        await self._call({"op": "set", "value": 0})
+
+
+@dataclass(kw_only=True)
+class VmGpioInput(_Line):
+    """A guest output the host reads and waits on."""
+
+    @classmethod
+    def client(cls) -> str:
+        return "jumpstarter_driver_gpiod.client.DigitalInputClient"
+
+    async def _wait(self, until: str, timeout: float | None) -> None:
+        timeout = None if timeout is None else float(timeout)
+        await self._call({"op": "wait", "for": until, "timeout": timeout}, timeout)
+
+    @export
+    async def wait_for_active(self, timeout: float | None = None) -> None:
+        """Return once the line is high (at once if it already is)."""
+        await self._wait("active", timeout)
+
+    @export
+    async def wait_for_inactive(self, timeout: float | None = None) -> None:
+        """Return once the line is low (at once if it already is)."""
+        await self._wait("inactive", timeout)
+
+    @export
+    async def wait_for_edge(self, edge_type: str, timeout: float | None = None) -> None:
+        """Return at the next ``rising`` or ``falling`` edge."""
+        if edge_type not in ("rising", "falling"):
+            raise ValueError(f"Invalid edge type: {edge_type}, must be one of: rising, falling")
+        await self._wait(edge_type, timeout)

@@ -1,0 +1,193 @@
+"""A python-can Bus that is the SLCAN *device* end of a vmsidecar CAN bus socket.
+
+The guest's ``slcand`` is the SLCAN host: it sends ``S<n>``/``O``/``C`` commands and transmits
+frames as ``tIIIL…``/``TIIIIIIIIL…``/``rIIIL``/``RIIIIIIIIL`` lines ending in ``\\r``. This bus
+answers commands with ``\\r`` and hands frames to python-can; frames sent on the bus are written
+to the guest in the same notation, which the guest's slcan line discipline delivers to its
+SocketCAN interface. Registered as the python-can interface ``vmsidecar-slcan``; the channel is
+the Unix socket ``<shared>/can/<bus>.sock`` served by the runtime, optionally followed by
+``;bitrate=N`` (the ``Can`` driver passes only a channel): frames are then sent no faster than a
+real bus of that bitrate carries them, which is also what keeps the guest from dropping them.
+
+The connection is opened lazily and re-opened after the runtime or the guest went away, so the
+bus can be created before the runtime is up (the exporter builds its driver tree at start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+import can
+
+#: slcand's -s<n> speeds
+SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1000000)
+
+
+def encode(msg: can.Message) -> bytes:
+    """One SLCAN transmit line for ``msg`` (classic CAN only)."""
+    if msg.is_fd:
+        raise can.CanOperationError("SLCAN carries classic CAN only; send is_fd=False frames")
+    dlc = msg.dlc if msg.is_remote_frame else len(msg.data)
+    if not 0 <= dlc <= 8:
+        raise can.CanOperationError(f"a classic CAN frame carries 0-8 bytes, not {dlc}")
+    if msg.is_extended_id:
+        head = ("R" if msg.is_remote_frame else "T") + f"{msg.arbitration_id & 0x1FFFFFFF:08X}"
+    else:
+        if msg.arbitration_id > 0x7FF:
+            raise can.CanOperationError(
+                f"standard id {msg.arbitration_id:#x} does not fit 11 bits; set is_extended_id=True"
+            )
+        head = ("r" if msg.is_remote_frame else "t") + f"{msg.arbitration_id:03X}"
+    body = "" if msg.is_remote_frame else bytes(msg.data).hex().upper()
+    return f"{head}{dlc}{body}\r".encode()
+
+
+def decode(line: bytes, channel: Any = None) -> can.Message | None:
+    """A frame from one SLCAN line (without ``\\r``); None for anything that is not a frame."""
+    if not line or line[:1] not in b"tTrR":
+        return None
+    try:
+        kind = chr(line[0])
+        extended = kind in "TR"
+        n = 8 if extended else 3
+        ident = int(line[1:1 + n], 16)
+        dlc = int(line[1 + n:2 + n], 16)
+        remote = kind in "rR"
+        data = b"" if remote else bytes.fromhex(line[2 + n:2 + n + 2 * dlc].decode())
+        if dlc > 8 or (not remote and len(data) != dlc):
+            return None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return can.Message(timestamp=time.time(), arbitration_id=ident, is_extended_id=extended,
+                       is_remote_frame=remote, dlc=dlc, data=data, channel=channel, is_rx=True)
+
+
+class VmsidecarSlcanBus(can.BusABC):
+    """python-can interface ``vmsidecar-slcan``: channel = path of the runtime's CAN bus socket."""
+
+    def __init__(self, channel: Any, bitrate: int | None = None, **kwargs: Any) -> None:
+        if not channel:
+            raise can.CanInitializationError("channel must be the CAN bus socket, e.g. /shared/vmsidecar/can/can0.sock")
+        path, _, opts = str(channel).partition(";")
+        for opt in filter(None, opts.split(";")):
+            key, _, value = opt.partition("=")
+            if key != "bitrate" or not value.isdigit():
+                raise can.CanInitializationError(f"channel option {opt!r} is not bitrate=N")
+            bitrate = int(value)
+        self.channel = path
+        self._next_tx = 0.0
+        self.channel_info = f"vmsidecar SLCAN bus on {self.channel}"
+        self.bitrate = bitrate
+        self._rx: queue.Queue[can.Message] = queue.Queue()
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reader: threading.Thread | None = None
+        super().__init__(channel=channel, **kwargs)
+        with contextlib.suppress(OSError):
+            self._connect()
+
+    # ---- connection ----------------------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        with self._lock:
+            if self._sock is not None:
+                return self._sock
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.channel)
+            except OSError:
+                sock.close()
+                raise
+            self._sock = sock
+            self._reader = threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
+                                            name=f"slcan-{self.channel}")
+            self._reader.start()
+            return sock
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._sock is sock:
+                self._sock = None
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        buf = b""
+        try:
+            while not self._closed.is_set():
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                *lines, buf = buf.split(b"\r")
+                replies = b""
+                for raw in lines:
+                    line = raw.strip(b"\n\x07")
+                    msg = decode(line, self.channel)
+                    if msg is not None:
+                        self._rx.put(msg)
+                    elif line[:1] in b"SsOCVNFZMmLl":
+                        replies += b"\r"  # a command of the SLCAN host (slcand): acknowledge it
+                if replies:
+                    sock.sendall(replies)
+        except OSError:
+            pass
+        finally:
+            self._drop(sock)
+
+    # ---- python-can ----------------------------------------------------------------------
+    def _pace(self, msg: can.Message) -> None:
+        """Wait for the previous frame to be "on the wire" at the bus bitrate (no stuffing counted)."""
+        if not self.bitrate:
+            return
+        bits = (67 if msg.is_extended_id else 47) + (0 if msg.is_remote_frame else 8 * len(msg.data))
+        now = time.monotonic()
+        if self._next_tx > now:
+            time.sleep(self._next_tx - now)
+        self._next_tx = max(now, self._next_tx) + bits / self.bitrate
+
+    def send(self, msg: can.Message, timeout: float | None = None) -> None:
+        data = encode(msg)
+        self._pace(msg)
+        deadline = time.monotonic() + (timeout if timeout is not None else 5.0)
+        while True:
+            try:
+                self._connect().sendall(data)
+                return
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise can.CanOperationError(
+                        f"cannot reach the CAN bus socket {self.channel} ({e.strerror or e}); the runtime "
+                        "serves it while its spec has this bus"
+                    ) from e
+                time.sleep(0.1)
+
+    def _recv_internal(self, timeout: float | None) -> tuple[can.Message | None, bool]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._sock is None and not self._closed.is_set():
+                with contextlib.suppress(OSError):
+                    self._connect()  # the runtime (or its socket) came back
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            try:
+                return (self._rx.get(timeout=left) if left > 0 else self._rx.get_nowait()), False
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None, False
+
+    def flush_tx_buffer(self) -> None:
+        """Nothing is buffered on this side: frames go to the socket at once."""
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            self._drop(sock)
+        super().shutdown()
