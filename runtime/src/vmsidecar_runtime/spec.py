@@ -33,6 +33,8 @@ DEFAULT_READY_PATTERN = r"VMSIDECAR-READY"
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(?:([KMGT])(?:i?B)?|(B))?\s*$", re.IGNORECASE)
 _UNIT_SHIFT = {"K": 10, "M": 20, "G": 30, "T": 40}
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+#: bitrates slcand can set (-s0 … -s8)
+SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1000000)
 
 
 def parse_size_mib(value: str | int) -> int:
@@ -127,6 +129,22 @@ class CanBus(_Model):
     mode: Literal["slcan", "native"] = "slcan"
     #: host SocketCAN interface for mode "native"
     host_interface: str | None = None
+
+    @model_validator(mode="after")
+    def _mode_fits(self) -> CanBus:
+        if self.mode == "slcan":
+            if self.bitrate not in SLCAN_BITRATES:
+                raise ValueError(
+                    f"bitrate {self.bitrate} is not an SLCAN speed; use one of {', '.join(map(str, SLCAN_BITRATES))}"
+                )
+            if len(self.name) > 15:
+                raise ValueError(
+                    f"name {self.name!r} is longer than 15 characters, the limit of a Linux interface name "
+                    "(the guest's SocketCAN interface is named after the bus); shorten it"
+                )
+        elif not self.host_interface:
+            raise ValueError("mode native needs host_interface (a host SocketCAN interface, e.g. vcan0); set it or use mode slcan")
+        return self
 
 
 class GpioLine(_Model):

@@ -1,0 +1,135 @@
+"""CAN on a real guest: SLCAN over a virtio console, the guest's SocketCAN interface, and upstream's
+``CanClient`` through Jumpstarter; the native path refused on a host without SocketCAN."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import can
+import pytest
+
+from fixtures.vmdev import vm_client, vm_runtime
+from guestio import Console
+from jumpstarter_driver_vmsidecar.slcan import decode, encode
+from vmsidecar_runtime.canhost import check_native_can
+from vmsidecar_runtime.errors import SpecError
+from vmsidecar_runtime.spec import load_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _spec(image: Any) -> dict[str, Any]:
+    return {"image": f"file:{image.disk}", "memory": "256M", "can": [{"name": "can0", "bitrate": 250000}]}
+
+
+@pytest.fixture(scope="module")
+def can_vm(tiny_image: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    spec = _spec(tiny_image)
+    root, cache = tmp_path_factory.mktemp("can-rt"), tmp_path_factory.mktemp("can-cache")
+    with vm_runtime(spec, root, cache) as rt, vm_client(rt, spec) as client:
+        yield rt, client
+
+
+def test_slcan_codec_roundtrip() -> None:
+    frames = [
+        can.Message(arbitration_id=0x123, data=b"\xde\xad\xbe\xef", is_extended_id=False),
+        can.Message(arbitration_id=0x1ABCDE0F, data=b"", is_extended_id=True),
+        can.Message(arbitration_id=0x7FF, is_remote_frame=True, dlc=3, is_extended_id=False),
+        can.Message(arbitration_id=0x10, is_remote_frame=True, dlc=8, is_extended_id=True),
+    ]
+    assert encode(frames[0]) == b"t1234DEADBEEF\r"
+    assert encode(frames[2]) == b"r7FF3\r"
+    for f in frames:
+        back = decode(encode(f).rstrip(b"\r"))
+        assert back is not None and back.equals(f, timestamp_delta=None, check_channel=False, check_direction=False)
+    assert decode(b"t12") is None and decode(b"S6") is None and decode(b"tZZZ0") is None
+    with pytest.raises(can.CanOperationError, match="11 bits"):
+        encode(can.Message(arbitration_id=0x800, is_extended_id=False))
+
+
+async def test_host_to_guest_and_back_through_canclient(can_vm: tuple[Any, Any]) -> None:
+    rt, client = can_vm
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    out = await con.run("ip -d link show can0")
+    assert "state UP" in out or "UP" in out, out
+    await con.run("candump -L -n 3 can0 > /tmp/rx & sleep 0.3")
+    bus = client.can
+    await asyncio.to_thread(bus.send, can.Message(arbitration_id=0x123, data=b"\xde\xad\xbe\xef", is_extended_id=False))
+    await asyncio.to_thread(bus.send, can.Message(arbitration_id=0x1ABCDE0F, data=b"\x01\x02", is_extended_id=True))
+    await asyncio.to_thread(bus.send, can.Message(arbitration_id=0x321, is_remote_frame=True, dlc=2, is_extended_id=False))
+    await asyncio.sleep(1)
+    rx = await con.run("wait; cat /tmp/rx")
+    assert "can0 123#DEADBEEF" in rx and "can0 1ABCDE0F#0102" in rx and "can0 321#R" in rx, rx
+
+    # guest -> host: standard, extended and RTR frames arrive on the CanClient (a python-can Bus)
+    await con.run("cansend can0 456#CAFE; cansend can0 0ABCDEF1#11223344; cansend can0 055#R4")
+    got = []
+    for _ in range(3):
+        msg = await asyncio.to_thread(bus.recv, 10)
+        assert msg is not None, f"only {got} arrived"
+        got.append(msg)
+    assert (got[0].arbitration_id, got[0].is_extended_id, bytes(got[0].data)) == (0x456, False, b"\xca\xfe")
+    assert (got[1].arbitration_id, got[1].is_extended_id, bytes(got[1].data)) == (0x0ABCDEF1, True, b"\x11\x22\x33\x44")
+    assert got[2].is_remote_frame and got[2].arbitration_id == 0x55 and got[2].dlc == 4
+    await con.close()
+
+
+async def test_frame_rate_without_loss(can_vm: tuple[Any, Any], record_property: Any) -> None:
+    """Frames per second both ways on the bus socket (python-can, no gRPC), counted by the guest."""
+    rt, _ = can_vm
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    n = 2000
+    bus = can.Bus(interface="vmsidecar-slcan", channel=f"{rt.shared / 'can' / 'can0.sock'};bitrate=250000")
+    try:
+        await con.run(f"candump -n {n} can0 > /tmp/rate & sleep 0.3")
+        t0 = time.monotonic()
+
+        def blast() -> None:
+            for i in range(n):
+                bus.send(can.Message(arbitration_id=i & 0x7FF, data=i.to_bytes(4, "big"), is_extended_id=False))
+
+        await asyncio.to_thread(blast)
+        out = await con.run("wait; wc -l < /tmp/rate", timeout=120)
+        h2g = n / (time.monotonic() - t0)
+        assert int(out.strip()) == n, f"guest got {out.strip()} of {n} frames"
+        while bus.recv(0) is not None:
+            pass
+        m = 1000
+        t0 = time.monotonic()
+        await con.run(f"cangen can0 -g 0 -n {m} -I 42 -L 8 -D i", timeout=120)
+        got = 0
+        while got < m and await asyncio.to_thread(bus.recv, 5) is not None:
+            got += 1
+        g2h = m / (time.monotonic() - t0)
+        assert got == m, f"host got {got} of {m} frames"
+    finally:
+        bus.shutdown()
+        await con.close()
+    record_property("host_to_guest_fps", round(h2g))
+    record_property("guest_to_host_fps", round(g2h))
+    print(f"\nCAN frame rate: host->guest {h2g:.0f} frames/s, guest->host {g2h:.0f} frames/s")
+
+
+def test_native_can_refused_with_the_missing_piece(tmp_path: Path) -> None:
+    spec = load_spec({"can": [{"name": "bus0", "mode": "native", "host_interface": "vcan0"}]})
+    if Path("/sys/class/net/vcan0").exists():
+        pytest.skip("this host has vcan0")
+    with pytest.raises(SpecError) as err:
+        check_native_can(spec)
+    msg = err.value.message
+    assert "can.0.host_interface" in msg and "vcan0" in msg and "mode: slcan" in msg
+    assert "SocketCAN" in msg
+
+
+async def test_native_can_refused_by_the_runtime_api(can_vm: tuple[Any, Any]) -> None:
+    rt, _ = can_vm
+    async with rt.client() as c:
+        with pytest.raises(SpecError, match="mode: slcan"):
+            await c.put_spec(load_spec({"image": "file:/x", "can": [{"name": "bus0", "mode": "native",
+                                                                      "host_interface": "vcan0"}]}))
