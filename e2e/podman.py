@@ -1,0 +1,68 @@
+"""Helpers for the e2e tests: podman with the project's containers.conf, and a pod handle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).parents[1]
+ENV = {**os.environ, "CONTAINERS_CONF": str(ROOT / "container" / "containers.conf")}
+VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
+
+
+def run(*argv: str, timeout: float = 900) -> str:
+    result = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{argv}: {result.stderr[-3000:]}"
+    return result.stdout
+
+
+class Pod:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def up(self, *args: str) -> float:
+        started = time.monotonic()
+        run("scripts/pod", "up", "--name", self.name, "--host-network", *args)
+        return started
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            probe = subprocess.run(["podman", "exec", f"{self.name}-runtime", "/opt/vmsidecar/bin/vmsidecar-runtime",
+                                    "ready", "--quiet", "--socket", "/shared/vmsidecar/api.sock"], env=ENV,
+                                   capture_output=True)
+            if probe.returncode == 0:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"pod {self.name} not Ready:\n{self.logs()}")
+
+    def state(self, container: str) -> dict[str, Any]:
+        return json.loads(run("podman", "inspect", f"{self.name}-{container}"))[0]["State"]
+
+    def wait_exited(self, container: str, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state(container)
+            if state["Status"] in ("exited", "stopped"):
+                return int(state["ExitCode"])
+            time.sleep(0.5)
+        raise AssertionError(f"{self.name}-{container} still running:\n{self.logs()}")
+
+    def logs(self) -> str:
+        out = []
+        for c in ("runtime", "exporter"):
+            r = subprocess.run(["podman", "logs", "--tail", "30", f"{self.name}-{c}"], env=ENV, capture_output=True,
+                               text=True)
+            out.append(f"--- {c}\n{r.stdout[-2500:]}{r.stderr[-2500:]}")
+        return "\n".join(out)
+
+    def down(self) -> None:
+        run("scripts/pod", "down", "--name", self.name)
+        left = run("podman", "ps", "-a", "--filter", f"pod={self.name}", "--format", "{{.Names}}").split()
+        assert left == [], left
+
+
