@@ -113,7 +113,7 @@ class Vring:
     started: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
     line: Line
     test: Callable[[int, int], bool]  # (old, new) -> done
@@ -656,3 +656,6 @@ class GpioDevice:
             raise GpioError("bad_request", f"op {op!r} is unknown; use list, get, set or wait")
         except GpioError as e:
             return {"ok": False, "error": e.code, "message": e.message}
+        except Exception as e:  # a bug must cost one request, never the control socket
+            log.exception("gpio: control request %r failed", raw[:200])
+            return {"ok": False, "error": "internal", "message": f"the runtime failed to serve this request ({e})"}

@@ -1,0 +1,228 @@
+"""GPIO on a real guest: vhost-user virtio-gpio backend, the guest's gpio-virtio gpiochip and
+libgpiod tools, and upstream's gpiod clients through Jumpstarter."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import mmap
+import os
+import socket
+import statistics
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jumpstarter.client.core import DriverError
+from jumpstarter_driver_gpiod.client import PinState
+
+from fixtures.vmdev import vm_client, vm_runtime
+from guestio import Console
+from vmsidecar_runtime import gpio as vg
+from vmsidecar_runtime.spec import GpioLine
+
+pytestmark = pytest.mark.timeout(300)
+
+LINES = [
+    {"name": "reset-button", "direction": "in"},
+    {"name": "led", "direction": "out"},
+    {"name": "boot-mode", "direction": "in", "initial": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def gpio_vm(tiny_image: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "gpio": LINES}
+    root, cache = tmp_path_factory.mktemp("gpio-rt"), tmp_path_factory.mktemp("gpio-cache")
+    with vm_runtime(spec, root, cache) as rt, vm_client(rt, spec) as client:
+        yield rt, client
+
+
+async def _console(rt: Any) -> Console:
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    return con
+
+
+async def test_gpiochip_names_and_both_directions(gpio_vm: tuple[Any, Any]) -> None:
+    rt, client = gpio_vm
+    con = await _console(rt)
+    info = await con.run("gpioinfo gpiochip0")
+    assert '"reset-button"' in info and '"led"' in info and '"boot-mode"' in info, info
+    assert (await con.run("gpioget gpiochip0 0 2")).split() == ["0", "1"]  # spec initial values
+
+    # host drives a guest input: `j vm gpio reset-button on` in Python
+    button, led = client.gpio.children["reset-button"], client.gpio.children["led"]
+    assert type(button).__name__ == "DigitalOutputClient" and type(led).__name__ == "DigitalInputClient"
+    await asyncio.to_thread(button.on)
+    assert (await con.run("gpioget gpiochip0 0")).strip() == "1"
+    assert await asyncio.to_thread(button.read) == PinState.ACTIVE
+    await asyncio.to_thread(button.off)
+    assert (await con.run("gpioget gpiochip0 0")).strip() == "0"
+
+    # guest drives an output; the host reads it and waits on it
+    await con.run("gpioset gpiochip0 1=1")
+    assert await asyncio.to_thread(led.read) == PinState.ACTIVE
+    await asyncio.to_thread(led.wait_for_active, 5)  # already active: returns at once
+    waiter = asyncio.create_task(asyncio.to_thread(led.wait_for_edge, "falling", 30))
+    await asyncio.sleep(0.5)
+    await con.run("gpioset gpiochip0 1=0")
+    await asyncio.wait_for(waiter, 30)
+    assert await asyncio.to_thread(led.read) == PinState.INACTIVE
+    with pytest.raises(DriverError, match=r"did not go active within 0\.5 s"):  # TimeoutError, as upstream's
+        await asyncio.to_thread(led.wait_for_active, 0.5)
+
+    # the guest cannot drive a host-driven line (the device answers with an error status)
+    assert "error" in (await con.run("gpioset gpiochip0 0=1 2>&1")).lower()
+    await con.close()
+
+
+async def test_gpiomon_woken_by_host_edge_and_round_trip(gpio_vm: tuple[Any, Any], record_property: Any) -> None:
+    rt, client = gpio_vm
+    con = await _console(rt)
+    button, led = client.gpio.children["reset-button"], client.gpio.children["led"]
+    con.writer.write(b"gpiomon -n 1 -r gpiochip0 0; echo MON-$?-DONE\n")
+    await con.writer.drain()
+    await asyncio.sleep(1.5)
+    await asyncio.to_thread(button.on)
+    m = await con.expect(rb"RISING EDGE offset: 0[\s\S]*MON-0-DONE", 20)
+    assert m
+    await asyncio.to_thread(button.off)
+
+    # round trip: host edge -> guest gpiomon -> guest gpioset -> host wait_for_active
+    samples = []
+    for _ in range(5):
+        await con.run("gpioset gpiochip0 1=0")
+        con.writer.write(b"gpiomon -n 1 -s -r gpiochip0 0 >/dev/null && gpioset gpiochip0 1=1\n")
+        await con.writer.drain()
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        await asyncio.to_thread(button.on)
+        await asyncio.to_thread(led.wait_for_active, 20)
+        samples.append(time.monotonic() - t0)
+        await asyncio.to_thread(button.off)
+    median_ms = statistics.median(samples) * 1000
+    record_property("gpio_round_trip_ms", round(median_ms, 1))
+    print(f"\nGPIO round trip host->guest gpiomon->gpioset->host: median {median_ms:.1f} ms "
+          f"({', '.join(f'{s * 1000:.0f}' for s in samples)})")
+    await con.close()
+
+
+async def test_guest_reboot_reinitialises_the_device(gpio_vm: tuple[Any, Any]) -> None:
+    rt, client = gpio_vm
+    con = await _console(rt)
+    con.seen.clear()
+    con.writer.write(b"reboot\n")
+    await con.writer.drain()
+    await con.expect(rb"VMSIDECAR-READY", 120)  # the guest came back up (a reset, same QEMU)
+    await asyncio.sleep(0.5)
+    con2 = await _console(rt)
+    button = client.gpio.children["reset-button"]
+    await asyncio.to_thread(button.on)
+    assert (await con2.run("gpioget gpiochip0 0")).strip() == "1"
+    con2.writer.write(b"gpiomon -n 1 -f gpiochip0 0; echo MON-$?-DONE\n")
+    await con2.writer.drain()
+    await asyncio.sleep(1.5)
+    await asyncio.to_thread(button.off)
+    await con2.expect(rb"FALLING EDGE[\s\S]*MON-0-DONE", 20)
+    await con.close()
+    await con2.close()
+
+
+async def test_control_socket_errors(gpio_vm: tuple[Any, Any]) -> None:
+    rt, _ = gpio_vm
+    reader, writer = await asyncio.open_unix_connection(str(rt.shared / "gpio.sock"))
+    replies = []
+    for req in (b"not json\n", b'{"op": "set", "line": "led", "value": 1}\n', b'{"op": "get", "line": "nope"}\n',
+                b'{"op": "wait", "line": "led", "for": "sideways"}\n', b'{"op": "list"}\n'):
+        writer.write(req)
+        await writer.drain()
+        replies.append(json.loads(await reader.readline()))
+    writer.close()
+    assert [r.get("error") for r in replies[:4]] == ["bad_request", "not_host_driven", "no_line", "bad_wait"]
+    assert [x["name"] for x in replies[4]["lines"]] == ["reset-button", "led", "boot-mode"]
+
+
+# ---- malformed virtqueue requests, crafted by speaking vhost-user to the backend directly ------------
+def _msg(req: int, payload: bytes = b"") -> bytes:
+    return struct.pack("<III", req, vg.FLAG_VERSION, len(payload)) + payload
+
+
+async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -> None:
+    dev = vg.GpioDevice([GpioLine(name="a"), GpioLine(name="b", direction="out")])
+    path = tmp_path / "vhost.sock"
+    await dev.start_vhost(path)
+    size = 1 << 20
+    fd = os.memfd_create("guest")
+    os.ftruncate(fd, size)
+    mem = mmap.mmap(fd, size)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await asyncio.get_running_loop().sock_connect(sock, str(path))
+    sock.setblocking(True)
+    kick, call = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+    uva, num = 0x7F0000000000, 8
+    desc, avail, used = 0x1000, 0x2000, 0x3000  # guest-physical = offsets into the memfd
+
+    def send(req: int, payload: bytes = b"", fds: list[int] | None = None) -> None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        sock.sendmsg([_msg(req, payload)], anc)
+
+    try:
+        await asyncio.to_thread(send, vg.GET_FEATURES)
+        hdr = await asyncio.to_thread(sock.recv, 20)
+        assert struct.unpack_from("<Q", hdr, 12)[0] & 1  # VIRTIO_GPIO_F_IRQ offered
+        send(vg.SET_MEM_TABLE, struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, size, uva, 0), [fd])
+        send(vg.SET_VRING_NUM, struct.pack("<II", 0, num))
+        send(vg.SET_VRING_ADDR, struct.pack("<IIQQQQ", 0, 0, uva + desc, uva + used, uva + avail, 0))
+        send(vg.SET_VRING_CALL, struct.pack("<Q", 0), [call])
+        send(vg.SET_VRING_KICK, struct.pack("<Q", 0), [kick])
+        await asyncio.sleep(0.2)
+
+        def post(chain: list[tuple[int, int, int, int]], head: int, avail_idx: int) -> None:
+            for i, (addr, length, flags, nxt) in enumerate(chain):
+                struct.pack_into("<QIHH", mem, desc + 16 * (head + i), addr, length, flags, nxt)
+            struct.pack_into("<H", mem, avail + 4 + 2 * ((avail_idx - 1) % num), head)
+            struct.pack_into("<H", mem, avail + 2, avail_idx)
+            os.eventfd_write(kick, 1)
+
+        async def used_len(idx: int) -> int:
+            for _ in range(100):
+                if struct.unpack_from("<H", mem, used + 2)[0] >= idx:
+                    return struct.unpack_from("<II", mem, used + 4 + 8 * ((idx - 1) % num))[1]
+                await asyncio.sleep(0.02)
+            raise AssertionError("the backend did not answer")
+
+        req, res = 0x4000, 0x4100
+        # 1. unknown request type -> STATUS_ERR
+        struct.pack_into("<HHI", mem, req, 99, 0, 0)
+        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 1)
+        assert await used_len(1) == 2 and mem[res] == vg.STATUS_ERR
+        # 2. line out of range -> STATUS_ERR
+        struct.pack_into("<HHI", mem, req, vg.MSG_GET_VALUE, 7, 0)
+        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 2)
+        assert await used_len(2) == 2 and mem[res] == vg.STATUS_ERR
+        # 3. short request (4 bytes) -> STATUS_ERR
+        post([(req, 4, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 3)
+        assert await used_len(3) == 2 and mem[res] == vg.STATUS_ERR
+        # 4. buffer outside guest memory / chain pointing past the ring -> used with length 0, no crash
+        post([(size + 0x1000, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 4)
+        assert await used_len(4) == 2 and mem[res] == vg.STATUS_ERR
+        post([(req, 8, vg.DESC_NEXT, 50)], 0, 5)
+        assert await used_len(5) == 0
+        # 5. the guest may not drive a host-driven line
+        struct.pack_into("<HHI", mem, req, vg.MSG_SET_VALUE, 0, 1)
+        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 6)
+        assert await used_len(6) == 2 and mem[res] == vg.STATUS_ERR
+        # and a good request still works afterwards
+        struct.pack_into("<HHI", mem, req, vg.MSG_SET_VALUE, 1, 1)
+        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 7)
+        assert await used_len(7) == 2 and mem[res] == vg.STATUS_OK
+        assert dev.by_name["b"].value == 1 and dev.bad_requests >= 5
+    finally:
+        sock.close()
+        await dev.close()
+        mem.close()
+        os.close(fd)
