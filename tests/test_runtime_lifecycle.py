@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.runtime import BACKENDS
 from guestio import Console
 from vmsidecar_runtime.client import RuntimeClient
 from vmsidecar_runtime.errors import GenerationChangedError
@@ -35,14 +37,16 @@ async def _events_until(client: RuntimeClient, types: list[str], stop: str, time
     return seen
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_registry_boot_without_exporter_graceful_and_hard_off(
-    start_runtime: Any, tiny_image: Any, registry: Any
+    start_runtime: Any, tiny_image: Any, registry: Any, backend: str
 ) -> None:
     ref = f"{registry.host}/vm/tiny:lifecycle"
     push_artifact(tiny_image.disk, ref)
-    rt = await start_runtime(_spec(ref))
+    rt = await start_runtime(_spec(ref), backend=backend)
     client = rt.client()
     state = await client.wait_ready(180)  # nobody asked: the runtime pulls and boots on its own
+    assert state.backend == backend
     assert state.accel in ("tcg", "kvm") and state.accel_reason
     assert state.image_digest and state.timings.ready and state.timings.ready < 120
     hvc0 = await Console.open(rt.shared / "hvc0.sock")
@@ -67,12 +71,17 @@ async def test_registry_boot_without_exporter_graceful_and_hard_off(
     await asyncio.sleep(0.5)
     events.cancel()
     await hvc0.close()
+    if backend == "libvirt":
+        assert rt.virsh_domains() == []  # transient: an off domain is gone from libvirt
 
 
-async def test_disk_survives_power_cycle_but_not_recycle(start_runtime: Any, tiny_image: Any) -> None:
-    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_disk_survives_power_cycle_but_not_recycle(start_runtime: Any, tiny_image: Any, backend: str) -> None:
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"), backend=backend)
     client = rt.client()
     await client.wait_ready(180)
+    if backend == "libvirt":
+        assert len(rt.virsh_domains()) == 1
     con = await Console.open(rt.shared / "console.sock")
     await con.wake()
     await con.run("echo lease-one-was-here > /data/marker; sync")
@@ -98,12 +107,26 @@ async def test_disk_survives_power_cycle_but_not_recycle(start_runtime: Any, tin
     await con.close()
     base = Path(str(tiny_image.disk))
     assert not os.access(base, os.W_OK) or base.stat().st_mode & 0o222 == 0  # the base was never writable
+    if backend == "libvirt":
+        assert len(rt.virsh_domains()) == 1  # the fresh boot only: recycle left no domain behind
+        await client.recycle(boot=False)
+        assert rt.virsh_domains() == []
 
 
+async def _wait_phase(client: RuntimeClient, phase: str, timeout: float = 10) -> Any:
+    for _ in range(int(timeout * 10)):
+        state = await client.state()
+        if state.phase.value == phase:
+            break
+        await asyncio.sleep(0.1)
+    return state
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_qemu_killed_is_crashed_then_power_on_recovers(
-    start_runtime: Any, tiny_image: Any, qemu_processes: Any
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any, backend: str
 ) -> None:
-    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"), backend=backend)
     client = rt.client()
     await client.wait_ready(180)
     pids = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, str(rt.state))]
@@ -115,11 +138,24 @@ async def test_qemu_killed_is_crashed_then_power_on_recovers(
             break
         await asyncio.sleep(0.1)
     assert state.phase.value == "Crashed"
-    assert state.last_exit and state.last_exit.signal == signal.SIGKILL
+    if backend == "qemu":
+        assert state.last_exit and state.last_exit.signal == signal.SIGKILL
+    else:  # libvirt reports why the domain stopped, not QEMU's exit status
+        assert state.last_exit and "domain stopped" in state.last_error["message"]  # type: ignore[index]
     assert state.last_error and "power on again to recover" in state.last_error["message"]
     await client.power("on")
     await client.wait_ready(180)
     assert qemu_processes(str(rt.state)) == 1
+    if backend == "libvirt":
+        # destroyed behind the runtime's back (virsh destroy) is a crash too, and power on recovers
+        [domain] = rt.virsh_domains()
+        await asyncio.to_thread(subprocess.run, ["virsh", "-c", rt.libvirt_uri(), "destroy", domain], check=True,
+                                capture_output=True, timeout=30)
+        state = await _wait_phase(client, "Crashed")
+        assert state.phase.value == "Crashed" and "destroyed" in state.last_error["message"]  # type: ignore[index]
+        await client.power("on")
+        await client.wait_ready(180)
+        assert rt.virsh_domains() == [domain] and qemu_processes(str(rt.state)) == 1
 
 
 async def test_concurrent_power_requests_never_start_two_qemus(
@@ -137,16 +173,23 @@ async def test_concurrent_power_requests_never_start_two_qemus(
     assert qemu_processes(str(rt.state)) == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_sigterm_stops_guest_and_runtime_cleanly(
-    start_runtime: Any, tiny_image: Any, qemu_processes: Any
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any, backend: str
 ) -> None:
-    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"), backend=backend)
     await rt.client().wait_ready(180)
     assert qemu_processes(str(rt.state)) == 1
+    if backend == "libvirt":
+        assert len(rt.virsh_domains()) == 1
+        daemon_root = rt.libvirt_uri().split("socket=")[1].removesuffix("/run/libvirt-sock")
     rc = await asyncio.to_thread(rt.stop, signal.SIGTERM, 60)
     assert rc == 0, rt.log_text()[-2000:]
     assert qemu_processes(str(rt.state)) == 0
     assert sorted(p.name for p in rt.shared.iterdir()) == []  # api.sock, console sockets and lock removed
+    if backend == "libvirt":  # the private libvirtd is gone with the runtime, its files too
+        assert not any(daemon_root.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())
+        assert not Path(daemon_root).exists()
 
 
 async def test_second_runtime_on_same_shared_dir_is_refused(start_runtime: Any) -> None:
@@ -160,12 +203,19 @@ async def test_second_runtime_on_same_shared_dir_is_refused(start_runtime: Any) 
         assert await c.healthy()
 
 
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _cmdline_has(pid: str, needle: str) -> bool:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return cmd.startswith(b"qemu-system") and needle.encode() in cmd
+    return os.path.basename(cmd.split(b"\0")[0]).startswith(b"qemu-system") and needle.encode() in cmd
 
 
 async def test_claim_recycles_a_used_generation_and_late_recycle_is_a_no_op(
