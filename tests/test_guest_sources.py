@@ -56,3 +56,20 @@ def test_push_then_pull_is_byte_identical(form: str, sources: dict[str, str], ti
     assert _sha256(first.path) == _sha256(tiny_image.disk) == first.digest
     again = pull(sources[form], tmp_path / "cache")
     assert again.cached and again.bytes_downloaded == 0 and again.path == first.path
+
+
+async def test_aarch64_guest_boots_by_direct_kernel(start_runtime: Any) -> None:
+    """A foreign-arch guest (TCG): the aarch64 tiny guest with its kernel and initrd from the recipe."""
+    from vmsidecar_images.build import build_image
+
+    image = build_image("tiny", arch="aarch64")
+    spec = {"image": f"file:{image.disk}", "arch": "aarch64", "kernel": str(image.kernel),
+            "initrd": str(image.initrd), "cmdline": image.cmdline, "memory": "256M"}
+    rt = await start_runtime(spec, name="aarch64")
+    state = await rt.client().wait_ready(180)
+    assert state.accel == "tcg" and "differs from host arch" in (state.accel_reason or "")
+    con = await Console.open(rt.shared / "hvc0.sock")
+    await con.expect("VMSIDECAR-READY image=tiny uptime=")
+    await con.wake()
+    assert "aarch64" in await con.run("uname -m")
+    await con.close()
