@@ -226,3 +226,21 @@ async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -
         await dev.close()
         mem.close()
         os.close(fd)
+
+
+async def test_j_cli_like_a_bench(gpio_vm: tuple[Any, Any], tiny_image: Any, tmp_path: Any) -> None:
+    """`j vm gpio reset-button on` / `read` under a real `jmp shell` (runs last: its lease claims
+    the VM, which recycles it)."""
+    from fixtures.jmp import exporter_config, run_shell
+
+    rt, _ = gpio_vm
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "gpio": LINES}
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket), "spec": spec,
+                                                       "recycle": "InPlaceReuse"})
+    script = ("j vm wait-ready >/dev/null 2>&1 || true\n"
+              "j vm gpio reset-button on\nj vm gpio reset-button read\nj vm gpio led read\n"
+              "j vm gpio reset-button off\nj vm gpio reset-button read\n")
+    result = await asyncio.to_thread(run_shell, ["--exporter-config", str(cfg)], script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    states = [ln.strip() for ln in result.stdout.splitlines() if ln.strip() in ("active", "inactive")]
+    assert states == ["active", "inactive", "inactive"], result.stdout
