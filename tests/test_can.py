@@ -133,3 +133,25 @@ async def test_native_can_refused_by_the_runtime_api(can_vm: tuple[Any, Any]) ->
         with pytest.raises(SpecError, match="mode: slcan"):
             await c.put_spec(load_spec({"image": "file:/x", "can": [{"name": "bus0", "mode": "native",
                                                                       "host_interface": "vcan0"}]}))
+
+
+def test_exporter_children_naming_and_native_refusal(tmp_path: Path) -> None:
+    from jumpstarter_driver_can.driver import Can
+
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    one = VirtualMachine(socket=str(tmp_path / "api.sock"), spec={"can": [{"name": "body"}]})
+    assert isinstance(one.children["can"], Can) and "body" not in one.children
+    assert one.children["can"].channel == f"{tmp_path / 'can' / 'body.sock'};bitrate=500000"
+    two = VirtualMachine(socket=str(tmp_path / "api.sock"),
+                         spec={"can": [{"name": "body"}, {"name": "chassis", "bitrate": 125000}]})
+    assert isinstance(two.children["body"], Can) and isinstance(two.children["chassis"], Can)
+    assert "can" not in two.children
+    with pytest.raises(ValueError, match="clashes"):
+        VirtualMachine(socket=str(tmp_path / "api.sock"), spec={"can": [{"name": "power"}, {"name": "x"}]})
+    if not Path("/sys/class/net/vcan0").exists():
+        with pytest.raises(ValueError, match="mode: slcan"):
+            VirtualMachine(socket=str(tmp_path / "api.sock"),
+                           spec={"can": [{"name": "b", "mode": "native", "host_interface": "vcan0"}]})
+    for vm in (one, two):
+        vm.close()

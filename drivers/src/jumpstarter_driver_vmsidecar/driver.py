@@ -17,6 +17,7 @@ named after the bus; upstream ``jumpstarter_driver_can.driver.Can`` → ``CanCli
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,10 @@ class VirtualMachine(Driver):
             log.error("end-of-lease %s failed: %s", self.recycle, e)
         finally:
             self.link.close()
+            for child in self.children.values():
+                if isinstance(child, Can):  # upstream's Can never shuts its python-can bus down
+                    with contextlib.suppress(Exception):
+                        child.bus.shutdown()
             super().close()
 
     # ---- extras for Python clients -------------------------------------------------------
