@@ -158,10 +158,11 @@ async def test_qemu_killed_is_crashed_then_power_on_recovers(
         assert rt.virsh_domains() == [domain] and qemu_processes(str(rt.state)) == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_concurrent_power_requests_never_start_two_qemus(
-    start_runtime: Any, tiny_image: Any, qemu_processes: Any
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any, backend: str
 ) -> None:
-    spec = _spec(f"file:{tiny_image.disk}")
+    spec = _spec(f"file:{tiny_image.disk}", backend=backend)
     rt = await start_runtime(None)
     client = rt.client()
     await client.put_spec(spec)
@@ -235,11 +236,18 @@ async def test_claim_recycles_a_used_generation_and_late_recycle_is_a_no_op(
     assert state.generation == 1 and state.claimed
 
 
-async def test_runtime_killed_takes_its_qemu_along(start_runtime: Any, tiny_image: Any, qemu_processes: Any) -> None:
-    """Even SIGKILL (no cleanup code runs) must not leave a QEMU holding the disk and sockets."""
-    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"))
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_runtime_killed_takes_its_qemu_along(
+    start_runtime: Any, tiny_image: Any, qemu_processes: Any, backend: str
+) -> None:
+    """Even SIGKILL (no cleanup code runs) must not leave a QEMU holding the disk and sockets.
+
+    With libvirt: PDEATHSIG ends unshare, --kill-child its namespace init, the kernel the rest.
+    """
+    rt = await start_runtime(_spec(f"file:{tiny_image.disk}"), backend=backend)
     await rt.client().wait_ready(180)
     assert qemu_processes(str(rt.state)) == 1
+    daemon_root = rt.libvirt_uri().split("socket=")[1].removesuffix("/run/libvirt-sock") if backend == "libvirt" else ""
     rt.proc.kill()
     rt.proc.wait(10)
     for _ in range(50):
@@ -247,3 +255,5 @@ async def test_runtime_killed_takes_its_qemu_along(start_runtime: Any, tiny_imag
             break
         await asyncio.sleep(0.1)
     assert qemu_processes(str(rt.state)) == 0
+    if daemon_root:  # the private libvirtd went too
+        assert not any(daemon_root.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())

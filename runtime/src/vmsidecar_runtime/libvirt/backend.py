@@ -97,14 +97,16 @@ class LibvirtBackend:
     def _domain_event(self, kind: str, event: int, detail: int) -> None:
         if self._loop is None:
             return
-        if kind == "reboot":
-            self._loop.call_soon_threadsafe(self._emit, "RESET", {})
-        else:
-            self._loop.call_soon_threadsafe(self._handle_lifecycle, event, detail)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the runtime is exiting
+            if kind == "reboot":
+                self._loop.call_soon_threadsafe(self._emit, "RESET", {})
+            else:
+                self._loop.call_soon_threadsafe(self._handle_lifecycle, event, detail)
 
     def _connection_lost(self) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._mark_exited, "the libvirt connection closed")
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._mark_exited, "the libvirt connection closed")
 
     def _emit(self, name: str, data: dict[str, Any]) -> None:
         if not self._exited.is_set():
