@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ async def bench(image: str, runs: int, backend: str) -> dict[str, float]:
     spec = {"image": image, "memory": "256M", "backend": backend}
     cold: list[float] = []
     recycle: list[float] = []
+    create: list[float] = []  # libvirt: createXML seconds, from the runtime log
     with tempfile.TemporaryDirectory(prefix="vmsidecar-bench-") as tmp:
         cache = Path(tmp) / "cache"
         # warm the cache once: the benchmark measures boots, not pulls
@@ -62,12 +64,17 @@ async def bench(image: str, runs: int, backend: str) -> dict[str, float]:
                 recycle.append(time.monotonic() - t0)
             proc.terminate()
             proc.wait(60)
+            create += [float(s) for s in re.findall(r"created paused in ([0-9.]+) s", (work / "runtime.log").read_text())]
             print(f"run {i + 1}: start→Ready {cold[-1]:.2f} s, recycle→Ready {recycle[-1]:.2f} s")
     result = {"cold_median": statistics.median(cold), "recycle_median": statistics.median(recycle)}
     result["ratio"] = result["recycle_median"] / result["cold_median"]
     print(f"\n{backend}: runtime start→Ready median {result['cold_median']:.2f} s; "
           f"recycle→Ready median {result['recycle_median']:.2f} s; recycle/cold {result['ratio']:.2f} "
           f"({runs} runs, cached image)")
+    if create:
+        result["create_median"] = statistics.median(create)
+        print(f"libvirt createXML median {result['create_median']:.2f} s (min {min(create):.2f}, max {max(create):.2f}, "
+              f"{len(create)} domains)")
     return result
 
 
