@@ -54,3 +54,34 @@ async def test_external_uri_boot_power_and_exit_leave_the_daemon_alone(
     assert rt.stop() == 0
     assert _domains(libvirt_daemon.uri) == []  # the guest is gone, the daemon (not the runtime's) still answers
     assert libvirt_daemon.proc.returncode is None
+
+
+async def test_guest_powering_itself_off_is_stopped_and_leaves_no_domain(start_runtime: Any, tiny_image: Any) -> None:
+    from guestio import Console
+
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"}, backend="libvirt")
+    client = rt.client()
+    await client.wait_ready(180)
+    assert len(rt.virsh_domains()) == 1
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    seen: list[tuple[str, Any]] = []
+
+    async def collect() -> None:
+        async for event in client.events(["qemu.shutdown", "qemu.exited", "phase"]):
+            seen.append((event["type"], event["data"].get("reason") or event["data"].get("phase")))
+            if event["type"] == "phase" and event["data"].get("phase") == "Stopped":
+                return
+
+    import asyncio
+
+    task = asyncio.create_task(collect())
+    await asyncio.sleep(0.2)
+    con.writer.write(b"poweroff -f\n")
+    await con.writer.drain()
+    await asyncio.wait_for(task, 60)
+    await con.close()
+    assert ("qemu.shutdown", "guest-shutdown") in seen, seen
+    state = await client.state()
+    assert state.phase.value == "Stopped" and state.last_error is None
+    assert rt.virsh_domains() == []

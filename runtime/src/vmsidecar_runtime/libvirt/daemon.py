@@ -84,6 +84,9 @@ def ensure_event_loop() -> None:
     with _event_lock:
         if _event_thread is not None:
             return
+        # libvirt prints every error to stderr by default, also the ones we expect and handle
+        # (destroying a domain that just went away): errors reach us as libvirtError instead
+        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
         libvirt.virEventRegisterDefaultImpl()
 
         def run() -> None:
