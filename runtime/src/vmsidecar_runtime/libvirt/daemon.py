@@ -108,7 +108,11 @@ class PrivateDaemon:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.proc: asyncio.subprocess.Process | None = None
+        self._virtlogd: asyncio.subprocess.Process | None = None
         self._stderr: list[str] = []
+        #: False when mount/PID namespaces are unavailable (no CAP_SYS_ADMIN): libvirtd then uses
+        #: the system's /etc/libvirt, /run/libvirt … (fine in a container that is ours alone)
+        self.namespaced = True
 
     @property
     def socket(self) -> Path:
@@ -120,7 +124,8 @@ class PrivateDaemon:
 
     def log_path(self, domain: str) -> Path:
         """QEMU's stdout/stderr for a domain (stdio_handler = "file")."""
-        return self.root / "log" / "qemu" / f"{domain}.log"
+        base = self.root / "log" if self.namespaced else Path("/var/log/libvirt")
+        return base / "qemu" / f"{domain}.log"
 
     def _prepare(self) -> None:
         for sub in ("etc", "run", "lib", "cache", "log"):
@@ -143,9 +148,13 @@ class PrivateDaemon:
                 raise HostError(f"backend libvirt without libvirt_uri starts a private libvirtd, but {tool} is "
                                 f"not installed; apt-get install {package}, or set libvirt_uri to a running daemon")
         self._prepare()
-        argv = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
-                "--kill-child", sys.executable, "-m", "vmsidecar_runtime.libvirt.nsinit", str(self.root)]
         started = time.monotonic()
+        self.namespaced = os.environ.get("VMSIDECAR_LIBVIRT_NAMESPACES", "1") != "0" and await _namespaces_work()
+        if self.namespaced:
+            argv = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
+                    "--kill-child", sys.executable, "-m", "vmsidecar_runtime.libvirt.nsinit", str(self.root)]
+        else:
+            argv = await self._argv_without_namespaces()
         self.proc = await spawn(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                                 stderr=asyncio.subprocess.PIPE, start_new_session=True, die_with_parent=True)
         asyncio.get_running_loop().create_task(self._collect())
@@ -171,6 +180,19 @@ class PrivateDaemon:
             await asyncio.sleep(0.05)
         log.info("private libvirtd up in %.2f s (uri %s)", time.monotonic() - started, self.uri)
 
+    async def _argv_without_namespaces(self) -> list[str]:
+        """libvirtd on the system paths, its socket still private; QEMU settings come from
+        /etc/libvirt/qemu.conf (the runtime image ships ours there), QEMU output via virtlogd."""
+        log.warning("mount/PID namespaces unavailable (no CAP_SYS_ADMIN?): the private libvirtd uses the "
+                    "system's /etc/libvirt/qemu.conf and /run/libvirt, and a QEMU may outlive a SIGKILLed runtime")
+        conf = self.root / "etc" / "libvirtd.conf"
+        conf.write_text(LIBVIRTD_CONF + f'unix_sock_dir = "{self.root / "run"}"\n')
+        if shutil.which("virtlogd") is not None and not Path("/run/libvirt/virtlogd-sock").exists():
+            self._virtlogd = await spawn("virtlogd", stdin=asyncio.subprocess.DEVNULL,
+                                         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                                         start_new_session=True, die_with_parent=True)
+        return ["libvirtd", "--config", str(conf), "--pid-file", str(self.root / "run" / "libvirtd.pid")]
+
     async def _collect(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         while line := await self.proc.stderr.readline():
@@ -182,10 +204,11 @@ class PrivateDaemon:
         """SIGTERM libvirtd (via the namespace's init), then SIGKILL; the namespace dies with it."""
         proc = self.proc
         if proc is None or proc.returncode is not None:
+            await self._stop_virtlogd()
             return
         # unshare ignores SIGTERM while it waits: signal its child, the namespace's init, which
         # forwards it to libvirtd (SIGKILL of unshare still takes the whole namespace down)
-        init = _children(proc.pid)
+        init = _children(proc.pid) if self.namespaced else [proc.pid]
         with contextlib.suppress(ProcessLookupError):
             os.kill(init[0], signal.SIGTERM) if init else proc.kill()
         try:
@@ -194,7 +217,20 @@ class PrivateDaemon:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        await self._stop_virtlogd()
         log.info("private libvirtd stopped")
+
+    async def _stop_virtlogd(self) -> None:
+        if self._virtlogd is not None and self._virtlogd.returncode is None:
+            self._virtlogd.terminate()
+            await self._virtlogd.wait()
+
+
+async def _namespaces_work() -> bool:
+    """Whether this process may create mount and PID namespaces (root with CAP_SYS_ADMIN)."""
+    probe = await spawn("unshare", "--mount", "--pid", "--fork", "true", stdout=asyncio.subprocess.DEVNULL,
+                        stderr=asyncio.subprocess.DEVNULL)
+    return await probe.wait() == 0
 
 
 def _children(pid: int) -> list[int]:
