@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from vmsidecar_runtime.accel import choose_accel
 from vmsidecar_runtime.errors import HostError
 

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 import pytest
+
 from vmsidecar_runtime.api.openapi import build_document
 from vmsidecar_runtime.api.server import ROUTES
 

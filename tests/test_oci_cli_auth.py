@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+
 from fixtures.registry import RunningRegistry, start_registry
 from vmsidecar_runtime.errors import RegistryError
 from vmsidecar_runtime.oci import pull, push_artifact

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
 from vmsidecar_runtime.errors import (
     BadReferenceError,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from vmsidecar_runtime.errors import BadReferenceError
 from vmsidecar_runtime.oci import Reference, parse_reference
 from vmsidecar_runtime.oci.reference import is_loopback_host

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
 from vmsidecar_runtime.oci import parse_reference, pull, push_artifact, push_containerdisk, write_layout
 from vmsidecar_runtime.oci.registry import RegistryClient, RegistrySource

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from vmsidecar_runtime.errors import SpecError
 from vmsidecar_runtime.spec import load_spec, load_spec_text, parse_size_mib, spec_from_sources
 
