@@ -50,10 +50,17 @@ class Console:
         return m.group(1).decode(errors="replace").replace("\r", "")
 
     async def wake(self) -> None:
-        """getty eats the first line: send one and wait for the prompt."""
-        self.writer.write(b"\n")
-        await self.writer.drain()
-        await self.expect(re.escape(PROMPT), 20)
+        """Get a fresh prompt: getty eats the first line, and a replayed old prompt must not count."""
+        for _ in range(8):
+            self.seen.clear()
+            self.writer.write(b"\n")
+            await self.writer.drain()
+            try:
+                await self.expect(re.escape(PROMPT), 4)
+                return
+            except TimeoutError:
+                continue
+        raise TimeoutError(f"no shell prompt on the console; got {bytes(self.seen[-600:])!r}")
 
     async def close(self) -> None:
         self.writer.close()
