@@ -12,7 +12,7 @@ import json
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 import zstandard
 
@@ -171,6 +171,23 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+
+def _manifest(
+    config: Blob, layer: Blob, arch: str, artifact: str | None = None
+) -> tuple[bytes, str, dict[str, Any]]:
+    """One-layer image manifest, its digest, and its entry for the platform index."""
+    body: dict[str, Any] = {"schemaVersion": 2, "mediaType": OCI_MANIFEST}
+    if artifact:
+        body["artifactType"] = artifact
+    body |= {"config": config.descriptor(), "layers": [layer.descriptor()]}
+    manifest = _json(body)
+    digest = _digest(manifest)
+    entry: dict[str, Any] = {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(manifest)}
+    if artifact:
+        entry["artifactType"] = artifact
+    entry["platform"] = platform_of(arch)
+    return manifest, digest, entry
+
 def pack_artifact(
     disk: Path, workdir: Path, *, arch: str, compression: Compression | None = "zstd"
 ) -> Packed:
@@ -211,23 +228,7 @@ def pack_artifact(
         },
     )
     config = Blob(media_type=OCI_EMPTY, digest=EMPTY_DIGEST, size=len(EMPTY_JSON), data=EMPTY_JSON)
-    manifest = _json(
-        {
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "artifactType": artifact_type(fmt),
-            "config": config.descriptor(),
-            "layers": [layer.descriptor()],
-        }
-    )
-    digest = _digest(manifest)
-    entry = {
-        "mediaType": OCI_MANIFEST,
-        "digest": digest,
-        "size": len(manifest),
-        "artifactType": artifact_type(fmt),
-        "platform": platform_of(arch),
-    }
+    manifest, digest, entry = _manifest(config, layer, arch, artifact_type(fmt))
     return Packed(manifest, digest, [config, layer], entry, fmt, disk_digest, disk_size)
 
 
@@ -287,21 +288,7 @@ def pack_containerdisk(disk: Path, workdir: Path, *, arch: str) -> Packed:
     config = Blob(
         media_type=OCI_IMAGE_CONFIG, digest=_digest(config_bytes), size=len(config_bytes), data=config_bytes
     )
-    manifest = _json(
-        {
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": config.descriptor(),
-            "layers": [layer.descriptor()],
-        }
-    )
-    digest = _digest(manifest)
-    entry = {
-        "mediaType": OCI_MANIFEST,
-        "digest": digest,
-        "size": len(manifest),
-        "platform": platform_of(arch),
-    }
+    manifest, digest, entry = _manifest(config, layer, arch)
     return Packed(manifest, digest, [config, layer], entry, fmt, reader.digest, reader.size)
 
 
