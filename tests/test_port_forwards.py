@@ -1,0 +1,69 @@
+"""Named port forwards: host ports picked free at boot (two instances never collide), reported by
+the API, and reachable through the driver's NetworkClient child — on a real guest."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.jmp import exporter_config, jmp_env
+from guestio import Console
+
+pytestmark = pytest.mark.timeout(600)
+
+CLIENT = """
+from jumpstarter.utils.env import env
+with env() as client:
+    print("address", client.vm.web.address())
+    with client.vm.web.stream() as conn:
+        print("got", conn.receive().decode().strip())
+"""
+
+
+async def _serve_once(rt: Any, text: str) -> None:
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    await con.run(f"(echo {text} | nc -l -p 8080 >/dev/null 2>&1 &)")
+    await con.close()
+
+
+async def _read_forward(address: str) -> bytes:
+    """Connect until the guest's listener answers (slirp accepts before the guest listens)."""
+    host, port = address.rsplit(":", 1)
+    for _ in range(40):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        if line:
+            return line.strip()
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"nothing from the guest through {address}")
+
+
+async def test_forwards_are_free_reported_and_reach_the_guest(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M",
+            "network": {"forwards": [{"name": "web", "guest_port": 8080}]}}
+    first = await start_runtime(spec, name="one")
+    second = await start_runtime(spec, name="two")
+    a = await first.client().wait_ready(180)
+    b = await second.client().wait_ready(180)
+    assert a.forwards["web"].startswith("127.0.0.1:") and a.forwards["web"] != b.forwards["web"]
+
+    await _serve_once(first, "hello-from-guest")
+    assert await _read_forward(a.forwards["web"]) == b"hello-from-guest"
+
+    await _serve_once(first, "hello-through-jumpstarter")
+    cfg = exporter_config(tmp_path / "exporter.yaml",
+                          {"socket": str(first.socket), "recycle": "InPlaceReuse", "spec": spec})
+    (tmp_path / "client.py").write_text(CLIENT)
+    result = await asyncio.to_thread(
+        subprocess.run, ["jmp", "shell", "--exporter-config", str(cfg), "--", "python", "client.py"],
+        cwd=tmp_path, env=jmp_env(), capture_output=True, text=True, timeout=120)
+    assert f"address tcp://{a.forwards['web']}" in result.stdout, result.stderr[-2000:]
+    assert "got hello-through-jumpstarter" in result.stdout, result.stderr[-2000:]
