@@ -49,8 +49,20 @@ class Console:
         m = await self.expect(rf"(?s)\nB{tag}\r?\n(.*?)E{tag}\r?\n".encode(), timeout)
         return m.group(1).decode(errors="replace").replace("\r", "")
 
+    async def drain_replay(self, quiet: float = 0.5) -> None:
+        """Read what the socket replays on connect (scrollback) until it has been quiet for ``quiet`` s."""
+        while True:
+            try:
+                chunk = await asyncio.wait_for(self.reader.read(65536), quiet)
+            except TimeoutError:
+                return
+            if not chunk:
+                raise EOFError("console closed while replaying its scrollback")
+            self.seen += chunk
+
     async def wake(self) -> None:
         """Get a fresh prompt: getty eats the first line, and a replayed old prompt must not count."""
+        await self.drain_replay()
         for _ in range(8):
             self.seen.clear()
             self.writer.write(b"\n")

@@ -100,7 +100,9 @@ async def test_disk_survives_power_cycle_but_not_recycle(start_runtime: Any, tin
     assert state.generation == 1
     await client.wait_ready(180)
     con = await Console.open(rt.shared / "console.sock")
-    assert b"lease-one-was-here" not in con.seen  # scrollback of the old generation is gone
+    await con.drain_replay()
+    assert b"VMSIDECAR-READY" in con.seen  # the new boot's scrollback is replayed …
+    assert b"lease-one-was-here" not in con.seen  # … and none of the old generation's
     await con.wake()
     out = await con.run("cat /data/marker 2>&1; ls /data")
     assert "No such file" in out and "lease-one-was-here" not in out
