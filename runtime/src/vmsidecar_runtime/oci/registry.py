@@ -193,15 +193,18 @@ class RegistryClient:
 
     # -- requests -------------------------------------------------------------------------
 
+    def _unreachable(self, exc: Exception) -> RegistryError:
+        return RegistryError(
+            f"registry {self.host} is unreachable after {TRIES} tries ({_short(exc)}); "
+            f"check that it runs and that {self.host} is the right host:port",
+            code="registry_unreachable",
+        )
+
     def _call(self, what: str, method: str, url: str, **kwargs) -> requests.Response:  # type: ignore[no-untyped-def]
         try:
             return self._oras.do_request(url, method, **kwargs)
         except _Unreachable as exc:
-            raise RegistryError(
-                f"registry {self.host} is unreachable after {TRIES} tries ({_short(exc)}); "
-                f"check that it runs and that {self.host} is the right host:port",
-                code="registry_unreachable",
-            ) from None
+            raise self._unreachable(exc) from None
         except requests.exceptions.SSLError as exc:
             raise RegistryError(
                 f"TLS to registry {self.host} failed ({_short(exc)}); use --plain-http for an HTTP-only "
@@ -363,11 +366,7 @@ class RegistryClient:
         try:
             response = self._oras.upload_blob(str(path), self.container, layer, do_chunked=True)
         except _Unreachable as exc:
-            raise RegistryError(
-                f"registry {self.host} is unreachable after {TRIES} tries ({_short(exc)}); "
-                f"check that it runs and that {self.host} is the right host:port",
-                code="registry_unreachable",
-            ) from None
+            raise self._unreachable(exc) from None
         except ValueError as exc:  # oras-py: "Issue retrieving session url"
             raise RegistryError(
                 f"registry {self.host} refused the upload of {digest} ({_short(exc)}); check push "
