@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .perms import share
 from .spec import GpioLine
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class GpioDevice:
             self._control = await asyncio.start_unix_server(self._serve_control, path=str(path))
         finally:
             os.umask(old)
-        os.chmod(path, 0o660)
+        share(path, 0o660)  # like every shared socket: the exporter's UID may differ from ours
         self._control_path = path
 
     async def start_vhost(self, path: Path) -> None:
