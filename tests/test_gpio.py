@@ -21,7 +21,10 @@ from jumpstarter_driver_gpiod.client import PinState
 
 from fixtures.vmdev import vm_client, vm_runtime
 from guestio import Console
-from vmsidecar_runtime import gpio as vg
+from vmsidecar_runtime.devices import vhost_user as vu
+from vmsidecar_runtime.devices import virtio_gpio as vg
+from vmsidecar_runtime.devices import virtqueue as vq
+from vmsidecar_runtime.devices.gpio import GpioDevice
 from vmsidecar_runtime.spec import GpioLine
 
 pytestmark = pytest.mark.timeout(300)
@@ -148,11 +151,11 @@ async def test_control_socket_errors(gpio_vm: tuple[Any, Any]) -> None:
 
 # ---- malformed virtqueue requests, crafted by speaking vhost-user to the backend directly ------------
 def _msg(req: int, payload: bytes = b"") -> bytes:
-    return struct.pack("<III", req, vg.FLAG_VERSION, len(payload)) + payload
+    return struct.pack("<III", req, vu.FLAG_VERSION, len(payload)) + payload
 
 
 async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -> None:
-    dev = vg.GpioDevice([GpioLine(name="a"), GpioLine(name="b", direction="out")])
+    dev = GpioDevice([GpioLine(name="a"), GpioLine(name="b", direction="out")])
     path = tmp_path / "vhost.sock"
     await dev.start_vhost(path)
     size = 1 << 20
@@ -171,14 +174,14 @@ async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -
         sock.sendmsg([_msg(req, payload)], anc)
 
     try:
-        await asyncio.to_thread(send, vg.GET_FEATURES)
+        await asyncio.to_thread(send, vu.GET_FEATURES)
         hdr = await asyncio.to_thread(sock.recv, 20)
         assert struct.unpack_from("<Q", hdr, 12)[0] & 1  # VIRTIO_GPIO_F_IRQ offered
-        send(vg.SET_MEM_TABLE, struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, size, uva, 0), [fd])
-        send(vg.SET_VRING_NUM, struct.pack("<II", 0, num))
-        send(vg.SET_VRING_ADDR, struct.pack("<IIQQQQ", 0, 0, uva + desc, uva + used, uva + avail, 0))
-        send(vg.SET_VRING_CALL, struct.pack("<Q", 0), [call])
-        send(vg.SET_VRING_KICK, struct.pack("<Q", 0), [kick])
+        send(vu.SET_MEM_TABLE, struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, size, uva, 0), [fd])
+        send(vu.SET_VRING_NUM, struct.pack("<II", 0, num))
+        send(vu.SET_VRING_ADDR, struct.pack("<IIQQQQ", 0, 0, uva + desc, uva + used, uva + avail, 0))
+        send(vu.SET_VRING_CALL, struct.pack("<Q", 0), [call])
+        send(vu.SET_VRING_KICK, struct.pack("<Q", 0), [kick])
         await asyncio.sleep(0.2)
 
         def post(chain: list[tuple[int, int, int, int]], head: int, avail_idx: int) -> None:
@@ -198,29 +201,29 @@ async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -
         req, res = 0x4000, 0x4100
         # 1. unknown request type -> STATUS_ERR
         struct.pack_into("<HHI", mem, req, 99, 0, 0)
-        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 1)
+        post([(req, 8, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 1)
         assert await used_len(1) == 2 and mem[res] == vg.STATUS_ERR
         # 2. line out of range -> STATUS_ERR
         struct.pack_into("<HHI", mem, req, vg.MSG_GET_VALUE, 7, 0)
-        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 2)
+        post([(req, 8, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 2)
         assert await used_len(2) == 2 and mem[res] == vg.STATUS_ERR
         # 3. short request (4 bytes) -> STATUS_ERR
-        post([(req, 4, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 3)
+        post([(req, 4, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 3)
         assert await used_len(3) == 2 and mem[res] == vg.STATUS_ERR
         # 4. buffer outside guest memory / chain pointing past the ring -> used with length 0, no crash
-        post([(size + 0x1000, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 4)
+        post([(size + 0x1000, 8, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 4)
         assert await used_len(4) == 2 and mem[res] == vg.STATUS_ERR
-        post([(req, 8, vg.DESC_NEXT, 50)], 0, 5)
+        post([(req, 8, vq.DESC_NEXT, 50)], 0, 5)
         assert await used_len(5) == 0
         # 5. the guest may not drive a host-driven line
         struct.pack_into("<HHI", mem, req, vg.MSG_SET_VALUE, 0, 1)
-        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 6)
+        post([(req, 8, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 6)
         assert await used_len(6) == 2 and mem[res] == vg.STATUS_ERR
         # and a good request still works afterwards
         struct.pack_into("<HHI", mem, req, vg.MSG_SET_VALUE, 1, 1)
-        post([(req, 8, vg.DESC_NEXT, 1), (res, 2, vg.DESC_WRITE, 0)], 0, 7)
+        post([(req, 8, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 7)
         assert await used_len(7) == 2 and mem[res] == vg.STATUS_OK
-        assert dev.by_name["b"].value == 1 and dev.bad_requests >= 5
+        assert dev.model.by_name["b"].value == 1 and dev.model.bad_requests >= 5
     finally:
         sock.close()
         await dev.close()

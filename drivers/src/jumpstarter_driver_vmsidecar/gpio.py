@@ -5,7 +5,7 @@ host, like a button wired to a board: ``VmGpioOutput`` → ``DigitalOutputClient
 ``read``). A guest *output* (``direction: out``) is read by the host, like an LED:
 ``VmGpioInput`` → ``DigitalInputClient`` (``read``, ``wait_for_active``, ``wait_for_inactive``,
 ``wait_for_edge``). Both talk to the runtime's ``gpio.sock`` (JSON lines, see
-``vmsidecar_runtime.gpio``).
+``vmsidecar_runtime.devices.gpio_control``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,187 @@
+"""The host's GPIO control socket (``<shared>/gpio.sock``): JSON lines, one reply per request, in order.
+
+::
+
+    {"op": "list"}                                   -> {"ok": true, "lines": [{name, offset, direction, value, ...}]}
+    {"op": "get", "line": NAME}                      -> {"ok": true, "value": 0|1}
+    {"op": "set", "line": NAME, "value": 0|1}        -> {"ok": true, "value": 0|1}   (direction "in" lines only)
+    {"op": "wait", "line": NAME, "for": "rising"|"falling"|"active"|"inactive", "timeout": S|null}
+                                                     -> {"ok": true, "value": 0|1} | {"ok": false, "error": "timeout", ...}
+
+Errors: ``{"ok": false, "error": CODE, "message": SENTENCE}``, CODE one of bad_request, no_line,
+not_host_driven, bad_value, bad_wait, timeout, closed (and internal for a bug). Directions are the
+guest's view: ``in`` lines are driven by the host, ``out`` lines by the guest. The exporter's
+drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import GuestError, RequestError, StateError, VmsidecarError
+from ..perms import share
+from .virtio_gpio import DIR_IN, DIR_NONE, DIR_OUT, Line, VirtioGpio
+
+log = logging.getLogger(__name__)
+
+#: what a ``wait`` waits for: (old, new) -> done
+CONDITIONS: dict[str, Callable[[int, int], bool]] = {
+    "rising": lambda old, new: old == 0 and new == 1,
+    "falling": lambda old, new: old == 1 and new == 0,
+    "active": lambda _old, new: new == 1,
+    "inactive": lambda _old, new: new == 0,
+}
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One pending ``wait``: resolved with the new value when its condition holds."""
+
+    line: Line
+    condition: Callable[[int, int], bool]
+    future: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class GpioControlServer:
+    """Serves ``gpio.sock`` for one :class:`~.virtio_gpio.VirtioGpio`."""
+
+    def __init__(self, model: VirtioGpio) -> None:
+        self.model = model
+        self._server: asyncio.Server | None = None
+        self._path: Path | None = None
+        self._clients: set[asyncio.StreamWriter] = set()
+        self._waiters: set[_Waiter] = set()
+        model.add_listener(self._changed)
+
+    async def listen(self, path: Path) -> None:
+        """Serve ``path``, mode 0660, handed to the socket owner like every shared socket."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        old = os.umask(0o117)  # never world-accessible, not even between bind and chmod
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+        finally:
+            os.umask(old)
+        share(path, 0o660)
+        self._path = path
+
+    async def close(self) -> None:
+        """Stop serving, remove the socket, and fail every pending wait with ``closed``."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+            self._path = None
+        for writer in list(self._clients):
+            writer.close()
+        for waiter in list(self._waiters):
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    StateError("the GPIO device was removed (spec changed or runtime stopping)", code="closed"))
+
+    async def wait(self, name: str, until: str, timeout: float | None) -> int:
+        """Wait for an edge (``rising``/``falling``) or a level (``active``/``inactive``); returns the value.
+
+        :raise NotFoundError: (``no_line``) for an unknown line.
+        :raise RequestError: (``bad_wait``) for an unknown condition.
+        :raise GuestError: (``timeout``) when it does not happen within ``timeout`` seconds.
+        :raise StateError: (``closed``) when the device goes away meanwhile.
+        """
+        line = self.model.line(name)
+        condition = CONDITIONS.get(until)
+        if condition is None:
+            raise RequestError(f"cannot wait for {until!r}; use rising, falling, active or inactive", code="bad_wait")
+        if (until == "active" and line.value == 1) or (until == "inactive" and line.value == 0):
+            return line.value
+        waiter = _Waiter(line, condition)
+        self._waiters.add(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except TimeoutError:
+            raise GuestError(f"line {name!r} did not go {until} within {timeout} s", code="timeout") from None
+        finally:
+            self._waiters.discard(waiter)
+
+    def _changed(self, line: Line, old: int, new: int) -> None:
+        for waiter in list(self._waiters):
+            if waiter.line is line and not waiter.future.done() and waiter.condition(old, new):
+                waiter.future.set_result(new)
+
+    def describe(self) -> list[dict[str, object]]:
+        """The ``list`` reply's lines."""
+        dirs = {DIR_NONE: "none", DIR_OUT: "out", DIR_IN: "in"}
+        return [
+            {"name": x.name, "offset": x.offset, "direction": x.direction, "value": x.value,
+             "guest_direction": dirs.get(x.guest_direction, "?"), "irq_type": x.irq_type, "armed": x.armed is not None}
+            for x in self.model.lines
+        ]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.add(writer)
+        try:
+            while line := await reader.readline():
+                reply = await self._reply(line)
+                writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass  # the client went away; its waits end with it
+        finally:
+            self._clients.discard(writer)
+            writer.close()
+
+    async def _reply(self, raw: bytes) -> dict[str, Any]:
+        """The reply to one request line; every failure is a reply, never a closed socket."""
+        try:
+            return await self._request(_parse(raw))
+        except VmsidecarError as e:
+            return {"ok": False, "error": e.code, "message": e.message}
+        except Exception as e:  # a bug must cost one request, never the control socket
+            log.exception("gpio: control request %r failed", raw[:200])
+            return {"ok": False, "error": "internal", "message": f"the runtime failed to serve this request ({e})"}
+
+    async def _request(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        rid = {"id": req["id"]} if "id" in req else {}
+        if op == "list":
+            return {"ok": True, "lines": self.describe(), **rid}
+        if op == "get":
+            return {"ok": True, "value": self.model.line(req.get("line")).value, **rid}
+        if op == "set":
+            return {"ok": True, "value": self.model.drive(str(req.get("line")), req.get("value")), **rid}
+        if op == "wait":
+            value = await self.wait(str(req.get("line")), str(req.get("for")), _timeout(req.get("timeout")))
+            return {"ok": True, "value": value, **rid}
+        raise RequestError(f"op {op!r} is unknown; use list, get, set or wait")
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    """One request line as a JSON object.
+
+    :raise RequestError: (``bad_request``) when it is not one.
+    """
+    with contextlib.suppress(ValueError):
+        req = json.loads(raw)
+        if isinstance(req, dict):
+            return req
+    raise RequestError('send one JSON object per line, e.g. {"op": "list"}')
+
+
+def _timeout(value: object) -> float | None:
+    """A ``wait`` timeout: seconds, or null for none.
+
+    :raise RequestError: (``bad_request``) for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise RequestError(f"timeout {value!r} is not a number of seconds or null")
