@@ -1,31 +1,32 @@
 """Guest disks: read-only bases, per-boot qcow2 overlays, and flashing a new base safely.
 
-A flashed image is written to a temp file, decompressed on the fly, verified (length, digest,
-``qemu-img check``, a boot signature for raw images) and only then renamed into place. Until
-that rename nothing changes: a truncated or garbage stream leaves the previous disk as it was.
+A flashed image is streamed into a temp file, decompressed on the fly, verified (length, digest)
+and checked, and only then renamed into place. Until that rename nothing changes: a truncated,
+garbage or unsafe stream leaves the previous disk as it was. Sniffing, decompression, size
+limits and the image checks are :mod:`vmsidecar_runtime.image.formats`, the same code a pull
+goes through; this module adds what is flash's own (the async stream, length and digest).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import gzip
-import hashlib
-import json
-import lzma
+import errno
+import io
 import os
+import secrets
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiofiles
-import zstandard
-
-from .errors import HostError, ImageError
+from .errors import DigestMismatchError, HostError, ImageError
+from .image import formats
+from .image.formats import DEFAULT_LIMITS, Limits, Origin
 from .procs import spawn
 
-QCOW2_MAGIC = b"QFI\xfb"
-_COMPRESSION_MAGIC = {b"\x28\xb5\x2f\xfd": "zstd", b"\x1f\x8b": "gzip", b"\xfd7zXZ\x00": "xz"}
+#: how messages about a flashed image name it and end their fix
+FLASHED = Origin("the flashed image", "flash the result")
 
 
 @dataclass(frozen=True)
@@ -55,23 +56,15 @@ async def run_tool(*argv: str) -> tuple[int, str, str]:
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
-async def check_image(path: Path, fmt: str, label: str | None = None) -> None:
-    """Refuse an image QEMU could not boot from (corrupt qcow2, empty file).
+async def check_image(path: Path, fmt: str, label: str | None = None, *, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse an image QEMU must not boot (see :func:`vmsidecar_runtime.image.formats.check_image`).
 
-    :raise ImageError: naming what is wrong and what to do.
+    :raise ImageError: naming what is wrong (empty, corrupt, backing or data file, too large) and
+        what to do.
+    :raise HostError: when qemu-img is not installed.
     """
-    label = label or f"disk image {path.name}"
-    if path.stat().st_size == 0:
-        raise ImageError(f"{label} is empty; provide a qcow2 or raw disk with content")
-    if fmt == "qcow2":
-        rc, out, err = await run_tool("qemu-img", "check", "-f", "qcow2", "--output=json", str(path))
-        # rc 3 = only leaked clusters, harmless for a read-only base
-        if rc not in (0, 3):
-            detail = (err or out).strip().splitlines()
-            raise ImageError(
-                f"{label} is a corrupt qcow2 ({detail[-1] if detail else f'qemu-img check rc {rc}'}); "
-                "re-download or rebuild the image"
-            )
+    origin = Origin(label or f"disk image {path.name}", "use the result")
+    await asyncio.to_thread(formats.check_image, path, fmt, origin, limits)
 
 
 async def create_overlay(base: DiskImage, overlay: Path) -> None:
@@ -88,28 +81,6 @@ async def create_overlay(base: DiskImage, overlay: Path) -> None:
         raise HostError(f"cannot create the disk overlay {overlay} ({err.strip()}); free space or fix permissions")
 
 
-def detect_format(head: bytes) -> str | None:
-    """``qcow2`` or ``raw`` when the first bytes look like a bootable disk, else None."""
-    if head.startswith(QCOW2_MAGIC):
-        return "qcow2"
-    if len(head) >= 512 and head[510:512] == b"\x55\xaa":  # MBR or protective MBR of GPT
-        return "raw"
-    if len(head) >= 1082 and head[1080:1082] == b"\x53\xef":  # ext2/3/4 superblock magic
-        return "raw"
-    return None
-
-
-def _decompressor(head: bytes) -> tuple[str | None, object | None]:
-    for magic, name in _COMPRESSION_MAGIC.items():
-        if head.startswith(magic):
-            if name == "zstd":
-                return name, zstandard.ZstdDecompressor().decompressobj()
-            if name == "gzip":
-                return name, gzip.zlib.decompressobj(31)  # type: ignore[attr-defined]
-            return name, lzma.LZMADecompressor()
-    return None, None
-
-
 @dataclass(frozen=True)
 class ReceivedImage:
     """A verified image in a temp file, ready to be renamed into place."""
@@ -121,19 +92,81 @@ class ReceivedImage:
     compression: str | None
 
 
-async def _sniffed(chunks: AsyncIterable[bytes], need: int = 2048) -> AsyncIterator[bytes]:
-    """Re-chunk so that the first chunk holds at least ``need`` bytes (for magic detection)."""
-    head = b""
-    async for chunk in chunks:
-        if head is not None and len(head) < need:
-            head += chunk
-            if len(head) >= need:
-                yield head
-                head = None  # type: ignore[assignment]
-            continue
-        yield chunk
-    if head:
-        yield head
+class _AsyncChunks(io.RawIOBase):
+    """A blocking reader over an async byte stream, for the worker thread that writes the image.
+
+    The image pipeline (:mod:`.image.formats`) reads; the request body arrives on the event
+    loop. Each read that needs data runs one ``__anext__`` on that loop and waits for it, so
+    memory stays bounded by one chunk and the loop is never blocked. After :meth:`abandon`
+    (the flash was cancelled) reads fail and the worker unwinds.
+    """
+
+    def __init__(self, chunks: AsyncIterable[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._chunks: AsyncIterator[bytes] = aiter(chunks)
+        self._loop = loop
+        self._pending = memoryview(b"")
+        self._waiting: concurrent.futures.Future[bytes | None] | None = None
+        self._abandoned = False
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes; a whole chunk is handed on as it is (no copy)."""
+        if size is None or size < 0:
+            return self.readall()
+        while not self._pending:
+            chunk = self._next()
+            if chunk is None:
+                return b""
+            if not chunk:
+                continue  # an empty chunk is not the end of the stream
+            self.count += len(chunk)
+            self._pending = memoryview(chunk)
+            if len(chunk) <= size:
+                self._pending = memoryview(b"")
+                return chunk
+        data = bytes(self._pending[:size])
+        self._pending = self._pending[size:]
+        return data
+
+    def _next(self) -> bytes | None:
+        if self._abandoned:
+            raise _cancelled()
+        self._waiting = asyncio.run_coroutine_threadsafe(_next_chunk(self._chunks), self._loop)
+        try:
+            return self._waiting.result()
+        except concurrent.futures.CancelledError:
+            raise _cancelled() from None
+        except OSError as e:  # aiohttp sets ConnectionResetError on the body when the sender goes away
+            raise ImageError(
+                f"the image stream was cut off after {self.count} bytes (the sender disconnected); the previous "
+                "disk is kept; flash again"
+            ) from e
+
+    def abandon(self) -> None:
+        """Make the worker stop at its next read (call on the event loop)."""
+        self._abandoned = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
+def _cancelled() -> ImageError:
+    return ImageError("the flash was cancelled before the image was complete; the previous disk is kept; flash again")
 
 
 async def receive_image(
@@ -143,74 +176,61 @@ async def receive_image(
     expected_size: int | None = None,
     expected_digest: str | None = None,
     format_hint: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> ReceivedImage:
-    """Stream an image into ``dest_dir``, decompressing, hashing and verifying it.
+    """Stream an image into ``dest_dir``, decompressing, hashing, verifying and checking it.
 
     ``expected_size`` is the length of the stream as sent (e.g. Content-Length); ``expected_digest``
-    the sha256 of the uncompressed image.
+    the sha256 of the uncompressed image. The work runs in a thread (decompression and qemu-img
+    would otherwise stall the event loop); the stream is still read on the loop.
 
-    :raise ImageError: for a truncated, garbage, corrupt or mismatching image (nothing is kept).
-    :raise HostError: when the disk is full.
+    :raise ImageError: for a truncated, garbage, corrupt, unsafe (backing or data file), too large
+        or mismatching image (nothing is kept).
+    :raise HostError: when the disk is full or qemu-img is missing.
     """
     dest_dir.mkdir(parents=True, exist_ok=True)
-    tmp = dest_dir / f".incoming-{os.getpid()}-{id(chunks):x}"
-    sha = hashlib.sha256()
-    received = written = 0
-    compression: str | None = None
-    decomp: object | None = None
-    fmt: str | None = None
+    tmp = dest_dir / f".incoming-{os.getpid()}-{secrets.token_hex(6)}"
+    source = _AsyncChunks(chunks, asyncio.get_running_loop())
     try:
-        async with aiofiles.open(tmp, "wb") as out:
-            first = True
-            async for chunk in _sniffed(chunks):
-                received += len(chunk)
-                if first:
-                    compression, decomp = _decompressor(chunk)
-                    first = False
-                data = decomp.decompress(chunk) if decomp is not None else chunk  # type: ignore[attr-defined]
-                if fmt is None and data:
-                    fmt = format_hint or detect_format(data[:2048])
-                    if fmt is None:
-                        raise ImageError(
-                            "the flashed data is not a disk image (no qcow2 header, no MBR/GPT boot signature, "
-                            "no ext4 superblock); send a qcow2 or raw disk image, optionally zstd/gzip/xz-compressed"
-                        )
-                sha.update(data)
-                written += len(data)
-                await out.write(data)
-        if expected_size is not None and received != expected_size:
+        return await asyncio.to_thread(
+            _receive, source, tmp, expected_size, expected_digest, format_hint, limits  # type: ignore[arg-type]
+        )
+    except BaseException:
+        source.abandon()  # cancelled: the worker is still running; it stops and cleans up at its next read
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def _receive(
+    source: _AsyncChunks,
+    tmp: Path,
+    expected_size: int | None,
+    expected_digest: str | None,
+    format_hint: formats.DiskFormat | None,
+    limits: Limits,
+) -> ReceivedImage:
+    """The blocking part of :func:`receive_image` (worker thread); removes ``tmp`` on any error."""
+    try:
+        compression, stream = formats.open_decompressed(source, "auto", FLASHED, limits)
+        disk = formats.write_disk(stream, tmp, declared=format_hint, origin=FLASHED, limits=limits)
+        if expected_size is not None and source.count != expected_size:
             raise ImageError(
-                f"the image stream was truncated ({received} of {expected_size} bytes arrived); "
+                f"the image stream was truncated ({source.count} of {expected_size} bytes arrived); "
                 "flash again and check the source"
             )
-        if decomp is not None and compression in ("zstd", "xz") and not getattr(decomp, "eof", True):
-            raise ImageError(f"the {compression} stream ended early (truncated image); flash again and check the source")
-        if decomp is not None and compression == "gzip" and not decomp.eof:  # type: ignore[attr-defined]
-            raise ImageError("the gzip stream ended early (truncated image); flash again and check the source")
-        if written == 0 or fmt is None:
-            raise ImageError("the flashed image is empty; send a qcow2 or raw disk image")
-        digest = f"sha256:{sha.hexdigest()}"
-        if expected_digest and expected_digest != digest:
-            raise ImageError(
-                f"the flashed image has digest {digest} but {expected_digest} was expected; "
+        if expected_digest and expected_digest != disk.digest:
+            raise DigestMismatchError(
+                f"the flashed image has digest {disk.digest} but {expected_digest} was expected; "
                 "the data was corrupted on the way or the digest is wrong"
             )
-        await check_image(tmp, fmt, "the flashed image")
-        return ReceivedImage(tmp, fmt, digest, written, compression)
-    except OSError as e:
+        formats.check_image(tmp, disk.format, FLASHED, limits)
+        return ReceivedImage(tmp, disk.format, disk.digest, disk.size, compression)
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        if isinstance(e, ConnectionError):
-            raise ImageError(
-                f"the image stream was cut off after {received} bytes (the sender disconnected); the previous disk "
-                "is kept; flash again"
-            ) from e
-        if e.errno == 28:
-            raise HostError(f"no space left in {dest_dir} while flashing; free space or use a larger volume") from e
-        raise
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise HostError(f"no space left in {tmp.parent} while flashing; free space or use a larger volume") from e
         raise
 
 
@@ -220,11 +240,3 @@ def install_image(received: ReceivedImage, dest_dir: Path) -> DiskImage:
     os.chmod(received.path, 0o444)
     os.replace(received.path, final)
     return DiskImage(final, received.format, received.digest, "flash")
-
-
-async def image_info(path: Path) -> dict[str, object]:
-    """``qemu-img info`` as a dict."""
-    rc, out, err = await run_tool("qemu-img", "info", "--output=json", str(path))
-    if rc != 0:
-        raise ImageError(f"cannot read disk image {path.name} ({err.strip()}); check the file")
-    return json.loads(out)

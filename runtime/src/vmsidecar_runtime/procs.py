@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -36,3 +37,20 @@ async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asy
 
     proc.wait = tracked_wait  # type: ignore[method-assign]
     return proc
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    """Run a helper program to completion from a worker thread: ``(rc, stdout, stderr)``.
+
+    The pid is recorded like :func:`spawn`'s, because the PID-1 reaper would otherwise collect
+    the child first and ``subprocess`` would then report a failed ``qemu-img check`` as rc 0.
+
+    :raise FileNotFoundError: when the program is not installed.
+    """
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    OWN.add(proc.pid)
+    try:
+        out, err = proc.communicate()
+    finally:
+        OWN.discard(proc.pid)
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")

@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vmsidecar_runtime.errors import HostError
-
-from .mediatypes import DiskFormat
+from vmsidecar_runtime.image.formats import DiskFormat
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vmsidecar_runtime.errors import DigestMismatchError, ImageError
+from vmsidecar_runtime.image.formats import Compression, sha256_digest
 
-from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX, Compression
+from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX
 from .pack import Form, Packed, merged_index, pack
 from .reference import Reference
-from .registry import RawManifest, sha256_digest
+from .registry import RawManifest
 
 LAYOUT_VERSION = b'{"imageLayoutVersion":"1.0.0"}'
 MAX_MANIFEST = 4 << 20

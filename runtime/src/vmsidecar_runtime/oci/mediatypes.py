@@ -1,4 +1,7 @@
-"""Media types, magic numbers and the classification of manifest layers."""
+"""Media types and the classification of manifest layers.
+
+Magic numbers, sniffing and the disk checks are :mod:`vmsidecar_runtime.image.formats`.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vmsidecar_runtime.errors import ImageError
-
-DiskFormat = Literal["qcow2", "raw"]
-Compression = Literal["zstd", "gzip", "xz"]
+from vmsidecar_runtime.image.formats import Compression, DiskFormat
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -41,12 +42,6 @@ ANNOTATION_DISK_DIGEST = "io.vmsidecar.disk.digest"
 ANNOTATION_DISK_SIZE = "io.vmsidecar.disk.size"
 ANNOTATION_DISKTYPE = "disktype"
 
-QCOW2_MAGIC = b"QFI\xfb"
-COMPRESSION_MAGIC: dict[Compression, bytes] = {
-    "zstd": b"\x28\xb5\x2f\xfd",
-    "gzip": b"\x1f\x8b",
-    "xz": b"\xfd7zXZ\x00",
-}
 #: file name suffix -> compression, for titles and file: paths
 COMPRESSION_SUFFIX: dict[str, Compression] = {".zst": "zstd", ".zstd": "zstd", ".gz": "gzip", ".xz": "xz"}
 DISK_SUFFIXES: dict[str, DiskFormat | None] = {".qcow2": "qcow2", ".raw": "raw", ".img": None}
@@ -188,16 +183,3 @@ def check_title(title: str, where: str) -> None:
             "escape the cache; push it again with a title like disk.qcow2",
             code="unsafe_path",
         )
-
-
-def sniff_compression(head: bytes) -> Compression | None:
-    """The compression of a stream from its first bytes, or ``None``."""
-    for name, magic in COMPRESSION_MAGIC.items():
-        if head.startswith(magic):
-            return name
-    return None
-
-
-def sniff_format(head: bytes) -> DiskFormat:
-    """``qcow2`` when the bytes start with the qcow2 magic, else ``raw``."""
-    return "qcow2" if head.startswith(QCOW2_MAGIC) else "raw"

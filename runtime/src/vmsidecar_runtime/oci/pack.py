@@ -18,6 +18,15 @@ import zstandard
 
 from vmsidecar_runtime.arch import oci_arch
 from vmsidecar_runtime.errors import ImageError
+from vmsidecar_runtime.image.formats import (
+    Compression,
+    DiskFormat,
+    Origin,
+    check_image,
+    sha256_digest,
+    sniff_compression,
+    sniff_format,
+)
 
 from .mediatypes import (
     ANNOTATION_DISK_DIGEST,
@@ -30,15 +39,10 @@ from .mediatypes import (
     OCI_INDEX,
     OCI_LAYER_TAR_GZIP,
     OCI_MANIFEST,
-    Compression,
-    DiskFormat,
     artifact_type,
     disk_media_type,
-    sniff_compression,
-    sniff_format,
     title_format,
 )
-from .unpack import check_qcow2_header
 
 CHUNK = 1 << 20
 #: KubeVirt's containerDisk convention: owned by qemu (107), read-only
@@ -100,7 +104,7 @@ class _HashingWriter:
 
     @property
     def digest(self) -> str:
-        return "sha256:" + self.hash.hexdigest()
+        return sha256_digest(self.hash)
 
 
 class _HashingReader:
@@ -119,21 +123,23 @@ class _HashingReader:
 
     @property
     def digest(self) -> str:
-        return "sha256:" + self.hash.hexdigest()
+        return sha256_digest(self.hash)
 
 
 def inspect_disk(disk: Path) -> tuple[DiskFormat, int]:
-    """Format and size of a disk to publish.
+    """Format and size of a disk to publish, checked as a pull will check it.
 
     :raise ImageError: (``disk_not_found``) missing or not a regular file; (``compressed_input``)
-        already compressed; (``unsafe_disk``) a qcow2 with a backing or data file.
+        already compressed; and :func:`vmsidecar_runtime.image.formats.check_image`'s refusals
+        (``unsafe_disk`` for a qcow2 with a backing or data file, ``bad_disk``, ``disk_too_large``).
+    :raise HostError: when qemu-img is not installed.
     """
     try:
         if not disk.is_file():
             raise FileNotFoundError
         size = disk.stat().st_size
         with open(disk, "rb") as f:
-            head = f.read(104)
+            head = f.read(8)
     except OSError:
         raise ImageError(
             f"disk file {disk} does not exist or is not a regular file; check the path", code="disk_not_found"
@@ -144,9 +150,9 @@ def inspect_disk(disk: Path) -> tuple[DiskFormat, int]:
             f"disk file {disk} is {compression}-compressed; decompress it first, vmsidecar compresses on push",
             code="compressed_input",
         )
-    fmt = sniff_format(head)
-    if fmt == "qcow2":
-        check_qcow2_header(head, f"disk file {disk}")
+    # a file without the qcow2 magic is published as raw: the user named it as a disk
+    fmt: DiskFormat = "qcow2" if sniff_format(head) == "qcow2" else "raw"
+    check_image(disk, fmt, Origin(f"disk file {disk}", "push the result"))
     return fmt, size
 
 
@@ -167,11 +173,6 @@ def _json(doc: dict) -> bytes:
     return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
 
 
-def _digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-
 def _manifest(
     config: Blob, layer: Blob, arch: str, artifact: str | None = None
 ) -> tuple[bytes, str, dict[str, Any]]:
@@ -181,7 +182,7 @@ def _manifest(
         body["artifactType"] = artifact
     body |= {"config": config.descriptor(), "layers": [layer.descriptor()]}
     manifest = _json(body)
-    digest = _digest(manifest)
+    digest = sha256_digest(manifest)
     entry: dict[str, Any] = {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(manifest)}
     if artifact:
         entry["artifactType"] = artifact
@@ -286,7 +287,7 @@ def pack_containerdisk(disk: Path, workdir: Path, *, arch: str) -> Packed:
         }
     )
     config = Blob(
-        media_type=OCI_IMAGE_CONFIG, digest=_digest(config_bytes), size=len(config_bytes), data=config_bytes
+        media_type=OCI_IMAGE_CONFIG, digest=sha256_digest(config_bytes), size=len(config_bytes), data=config_bytes
     )
     manifest, digest, entry = _manifest(config, layer, arch)
     return Packed(manifest, digest, [config, layer], entry, fmt, reader.digest, reader.size)

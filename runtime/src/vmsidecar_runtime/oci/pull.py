@@ -9,10 +9,11 @@ from pathlib import Path
 
 from vmsidecar_runtime.arch import host_arch, normalize_arch
 from vmsidecar_runtime.errors import DigestMismatchError, ImageError, PlatformError
+from vmsidecar_runtime.image.formats import DEFAULT_LIMITS, DiskFormat, Limits
 
 from .cache import CacheEntry, DiskCache
 from .layout import LayoutSource
-from .mediatypes import DISK_SUFFIXES, DiskFormat, title_format
+from .mediatypes import DISK_SUFFIXES, title_format
 from .reference import Reference, parse_reference
 from .registry import RegistryClient, RegistrySource
 from .resolve import DiskLayer, Resolved, Source, config_arch_check, is_index, platform_label, resolve
@@ -76,17 +77,21 @@ def pull(
     plain_http: bool | None = None,
     progress: Progress | None = None,
     credentials: tuple[str, str] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> PulledDisk:
     """Resolve ``ref`` for ``arch`` and make its disk available, decompressed and verified, in the cache.
 
     Registry tags cost one small manifest GET when the content is already cached; pinned
     digests and layouts cost none. Safe to call from several threads and processes at once.
+    A new disk passes the same checks as a flashed one (:mod:`vmsidecar_runtime.image.formats`,
+    sized by ``limits``) before it enters the cache.
 
     :raise BadReferenceError: the reference cannot be parsed.
     :raise RegistryError: the registry is unreachable, refuses, or lacks the repository or tag.
     :raise PlatformError: nothing for ``arch``.
     :raise DigestMismatchError: a blob or the disk is not what its digest says (nothing is kept).
-    :raise ImageError: no disk layer, several, unsupported compression/format, unsafe paths or disks.
+    :raise ImageError: no disk layer, several, unsupported compression/format, unsafe paths or disks
+        (backing or data files), corrupt or too large disks (nothing is kept).
     :raise HostError: the cache cannot be written.
     """
     reference = parse_reference(ref)
@@ -94,10 +99,10 @@ def pull(
     cache = DiskCache(Path(cache_dir))
     cache.clean_stale()
     if reference.kind == "file":
-        return _pull_file(reference, cache, progress)
+        return _pull_file(reference, cache, progress, limits)
     source = open_source(reference, plain_http=plain_http, credentials=credentials)
     try:
-        return _pull_oci(source, reference, cache, wanted, progress)
+        return _pull_oci(source, reference, cache, wanted, progress, limits)
     finally:
         source.close()
 
@@ -116,7 +121,7 @@ def _cached(entry: CacheEntry, cache: DiskCache, reference: Reference, downloade
 
 
 def _pull_oci(
-    source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None
+    source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None, limits: Limits
 ) -> PulledDisk:
     if reference.digest and (hit := cache.lookup(f"ref:{reference.digest}@{arch}")):
         return _cached(hit, cache, reference)
@@ -143,7 +148,7 @@ def _pull_oci(
                 cache.record(keys, entry)
                 return _cached(entry, cache, reference, downloaded)
             try:
-                disk, count = _fetch_layer(source, layer, cache, progress)
+                disk, count = _fetch_layer(source, layer, cache, progress, limits)
             except ImageError as exc:
                 if exc.code == "no_disk" and layer.kind.kind == "tar":
                     downloaded += getattr(exc, "bytes_read", 0)
@@ -181,7 +186,7 @@ class _Fetched:
 
 
 def _fetch_layer(
-    source: Source, layer: DiskLayer, cache: DiskCache, progress: Progress | None
+    source: Source, layer: DiskLayer, cache: DiskCache, progress: Progress | None, limits: Limits
 ) -> tuple[_Fetched, int]:
     where = f"layer {layer.digest} of {source.where}"
     tmp = cache.tmp_path()
@@ -196,6 +201,7 @@ def _fetch_layer(
                 compression=layer.kind.compression,
                 format_hint=layer.kind.format,
                 title=layer.title,
+                limits=limits,
             )
         _check_annotations(unpacked.digest, unpacked.size, layer, where)
         cache.install(tmp, unpacked.digest, unpacked.format)
@@ -245,7 +251,7 @@ def _find_file(reference: Reference) -> Path:
     return path
 
 
-def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None) -> PulledDisk:
+def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None, limits: Limits) -> PulledDisk:
     path = _find_file(reference).resolve()
     st = path.stat()
     key = f"file:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
@@ -265,7 +271,13 @@ def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None
                     progress=progress,
                 )
                 unpacked = unpack_blob(
-                    reader, tmp, kind="disk", compression="auto", format_hint=title_format(path.name)[0]
+                    reader,
+                    tmp,
+                    kind="disk",
+                    compression="auto",
+                    format_hint=title_format(path.name)[0],
+                    resend=f"point file: at the result instead of {path.name}",
+                    limits=limits,
                 )
             after = os.stat(path)
             if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):

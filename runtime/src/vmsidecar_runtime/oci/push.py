@@ -6,8 +6,9 @@ import tempfile
 from pathlib import Path
 
 from vmsidecar_runtime.errors import BadReferenceError
+from vmsidecar_runtime.image.formats import Compression
 
-from .mediatypes import OCI_INDEX, OCI_MANIFEST, Compression
+from .mediatypes import OCI_INDEX, OCI_MANIFEST
 from .pack import Form, merged_index, pack
 from .pull import resolve_arch
 from .reference import parse_reference

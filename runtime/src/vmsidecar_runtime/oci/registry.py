@@ -14,7 +14,6 @@ existence checks and chunked blob uploads. We add what it lacks for our use:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -28,6 +27,7 @@ import requests
 import requests.adapters
 
 from vmsidecar_runtime.errors import DigestMismatchError, ImageError, RegistryError
+from vmsidecar_runtime.image.formats import sha256_digest
 
 from .mediatypes import ACCEPT
 from .reference import Reference, is_loopback_host
@@ -68,11 +68,6 @@ class RawManifest:
                 f"manifest {self.digest} is not a JSON object; push the image again", code="bad_manifest"
             )
         return doc
-
-
-def sha256_digest(data: bytes) -> str:
-    """``sha256:<hex>`` of ``data``."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def resolve_credentials(credentials: tuple[str, str] | None) -> tuple[str, str] | None:

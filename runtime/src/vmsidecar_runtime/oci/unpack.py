@@ -3,33 +3,35 @@
 One pass: the blob bytes are hashed and counted as they arrive, decompressed on the fly, and
 the disk bytes hashed as they are written to a temporary file. Nothing written here is visible
 to anyone until :mod:`.cache` moves it into place, which happens only after every check passed.
+The image side (sniffing, decompression, limits, disk checks) is
+:mod:`vmsidecar_runtime.image.formats`, shared with flashing; this module adds what is OCI's
+own: blob digests and sizes, and containerDisk tar layers.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import io
-import lzma
-import struct
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
-
-import zstandard
+from typing import BinaryIO, Literal
 
 from vmsidecar_runtime.errors import DigestMismatchError, HostError, ImageError
-
-from .mediatypes import (
-    DISK_SUFFIXES,
+from vmsidecar_runtime.image.formats import (
+    DEFAULT_LIMITS,
     Compression,
     DiskFormat,
-    sniff_compression,
-    sniff_format,
-    title_format,
+    Limits,
+    Origin,
+    WrittenDisk,
+    check_image,
+    open_decompressed,
+    sha256_digest,
+    write_disk,
 )
+
+from .mediatypes import DISK_SUFFIXES, title_format
 
 CHUNK = 1 << 20
 Progress = Callable[[int, int | None], None]
@@ -59,7 +61,6 @@ class BlobReader(io.RawIOBase):
         self.where = where
         self.count = 0
         self._progress = progress
-        self._head = b""
 
     def readable(self) -> bool:
         return True
@@ -83,22 +84,9 @@ class BlobReader(io.RawIOBase):
                 "the content was altered or the manifest is wrong, so push the image again"
             )
         self._hash.update(chunk)
-        if len(self._head) < 16:
-            self._head += chunk[:16]
         self._pending = memoryview(chunk)
         if self._progress is not None:
             self._progress(self.count, self.expected_size)
-
-    def peek_head(self, n: int) -> bytes:
-        """The first ``n`` bytes of the blob without consuming them (``n`` ≤ 16)."""
-        while len(self._head) < n:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                break
-            rest = bytes(self._pending)
-            self._take(chunk)
-            self._pending = memoryview(rest + chunk)
-        return self._head[:n]
 
     def drain(self) -> None:
         """Read (and hash) whatever is left of the blob."""
@@ -110,7 +98,7 @@ class BlobReader(io.RawIOBase):
     @property
     def digest(self) -> str:
         """``sha256:HEX`` of every byte read so far."""
-        return "sha256:" + self._hash.hexdigest()
+        return sha256_digest(self._hash)
 
     def verify(self) -> None:
         """Check size and digest of the whole blob (call after :meth:`drain`).
@@ -129,54 +117,35 @@ class BlobReader(io.RawIOBase):
             )
 
 
-@dataclass(frozen=True)
-class UnpackedDisk:
-    """A verified disk in a temporary file."""
-
-    path: Path
-    format: DiskFormat
-    digest: str
-    size: int
-
-
-def decompressing_reader(raw: BinaryIO, compression: Compression | None) -> BinaryIO:
-    """Wrap ``raw`` so that reads return decompressed bytes."""
-    if compression == "zstd":
-        dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
-        return dctx.stream_reader(raw, read_across_frames=True, closefd=False)  # type: ignore[return-value]
-    if compression == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-    if compression == "xz":
-        return lzma.LZMAFile(raw)  # type: ignore[return-value]
-    return raw
-
-
 def unpack_blob(
     reader: BlobReader,
     out: Path,
     *,
     kind: str,
-    compression: Compression | str | None,
+    compression: Compression | Literal["auto"] | None,
     format_hint: DiskFormat | None,
     title: str | None = None,
-) -> UnpackedDisk:
-    """Decompress (and for ``tar`` layers, extract) the disk from ``reader`` into ``out``.
+    resend: str = "push the result",
+    limits: Limits = DEFAULT_LIMITS,
+) -> WrittenDisk:
+    """Decompress (and for ``tar`` layers, extract) the disk from ``reader`` into ``out``, and check it.
 
-    The blob is always read to its end and verified, even after a decompression error, so that
-    a tampered blob is reported as a digest mismatch rather than as garbage.
+    Sniffing, decompression and the disk checks are :mod:`vmsidecar_runtime.image.formats`, the
+    same code that checks a flashed image. The blob is always read to its end and verified, even
+    after an error about its content, so that a tampered blob is reported as a digest mismatch
+    rather than as garbage. ``resend`` ends the fix in messages ("push the result").
 
     :raise DigestMismatchError: the blob is not what its descriptor names.
-    :raise ImageError: the blob is not valid compressed data (``bad_compression``), a tar layer
-        has no disk or several (``no_disk``/``several_disks``), or the disk is unsafe
-        (``unsafe_disk``).
+    :raise ImageError: the blob does not decompress (``bad_compression``), a tar layer has no
+        disk or several (``no_disk``/``several_disks``), the disk is unsafe (``unsafe_disk``:
+        links, backing or data files), bad (``bad_disk``) or too large (``disk_too_large``).
+    :raise HostError: ``out`` cannot be written (``cache_write_failed``), qemu-img is missing.
     """
-    if compression == "auto":
-        compression = sniff_compression(reader.peek_head(8))
-    fmt_from_name = format_hint
+    origin = Origin(reader.where, resend)
     try:
-        stream = decompressing_reader(reader, compression)  # type: ignore[arg-type]
+        _, stream = open_decompressed(reader, compression, origin, limits)
         if kind == "tar":
-            found = _extract_tar(stream, out, reader.where)
+            found = _extract_tar(stream, out, origin, format_hint, limits)
             if found is None:
                 reader.drain()
                 reader.verify()
@@ -185,12 +154,10 @@ def unpack_blob(
                     "/disk; build the image with the disk at /disk/<name>.qcow2",
                     code="no_disk",
                 )
-            name, digest, size = found
-            fmt_from_name = fmt_from_name or title_format(name)[0]
+            origin, disk = found
         else:
-            digest, size = _copy(stream, out)
-            if title and not fmt_from_name:
-                fmt_from_name = title_format(title)[0]
+            declared = format_hint or (title_format(title)[0] if title else None)
+            disk = write_disk(stream, out, declared=declared, origin=origin, limits=limits, guess_raw=True)
         reader.drain()
     except (DigestMismatchError, HostError):
         raise
@@ -199,17 +166,19 @@ def unpack_blob(
         _drain_quietly(reader)
         reader.verify()
         raise
-    except (OSError, EOFError, zstandard.ZstdError, lzma.LZMAError, tarfile.TarError) as exc:
+    except (tarfile.TarError, EOFError) as exc:
         _drain_quietly(reader)
         reader.verify()
         raise ImageError(
-            f"{reader.where} could not be decompressed ({compression or 'uncompressed'}: {exc}); "
-            "the layer's media type does not match its bytes, so push the image again",
+            f"{reader.where} could not be unpacked as a tar layer ({exc}); the layer's media type does not "
+            "match its bytes, so push the image again",
             code="bad_compression",
         ) from exc
+    except OSError as exc:  # everything read is an ImageError by now: this is writing ``out``
+        raise _write_error(out, exc) from exc
     reader.verify()
-    fmt = check_disk(out, fmt_from_name, reader.where)
-    return UnpackedDisk(path=out, format=fmt, digest=digest, size=size)
+    check_image(out, disk.format, origin, limits)
+    return disk
 
 
 def _drain_quietly(reader: BlobReader) -> None:
@@ -221,27 +190,6 @@ def _drain_quietly(reader: BlobReader) -> None:
         pass
 
 
-def _copy(stream: BinaryIO, out: Path) -> tuple[str, int]:
-    hasher = hashlib.sha256()
-    size = 0
-    try:
-        f = open(out, "xb")  # noqa: SIM115 - the write errors below need their own message
-    except OSError as exc:
-        raise _write_error(out, exc) from exc
-    with f:
-        while True:
-            chunk = stream.read(CHUNK)
-            if not chunk:
-                break
-            hasher.update(chunk)
-            try:
-                f.write(chunk)
-            except OSError as exc:
-                raise _write_error(out, exc) from exc
-            size += len(chunk)
-    return "sha256:" + hasher.hexdigest(), size
-
-
 def _write_error(path: Path, exc: OSError) -> HostError:
     return HostError(
         f"cannot write {path} ({exc.strerror or exc}); free space in the cache directory or point the "
@@ -250,9 +198,16 @@ def _write_error(path: Path, exc: OSError) -> HostError:
     )
 
 
-def _extract_tar(stream: BinaryIO, out: Path, where: str) -> tuple[str, str, int] | None:
-    """Copy the one disk file under ``disk/`` of a tar stream to ``out``; ``None`` if there is none."""
-    found: tuple[str, str, int] | None = None
+def _extract_tar(
+    stream: BinaryIO, out: Path, origin: Origin, format_hint: DiskFormat | None, limits: Limits
+) -> tuple[Origin, WrittenDisk] | None:
+    """Write the one disk file under ``disk/`` of a tar stream to ``out``; ``None`` if there is none.
+
+    Returns the disk and an origin naming it (``/disk/<name> in <layer>``) for later messages.
+    """
+    where = origin.what
+    found: tuple[Origin, WrittenDisk] | None = None
+    found_name = ""
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
             name = disk_member_name(member.name, where)
@@ -266,14 +221,16 @@ def _extract_tar(stream: BinaryIO, out: Path, where: str) -> tuple[str, str, int
                 )
             if found is not None:
                 raise ImageError(
-                    f"{where} has several disk files under /disk ({found[0]}, {name}); "
+                    f"{where} has several disk files under /disk ({found_name}, {name}); "
                     "keep exactly one .qcow2, .raw or .img file there",
                     code="several_disks",
                 )
             src = tar.extractfile(member)
             assert src is not None  # a regular file always has content
-            digest, size = _copy(src, out)
-            found = (name, digest, size)
+            member_origin = Origin(f"/disk/{name} in {where}", origin.resend)
+            declared = format_hint or title_format(name)[0]
+            disk = write_disk(src, out, declared=declared, origin=member_origin, limits=limits, guess_raw=True)
+            found, found_name = (member_origin, disk), name
         # tarfile stops at the end-of-archive marker; the rest (padding) is drained by the caller
     return found
 
@@ -298,52 +255,3 @@ def disk_member_name(member: str, where: str) -> str | None:
     if name.startswith(".wh.") or not any(name.lower().endswith(s) for s in DISK_SUFFIXES):
         return None
     return name
-
-
-def check_disk(path: Path, declared: DiskFormat | None, where: str) -> DiskFormat:
-    """Decide the disk format from its first bytes and refuse unsafe qcow2 images.
-
-    A disk declared raw stays raw; a disk declared qcow2 must carry the qcow2 magic. A qcow2
-    disk must not name a backing file or an external data file (either would make QEMU open
-    a host path chosen by the image author).
-
-    :raise ImageError: (code ``bad_disk``) for a format mismatch; (code ``unsafe_disk``) for a
-        qcow2 backing or data file.
-    """
-    with open(path, "rb") as f:
-        head = f.read(104)
-    sniffed = sniff_format(head)
-    if declared == "qcow2" and sniffed != "qcow2":
-        raise ImageError(
-            f"{where} is declared qcow2 but does not start with the qcow2 magic; push it again with "
-            "the raw media type or convert it with qemu-img convert -O qcow2",
-            code="bad_disk",
-        )
-    fmt: DiskFormat = declared or sniffed
-    if fmt == "qcow2":
-        check_qcow2_header(head, where)
-    return fmt
-
-
-def check_qcow2_header(head: bytes, where: str) -> None:
-    """Refuse qcow2 headers naming a backing file or an external data file.
-
-    :raise ImageError: (code ``unsafe_disk``) when the image depends on another host file.
-    """
-    if len(head) < 20:
-        raise ImageError(f"{where} is too short to be a qcow2 image; push a complete disk", code="bad_disk")
-    version, backing_offset = struct.unpack(">IQ", head[4:16])
-    if backing_offset != 0:
-        raise ImageError(
-            f"{where} is a qcow2 overlay that names a backing file; flatten it with "
-            "qemu-img convert -O qcow2 and push the result",
-            code="unsafe_disk",
-        )
-    if version >= 3 and len(head) >= 80:
-        (incompatible,) = struct.unpack(">Q", head[72:80])
-        if incompatible & 0x4:
-            raise ImageError(
-                f"{where} is a qcow2 image with an external data file; convert it with "
-                "qemu-img convert -O qcow2 and push the result",
-                code="unsafe_disk",
-            )

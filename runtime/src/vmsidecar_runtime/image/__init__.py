@@ -1,0 +1,4 @@
+"""Guest disk images on the host: the one place that sniffs, decompresses, sizes and checks them.
+
+See :mod:`.formats`.
+"""
