@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,14 @@ async def test_bad_flashes_keep_the_old_disk(start_runtime: Any, tiny_image: Any
     with pytest.raises(VmsidecarError) as exc:
         await client.flash(truncated)
     assert "the flashed image is a corrupt qcow2" in exc.value.message
+
+    # a qcow2 whose backing file is a host file: QEMU would open /etc/hostname as the guest's disk
+    evil = tmp_path / "evil.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", "/etc/hostname", str(evil)],
+                   check=True)
+    with pytest.raises(VmsidecarError) as exc:
+        await client.flash(evil)
+    assert exc.value.code == "unsafe_disk" and "names a backing file (/etc/hostname)" in exc.value.message
 
     # a client that dies mid-upload: announces the whole image, sends 1 MiB, disconnects
     await asyncio.to_thread(_upload_then_vanish, rt.socket, tiny_b_image.disk.read_bytes()[: 1 << 20],
