@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
@@ -27,6 +30,53 @@ async def libvirt_daemon() -> AsyncIterator[Any]:
     yield daemon
     await daemon.stop()
     subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def _names(passwd_or_group: str) -> set[str]:
+    return {line.split(":", 1)[0] for line in passwd_or_group.splitlines() if line}
+
+
+async def test_private_daemon_needs_no_system_qemu_user(libvirt_daemon: Any) -> None:
+    """libvirtd resolves its built-in QEMU user (Debian: ``libvirt-qemu``, created only by
+    libvirt-daemon-system) before it reads qemu.conf; the private daemon is up without that package."""
+    from vmsidecar_runtime.libvirt.daemon import BUILTIN_QEMU_GROUPS, BUILTIN_QEMU_USERS, _children
+
+    conf = (libvirt_daemon.root / "etc" / "qemu.conf").read_text()
+    assert f'user = "+{os.getuid()}"' in conf and f'group = "+{os.getgid()}"' in conf
+    # the daemon's own view of /etc (unshare → nsinit → libvirtd) knows every built-in name …
+    [nsinit] = _children(libvirt_daemon.proc.pid)
+    [libvirtd] = _children(nsinit)
+    etc = Path(f"/proc/{libvirtd}/root/etc")
+    for name in BUILTIN_QEMU_USERS:
+        assert name in _names((etc / "passwd").read_text()) or _host_knows(pwd.getpwnam, name), name
+    for name in BUILTIN_QEMU_GROUPS:
+        assert name in _names((etc / "group").read_text()) or _host_knows(grp.getgrnam, name), name
+    # … while the host's stays untouched (the bind mounts live in the daemon's namespace only)
+    assert "vmsidecar placeholder" not in Path("/etc/passwd").read_text()
+
+
+def _host_knows(lookup: Any, name: str) -> bool:
+    """Known to the host through NSS (files or elsewhere), so libvirtd needs no placeholder."""
+    try:
+        lookup(name)
+    except KeyError:
+        return False
+    return True
+
+
+def test_startup_failure_names_the_fix() -> None:
+    """libvirtd's own words when its built-in QEMU user is missing (measured on Debian 12 without
+    libvirt-daemon-system) turn into a message naming the fix, per daemon mode."""
+    from vmsidecar_runtime.libvirt.daemon import startup_hint
+
+    said = ["2026-11-23 06:52:48.033+0000: 23: error : virGetUserID:760 : invalid argument: "
+            "Failed to parse user 'libvirt-qemu'",
+            "error : daemonRunStateInit:616 : Driver state initialization failed"]
+    without_ns = startup_hint(said, namespaced=False)
+    assert "'libvirt-qemu'" in without_ns and "CAP_SYS_ADMIN" in without_ns
+    assert "libvirt-daemon-system" in without_ns and "useradd --system" in without_ns
+    assert "useradd --system --no-create-home --user-group libvirt-qemu" in startup_hint(said, namespaced=True)
+    assert "CAP_SYS_ADMIN" in startup_hint(["error : something else"], namespaced=True)
 
 
 def _domains(uri: str) -> list[str]:

@@ -3,18 +3,22 @@
 With ``libvirt_uri`` in the spec the runtime connects to that daemon. Without one (the
 runtime-container case) it starts its own libvirtd lazily, in the foreground, without systemd:
 in a private mount+PID namespace whose etc/run/lib/cache/log dirs live under the runtime's run
-dir. Its qemu.conf runs QEMU as root (so the capability cache stays valid; see docs/libvirt.md,
-"the /dev/kvm trap"), without security driver, cgroups or namespaces, and with QEMU's output in
-a plain log file (no virtlogd needed). The runtime stops it at exit (``close_all``); if the
-runtime dies, PR_SET_PDEATHSIG and the PID namespace take the daemon and every QEMU along.
+dir. Its qemu.conf runs QEMU as the runtime's own numeric uid/gid (root: so the capability cache
+stays valid, see docs/libvirt.md, "the /dev/kvm trap"; numeric: so no system user such as
+``libvirt-qemu`` is needed), without security driver, cgroups or namespaces, and with QEMU's
+output in a plain log file (no virtlogd needed). The runtime stops it at exit (``close_all``); if
+the runtime dies, PR_SET_PDEATHSIG and the PID namespace take the daemon and every QEMU along.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
+import pwd
+import re
 import shutil
 import signal
 import sys
@@ -30,14 +34,24 @@ from ..procs import spawn
 log = logging.getLogger(__name__)
 
 FIX = ("pip install 'vmsidecar-runtime[libvirt]' (in this repository: uv sync --all-packages --all-extras), "
-       "after apt-get install libvirt-dev pkg-config gcc so it can build, plus libvirt-daemon-system "
+       "after apt-get install libvirt-dev pkg-config gcc so it can build, plus libvirt-daemon "
        "libvirt-daemon-driver-qemu for the daemon; or use backend: qemu")
 
+#: the QEMU user and group names libvirt is built with (meson ``qemu_user``/``qemu_group``: Debian
+#: libvirt-qemu/libvirt-qemu, Ubuntu libvirt-qemu/kvm, Fedora and SUSE qemu/qemu). libvirtd's QEMU
+#: driver resolves its built-in pair at start-up, *before* it reads qemu.conf, and refuses to start
+#: when the name is unknown ("Failed to parse user 'libvirt-qemu'"); only libvirt-daemon-system
+#: creates that user. The private daemon's passwd/group therefore carry a placeholder for each
+#: missing name (the runtime's own uid/gid); qemu.conf then replaces the pair with numeric ids.
+BUILTIN_QEMU_USERS = ("libvirt-qemu", "qemu")
+BUILTIN_QEMU_GROUPS = ("libvirt-qemu", "kvm", "qemu")
+
 QEMU_CONF = """\
-# vmsidecar private libvirtd: QEMU runs as root, so /dev/kvm access never differs between the
-# daemon and QEMU and the capability cache is not re-probed on every domain start.
-user = "root"
-group = "root"
+# vmsidecar private libvirtd: QEMU runs as the runtime's own uid/gid, given numerically so no
+# system user (libvirt-qemu) is needed. As root, /dev/kvm access never differs between the daemon
+# and QEMU and the capability cache is not re-probed on every domain start.
+user = "+{uid}"
+group = "+{gid}"
 dynamic_ownership = 0
 remember_owner = 0
 security_driver = "none"
@@ -55,6 +69,62 @@ auth_unix_ro = "none"
 auth_unix_rw = "none"
 log_outputs = "3:stderr"
 """
+
+
+def qemu_conf(uid: int, gid: int) -> str:
+    """The private daemon's qemu.conf: QEMU runs as ``+uid``/``+gid`` (libvirt's numeric form)."""
+    return QEMU_CONF.format(uid=uid, gid=gid)
+
+
+def nss_files(uid: int, gid: int) -> tuple[str, str]:
+    """The private daemon's /etc/passwd and /etc/group: the host's, plus a placeholder (``uid``/``gid``)
+    for every built-in QEMU user or group name the host does not know (see ``BUILTIN_QEMU_USERS``)."""
+    passwd = _read_text("/etc/passwd")
+    group = _read_text("/etc/group")
+    for name in BUILTIN_QEMU_USERS:
+        if not _known(pwd.getpwnam, name):
+            passwd += f"{name}:x:{uid}:{gid}:vmsidecar placeholder, QEMU runs as +{uid}:/nonexistent:/usr/sbin/nologin\n"
+    for name in BUILTIN_QEMU_GROUPS:
+        if not _known(grp.getgrnam, name):
+            group += f"{name}:x:{gid}:\n"
+    return passwd, group
+
+
+def _read_text(path: str) -> str:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return ""
+    return text if not text or text.endswith("\n") else text + "\n"
+
+
+def _known(lookup: Callable[[str], Any], name: str) -> bool:
+    try:
+        lookup(name)
+    except KeyError:
+        return False
+    return True
+
+
+def startup_hint(stderr: list[str], namespaced: bool) -> str:
+    """What to do about a private libvirtd that exited during start-up, from its last words."""
+    missing = next((m for line in stderr if (m := re.search(r"Failed to parse (user|group) '([^']+)'", line))),
+                   None)
+    if missing is None:
+        return ("the runtime needs root with CAP_SYS_ADMIN for its own daemon, otherwise set libvirt_uri to a "
+                "running libvirt daemon")
+    kind, name = missing.groups()
+    create = (f"useradd --system --no-create-home --user-group {name}" if kind == "user"
+              else f"groupadd --system {name}")
+    if namespaced:
+        return (f"libvirt's built-in QEMU {kind} '{name}' is unknown here and not one of the placeholders the "
+                f"runtime supplies ({', '.join(BUILTIN_QEMU_USERS if kind == 'user' else BUILTIN_QEMU_GROUPS)}); "
+                f"create it ({create}) or set libvirt_uri to a running libvirt daemon")
+    return (f"libvirtd looks up its built-in QEMU {kind} '{name}' at start-up, before it reads qemu.conf, and "
+            "without mount namespaces (no CAP_SYS_ADMIN, or VMSIDECAR_LIBVIRT_NAMESPACES=0) the runtime cannot "
+            f"supply it: run the runtime as root with CAP_SYS_ADMIN, or create it in the image ({create}, or "
+            "apt-get install libvirt-daemon-system) and ship the runtime's qemu.conf at /etc/libvirt/qemu.conf "
+            "(docs/libvirt.md), or set libvirt_uri to a running libvirt daemon")
 
 
 def import_libvirt() -> Any:
@@ -133,8 +203,13 @@ class PrivateDaemon:
         (self.root / "etc" / "qemu").mkdir(exist_ok=True)
         (self.root / "log" / "qemu").mkdir(exist_ok=True)
         (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
-        (self.root / "etc" / "qemu.conf").write_text(QEMU_CONF)
+        (self.root / "etc" / "qemu.conf").write_text(qemu_conf(os.getuid(), os.getgid()))
         (self.root / "etc" / "libvirt.conf").write_text("")
+        # bound over /etc/passwd and /etc/group in the namespace (nsinit): see BUILTIN_QEMU_USERS
+        (self.root / "nss").mkdir(exist_ok=True)
+        passwd, group = nss_files(os.getuid(), os.getgid())
+        (self.root / "nss" / "passwd").write_text(passwd)
+        (self.root / "nss" / "group").write_text(group)
         self.root.chmod(0o700)
 
     async def start(self, timeout: float = 30.0) -> None:
@@ -142,7 +217,7 @@ class PrivateDaemon:
 
         :raise HostError: when libvirtd or unshare is missing, or the daemon does not come up.
         """
-        for tool, package in (("libvirtd", "libvirt-daemon-system libvirt-daemon-driver-qemu"),
+        for tool, package in (("libvirtd", "libvirt-daemon libvirt-daemon-driver-qemu"),
                               ("unshare", "util-linux")):
             if shutil.which(tool) is None:
                 raise HostError(f"backend libvirt without libvirt_uri starts a private libvirtd, but {tool} is "
@@ -157,14 +232,16 @@ class PrivateDaemon:
             argv = await self._argv_without_namespaces()
         self.proc = await spawn(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                                 stderr=asyncio.subprocess.PIPE, start_new_session=True, die_with_parent=True)
-        asyncio.get_running_loop().create_task(self._collect())
+        collector = asyncio.get_running_loop().create_task(self._collect())
         libvirt = import_libvirt()
         while True:
             if self.proc.returncode is not None:
+                with contextlib.suppress(TimeoutError):  # its last words, up to EOF
+                    await asyncio.wait_for(asyncio.shield(collector), 2)
+                await self._stop_virtlogd()
                 raise HostError(
                     f"the private libvirtd exited during start-up (code {self.proc.returncode}): "
-                    f"{' | '.join(self._stderr[-4:]) or 'no output'}; the runtime needs root with CAP_SYS_ADMIN "
-                    "for its own daemon, otherwise set libvirt_uri to a running libvirt daemon"
+                    f"{' | '.join(self._stderr[-4:]) or 'no output'}; {startup_hint(self._stderr, self.namespaced)}"
                 )
             if self.socket.exists():
                 try:
@@ -183,8 +260,9 @@ class PrivateDaemon:
     async def _argv_without_namespaces(self) -> list[str]:
         """libvirtd on the system paths, its socket still private; QEMU settings come from
         /etc/libvirt/qemu.conf (the runtime image ships ours there), QEMU output via virtlogd."""
-        log.warning("mount/PID namespaces unavailable (no CAP_SYS_ADMIN?): the private libvirtd uses the "
-                    "system's /etc/libvirt/qemu.conf and /run/libvirt, and a QEMU may outlive a SIGKILLed runtime")
+        log.warning("mount/PID namespaces unavailable (no CAP_SYS_ADMIN?) or off (VMSIDECAR_LIBVIRT_NAMESPACES=0): "
+                    "the private libvirtd uses the system's /etc/libvirt/qemu.conf, /etc/passwd (libvirt's built-in "
+                    "QEMU user must exist) and /run/libvirt, and a QEMU may outlive a SIGKILLed runtime")
         conf = self.root / "etc" / "libvirtd.conf"
         conf.write_text(LIBVIRTD_CONF + f'unix_sock_dir = "{self.root / "run"}"\n')
         if shutil.which("virtlogd") is not None and not Path("/run/libvirt/virtlogd-sock").exists():

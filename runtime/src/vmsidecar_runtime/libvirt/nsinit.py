@@ -2,9 +2,11 @@
 
 Runs inside ``unshare --mount --pid --fork --mount-proc --kill-child``: bind-mounts ROOT's
 etc/run/lib/cache/log over libvirt's fixed privileged paths (so this libvirtd shares nothing with
-a system libvirt or another runtime), starts libvirtd, reaps every child (QEMU is reparented to
-us) and exits with libvirtd. When this process dies the kernel kills everything left in the PID
-namespace, QEMU included: no guest outlives its runtime, however the runtime ends.
+a system libvirt or another runtime) and ROOT/nss/{passwd,group} over /etc/passwd and /etc/group
+(they name libvirt's built-in QEMU user even when no package created it), starts libvirtd, reaps
+every child (QEMU is reparented to us) and exits with libvirtd. When this process dies the kernel
+kills everything left in the PID namespace, QEMU included: no guest outlives its runtime, however
+the runtime ends.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ BINDS = {
     "lib": "/var/lib/libvirt",
     "cache": "/var/cache/libvirt",
     "log": "/var/log/libvirt",
+    "nss/passwd": "/etc/passwd",
+    "nss/group": "/etc/group",
 }
 
 
@@ -29,7 +33,8 @@ def main(argv: list[str]) -> int:
     """Mount, start libvirtd, reap until it exits."""
     root = Path(argv[0])
     for sub, target in BINDS.items():
-        Path(target).mkdir(parents=True, exist_ok=True)
+        if (root / sub).is_dir():
+            Path(target).mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "--bind", str(root / sub), target], check=True)
     daemon = subprocess.Popen(["libvirtd", "--config", "/etc/libvirt/libvirtd.conf",
                                "--pid-file", "/run/libvirt/libvirtd.pid"])
