@@ -140,35 +140,39 @@ def import_libvirt() -> Any:
 
 
 # ---- event loop -----------------------------------------------------------------------------
-_event_thread: threading.Thread | None = None
-_event_lock = threading.Lock()
-
-
-def ensure_event_loop() -> None:
-    """Register libvirt's default event implementation once and run it in a daemon thread.
+class EventLoop:
+    """libvirt's default event implementation, registered once and run in a daemon thread.
 
     Callbacks run in that thread; backends hand them to asyncio with ``call_soon_threadsafe``.
+    libvirt's event implementation is process-wide (registered once, before the first
+    connection), so the one ``Connections`` of the process owns the one ``EventLoop``.
     """
-    global _event_thread
-    libvirt = import_libvirt()
-    with _event_lock:
-        if _event_thread is not None:
-            return
-        # libvirt prints every error to stderr by default, also the ones we expect and handle
-        # (destroying a domain that just went away): errors reach us as libvirtError instead
-        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
-        libvirt.virEventRegisterDefaultImpl()
 
-        def run() -> None:
-            while True:
-                try:
-                    libvirt.virEventRunDefaultImpl()
-                except Exception:  # pragma: no cover - never let the loop thread die
-                    log.exception("libvirt event loop")
-                    time.sleep(0.1)
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
-        _event_thread = threading.Thread(target=run, name="libvirt-events", daemon=True)
-        _event_thread.start()
+    def ensure(self) -> None:
+        """Start the thread unless it runs already."""
+        libvirt = import_libvirt()
+        with self._lock:
+            if self._thread is not None:
+                return
+            # libvirt prints every error to stderr by default, also the ones we expect and handle
+            # (destroying a domain that just went away): errors reach us as libvirtError instead
+            libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+            libvirt.virEventRegisterDefaultImpl()
+
+            def run() -> None:
+                while True:
+                    try:
+                        libvirt.virEventRunDefaultImpl()
+                    except Exception:  # pragma: no cover - never let the loop thread die
+                        log.exception("libvirt event loop")
+                        time.sleep(0.1)
+
+            self._thread = threading.Thread(target=run, name="libvirt-events", daemon=True)
+            self._thread.start()
 
 
 # ---- private daemon -------------------------------------------------------------------------
@@ -338,10 +342,21 @@ class Connection:
         self._on_close: set[Callable[[], None]] = set()
         self._domains: dict[str, DomainHandler] = {}
         conn.registerCloseCallback(self._closed, None)
-        self._callbacks = [
+        self._callback_ids = [
             conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._lifecycle, None),
             conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_REBOOT, self._reboot, None),
         ]
+
+    def close(self) -> None:
+        """Deregister the callbacks and close the connection (errors ignored: it may be gone)."""
+        for callback_id in self._callback_ids:
+            with contextlib.suppress(Exception):
+                self.conn.domainEventDeregisterAny(callback_id)
+        self._callback_ids = []
+        with contextlib.suppress(Exception):
+            self.conn.unregisterCloseCallback()
+        with contextlib.suppress(Exception):
+            self.conn.close()
 
     def _dispatch(self, dom: Any, kind: str, event: int, detail: int) -> None:
         try:
@@ -386,54 +401,69 @@ class Connection:
         return None
 
 
-_connections: dict[str, Connection] = {}
-_connect_lock: asyncio.Lock | None = None
+class Connections:
+    """This process's libvirt connections, by URI (``""``: the runtime's private daemon, started on
+    first use), and the event thread behind them.
+
+    The runtime has exactly one, ``CONNECTIONS``: libvirt's event implementation is process-wide,
+    the boots of one runtime share its private daemon, and ``serve`` stops that daemon at exit
+    (``close_all``) without knowing which boot started it.
+    """
+
+    def __init__(self) -> None:
+        self.events = EventLoop()
+        self._by_uri: dict[str, Connection] = {}
+        self._lock = asyncio.Lock()  # binds to a loop only when contended (Python >= 3.10)
+
+    async def connect(self, uri: str | None, run_dir: Path) -> Connection:
+        """The connection for ``uri``; with None, to the runtime's private daemon (started on first use).
+
+        :raise HostError: when libvirt-python is missing or the daemon cannot be reached.
+        """
+        libvirt = import_libvirt()
+        self.events.ensure()
+        key = uri or ""
+        async with self._lock:
+            existing = self._by_uri.get(key)
+            if existing is not None and existing.conn.isAlive():
+                return existing
+            daemon = None
+            target = uri
+            if uri is None:
+                daemon = existing.daemon if existing is not None else None
+                if daemon is None or daemon.proc is None or daemon.proc.returncode is not None:
+                    daemon = PrivateDaemon(run_dir / "libvirt")
+                    await daemon.start()
+                target = daemon.uri
+            assert target is not None
+            try:
+                conn = await asyncio.to_thread(libvirt.open, target)
+                conn.setKeepAlive(5, 3)
+                self._by_uri[key] = Connection(conn, target, daemon)
+            except libvirt.libvirtError as e:
+                raise HostError(f"cannot connect to libvirt at {target} ({e}); start the daemon or fix "
+                                "libvirt_uri") from e
+            log.info("libvirt URI: %s", target)
+            return self._by_uri[key]
+
+    async def close_all(self) -> None:
+        """Close every connection and stop the private daemon (runtime exit)."""
+        while self._by_uri:
+            _key, connection = self._by_uri.popitem()
+            connection.close()
+            if connection.daemon is not None:
+                await connection.daemon.stop()
+
+
+#: the runtime process's libvirt connections (see ``Connections``)
+CONNECTIONS = Connections()
 
 
 async def connect(uri: str | None, run_dir: Path) -> Connection:
-    """The connection for ``uri``; with None, to the runtime's private daemon (started on first use).
-
-    :raise HostError: when libvirt-python is missing or the daemon cannot be reached.
-    """
-    global _connect_lock
-    libvirt = import_libvirt()
-    ensure_event_loop()
-    if _connect_lock is None:
-        _connect_lock = asyncio.Lock()
-    key = uri or ""
-    async with _connect_lock:
-        existing = _connections.get(key)
-        if existing is not None and existing.conn.isAlive():
-            return existing
-        daemon = None
-        target = uri
-        if uri is None:
-            daemon = existing.daemon if existing is not None else None
-            if daemon is None or daemon.proc is None or daemon.proc.returncode is not None:
-                daemon = PrivateDaemon(run_dir / "libvirt")
-                await daemon.start()
-            target = daemon.uri
-        assert target is not None
-        try:
-            conn = await asyncio.to_thread(libvirt.open, target)
-            conn.setKeepAlive(5, 3)
-            _connections[key] = Connection(conn, target, daemon)
-        except libvirt.libvirtError as e:
-            raise HostError(f"cannot connect to libvirt at {target} ({e}); start the daemon or fix libvirt_uri") from e
-        log.info("libvirt URI: %s", target)
-        return _connections[key]
+    """``CONNECTIONS.connect``: what backends use."""
+    return await CONNECTIONS.connect(uri, run_dir)
 
 
 async def close_all() -> None:
-    """Close every connection and stop the private daemon (runtime exit)."""
-    for key, c in list(_connections.items()):
-        for cb in c._callbacks:
-            with contextlib.suppress(Exception):
-                c.conn.domainEventDeregisterAny(cb)
-        with contextlib.suppress(Exception):
-            c.conn.unregisterCloseCallback()
-        with contextlib.suppress(Exception):
-            c.conn.close()
-        if c.daemon is not None:
-            await c.daemon.stop()
-        _connections.pop(key, None)
+    """``CONNECTIONS.close_all``: what ``serve`` calls at exit."""
+    await CONNECTIONS.close_all()
