@@ -99,7 +99,9 @@ async def test_live_answers_match_and_errors_are_json(api: Any) -> None:
     assert status == 404 and body["error"] == "not_found"
 
     status, body = await client.call("PUT", "/v1/vm/spec", json={"image": "file:/nonexistent.qcow2", "memory": "256M"})
-    assert status == 200 and body["image"] == "file:/nonexistent.qcow2"
+    assert status == 400 and body["error"] == "host_path_not_allowed"
+    status, body = await client.call("PUT", "/v1/vm/spec", json={"image": "127.0.0.1:1/vm/none:1", "memory": "256M"})
+    assert status == 200 and body["image"] == "127.0.0.1:1/vm/none:1"
     status, body = await client.call("GET", "/v1/vm/spec")
     assert status == 200 and body["memory"] == 256
     assert (await client.call("GET", "/healthz"))[0] == 200  # still serving after all that

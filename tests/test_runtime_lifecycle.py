@@ -165,7 +165,7 @@ async def test_concurrent_power_requests_never_start_two_qemus(
     start_runtime: Any, tiny_image: Any, qemu_processes: Any, backend: str
 ) -> None:
     spec = _spec(f"file:{tiny_image.disk}", backend=backend)
-    rt = await start_runtime(None)
+    rt = await start_runtime(None, extra_args=["--allow-host-paths", str(tiny_image.disk.parent)])
     client = rt.client()
     await client.put_spec(spec)
     results = await asyncio.gather(*(client.power(a) for a in ["on", "on", "cycle", "on", "on"]),

@@ -19,13 +19,15 @@ from typing import Any
 
 from .client import RuntimeClient
 from .errors import VmsidecarError
+from .hostpaths import ENV as HOST_PATHS_ENV
+from .hostpaths import HostPathPolicy
 from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
 from .spec import spec_from_sources
 from .state import VmState
 
 #: environment that configures the process, not the VM spec
 _PROCESS_ENV = {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
-                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL"}
+                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV}
 
 
 def _default_socket() -> Path:
@@ -154,7 +156,9 @@ def _serve_command(args: argparse.Namespace) -> int:
         Path(args.cache_dir) if args.cache_dir else None,
         Path(args.state_dir) if args.state_dir else None,
     )
-    return asyncio.run(serve(spec, paths, allow_extra_args=args.allow_extra_args, grace=args.grace))
+    host_paths = HostPathPolicy.from_sources(args.allow_host_paths)
+    return asyncio.run(serve(spec, paths, allow_extra_args=args.allow_extra_args, host_paths=host_paths,
+                             grace=args.grace))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("VMSIDECAR_LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=os.environ.get("VMSIDECAR_LOG_LEVEL", "INFO"))
     s.add_argument("--allow-extra-args", action="store_true", help="accept extra_args in specs sent over the API")
+    s.add_argument("--allow-host-paths", action="append", default=[], metavar="DIR",
+                   help="let API callers name host paths (file:, oci-layout:, kernel, initrd) under DIR; "
+                        "repeatable; also VMSIDECAR_ALLOW_HOST_PATHS=DIR[:DIR]")
     s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
 
     def client_parser(name: str, help_: str) -> argparse.ArgumentParser:

@@ -52,6 +52,13 @@ class RotatingByteLog:
         self._fh.close()
 
 
+def _end_queue(queue: asyncio.Queue[bytes | None]) -> None:
+    """Replace whatever a client has not read yet with the end marker: its pump stops at once."""
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(None)
+
+
 class ConsoleHub:
     """Serves one guest stream on a Unix socket with scrollback and several readers."""
 
@@ -169,8 +176,7 @@ class ConsoleHub:
             except asyncio.QueueFull:
                 log.warning("console %s: dropping a client that stopped reading", self.name)
                 self._clients.discard(queue)
-                queue.get_nowait()
-                queue.put_nowait(None)
+                _end_queue(queue)
 
     async def detach(self) -> None:
         """Stop draining (the backend is gone); clients stay connected."""
@@ -188,16 +194,21 @@ class ConsoleHub:
         """The last bytes of scrollback as text (for error messages and state)."""
         return bytes(self._buffer[-nbytes:]).decode(errors="replace")
 
-    def clear(self, *, disconnect_clients: bool = False) -> None:
-        """Forget the scrollback (a new lease must not see the previous one's output)."""
+    def new_boot(self) -> None:
+        """Start the scrollback of a new boot: a client that connects from now on never gets an
+        earlier boot's output. Connected clients stay (like a serial cable across a power cycle)."""
         self._buffer.clear()
         self.bytes_seen = 0
         self.first_byte_at = None
+
+    def clear(self, *, disconnect_clients: bool = False) -> None:
+        """Forget the scrollback; with ``disconnect_clients`` also drop every client (a new lease
+        must not see the previous one's output, not even what a slow client has not read yet)."""
+        self.new_boot()
         if disconnect_clients:
             for queue in list(self._clients):
                 self._clients.discard(queue)
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.put_nowait(None)
+                _end_queue(queue)
 
     @contextlib.contextmanager
     def watch(self, callback: Callable[[bytes], None]) -> AsyncIterator[None]:  # type: ignore[misc]

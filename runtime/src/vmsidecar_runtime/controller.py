@@ -21,16 +21,20 @@ from . import ports
 from .accel import AccelChoice, choose_accel
 from .canhost import check_native_can
 from .console import ConsoleHub
+from .devices.gpio import GpioDevice
 from .disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
 from .errors import GenerationChangedError, GuestError, HostError, ImageError, SpecError, VmsidecarError
 from .events import EventBus
 from .firmware import prepare_firmware
-from .gpio import GpioDevice
+from .hostpaths import HostPathPolicy
 from .plan import BootPlan
 from .spec import VmSpec
 from .state import BOOTABLE, LIVE, ExitInfo, Phase, Timings, VmState, require
 
 log = logging.getLogger(__name__)
+
+#: RESET events this soon after a boot started belong to that boot (see ``_is_new_boot``)
+RESET_COALESCE_S = 1.0
 
 
 class Backend(Protocol):
@@ -94,6 +98,7 @@ class VmController:
         *,
         backend_factory: BackendFactory = default_backend_factory,
         allow_extra_args: bool = False,
+        host_paths: HostPathPolicy | None = None,
         pull_fn: Callable[..., Any] | None = None,
     ) -> None:
         self.spec = spec
@@ -101,6 +106,8 @@ class VmController:
         self.events = EventBus()
         self.phase = Phase.STOPPED
         self.allow_extra_args = allow_extra_args
+        #: host paths API callers may name (none by default); the runtime's own config may name any
+        self.host_paths = host_paths or HostPathPolicy()
         self._backend_factory = backend_factory
         self._pull_fn = pull_fn
         self._lock = asyncio.Lock()
@@ -120,6 +127,9 @@ class VmController:
         self._ready_task: asyncio.Task[None] | None = None
         self._ready_window = b""
         self._launched_at = 0.0
+        #: boots since the runtime started (power-on, reset, guest reboot): scrollback, first-byte
+        #: time and readiness belong to one boot, so a reader can never take the last boot for this one
+        self._boot_count = 0
         self.shutdown_requested = asyncio.Event()
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
@@ -162,6 +172,7 @@ class VmController:
         return VmState(
             phase=self.phase,
             generation=self.generation,
+            boot=self._boot_count,
             claimed=self._claimed,
             backend=self.spec.backend if self.spec else "qemu",
             image=self.spec.image if self.spec else None,
@@ -242,6 +253,7 @@ class VmController:
         """Replace the spec; returns False when it equals the current one (idempotent).
 
         :raise SpecError: extra_args over the API without --allow-extra-args.
+        :raise HostPathError: a host path over the API that the administrator did not allow.
         :raise StateError: while the VM runs with a different spec.
         """
         if from_api and spec.extra_args and not self.allow_extra_args:
@@ -249,6 +261,8 @@ class VmController:
                 "extra_args may only be set by an administrator; start the runtime with --allow-extra-args "
                 "or put them in the runtime's own --spec file"
             )
+        if from_api:
+            self.host_paths.check_spec(spec, self.spec)
         check_native_can(spec)
         async with self._lock:
             if spec == self.spec:
@@ -358,8 +372,7 @@ class VmController:
             self._expect_exit = False
             self._last_exit = None
             self._last_error = None
-            self._launched_at = time.monotonic()
-            self._timings = Timings(launched_at=time.time(), pull=self._timings.pull)
+            self._begin_boot("power-on")
             backend = self._backend_factory(plan, self._on_backend_event)
             self._backend = backend
             if self.gpio is not None:  # QEMU asks the vhost-user backend for its config at realize
@@ -390,6 +403,8 @@ class VmController:
         async with self._lock:
             require(self.phase, LIVE, "reset")
             assert self._backend is not None
+            self._disarm_readiness()
+            self._begin_boot("reset")
             await self._backend.reset()
             self._set_phase(Phase.RUNNING, reason="reset")
             self._arm_readiness()
@@ -449,7 +464,8 @@ class VmController:
             # The guest powered itself off (or answered ACPI): with -no-shutdown QEMU waits; end it.
             self._expect_exit = True
             self._spawn(self._guest_powered_off(backend, data))
-        elif name == "RESET" and self.phase == Phase.READY:
+        elif name == "RESET" and self.phase in (Phase.RUNNING, Phase.READY) and self._is_new_boot():
+            self._begin_boot("guest reboot")
             self._set_phase(Phase.RUNNING, reason="guest reset")
             self._arm_readiness()
         elif name == "EXITED" and backend is not None and not self._expect_exit:
@@ -480,6 +496,23 @@ class VmController:
                 Phase.CRASHED,
                 GuestError(f"QEMU died unexpectedly ({how}; stderr: {tail}); power on again to recover"),
             )
+
+    # ---- per boot ------------------------------------------------------------------------
+    def _begin_boot(self, reason: str) -> None:
+        """A new boot starts: its own scrollback, first-byte time and readiness timings."""
+        self._boot_count += 1
+        self._launched_at = time.monotonic()
+        self._timings = Timings(launched_at=time.time(), pull=self._timings.pull)
+        for hub in self._hubs.values():
+            hub.new_boot()
+        self.events.publish("boot", boot=self._boot_count, reason=reason)
+
+    def _is_new_boot(self) -> bool:
+        """Whether a RESET event starts a boot. Our own system_reset, and the one or two resets
+        SeaBIOS adds within ~50 ms of it, belong to the boot already begun; so does a reset before
+        the boot printed anything. No guest reboots within a second of starting."""
+        printed = any(hub.bytes_seen for name, hub in self._hubs.items() if name in ("ttyS0", "hvc0"))
+        return printed and time.monotonic() - self._launched_at > RESET_COALESCE_S
 
     # ---- readiness -----------------------------------------------------------------------
     def _arm_readiness(self) -> None:
@@ -633,11 +666,20 @@ class VmController:
 
     async def flash_reference(self, reference: str, *, power_off: bool = False,
                               progress: Callable[[int, int | None], None] | None = None) -> VmState:
-        """Pull an image by reference and make it the disk (the cache keeps it read-only)."""
+        """Pull an image by reference (an API call: host paths only where allowed) and make it the
+        disk (the cache keeps it read-only).
+
+        :raise HostPathError: for a ``file:``/``oci-layout:`` reference the administrator did not allow.
+        :raise StateError: while the VM runs (also when it was powered on during the pull) and
+            ``power_off`` is not set.
+        """
+        self.host_paths.check_reference(reference)
         if self.phase in LIVE and not power_off:
             require(self.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
         disk = await self.pull(reference, progress=progress)
         async with self._lock:
+            if self.phase in LIVE and not power_off:  # powered on while the image was being pulled
+                require(self.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
             if self.phase in LIVE or self.phase == Phase.ERROR:
                 await self._stop_backend(graceful=False)
                 self._set_phase(Phase.STOPPED, reason="flash")

@@ -4,6 +4,7 @@ Tree::
 
     VmsidecarError                 code            HTTP
     ├── SpecError                  invalid_spec    400
+    │   └── HostPathError          host_path_not_allowed 400
     ├── RequestError               bad_request     400
     ├── NotFoundError              not_found       404
     ├── StateError                 wrong_phase     409
@@ -44,6 +45,13 @@ class SpecError(VmsidecarError):
 
     code = "invalid_spec"
     http_status = 400
+
+
+class HostPathError(SpecError):
+    """A host path (``file:``, ``oci-layout:``, kernel, initrd) named over the API, outside what the
+    administrator allowed."""
+
+    code = "host_path_not_allowed"
 
 
 class RequestError(VmsidecarError):

@@ -26,6 +26,7 @@ from . import procs
 from .api.server import serve_api
 from .controller import RuntimePaths, VmController
 from .errors import HostError
+from .hostpaths import HostPathPolicy
 from .perms import share
 from .spec import VmSpec
 
@@ -138,12 +139,12 @@ async def _reap_orphans(stop: asyncio.Event) -> None:
 
 
 async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
-                grace: float = 30.0) -> int:
+                host_paths: HostPathPolicy | None = None, grace: float = 30.0) -> int:
     """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     lock.acquire()
     share(paths.shared, 0o2770)
-    vm = VmController(spec, paths, allow_extra_args=allow_extra_args)
+    vm = VmController(spec, paths, allow_extra_args=allow_extra_args, host_paths=host_paths)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,6 +32,9 @@ DEFAULT_READY_PATTERN = r"VMSIDECAR-READY"
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(?:([KMGT])(?:i?B)?|(B))?\s*$", re.IGNORECASE)
 _UNIT_SHIFT = {"K": 10, "M": 20, "G": 30, "T": 40}
+#: upper bounds: a spec arrives over the API, and an absurd value must be a 400, not a failed boot
+MAX_MEMORY_MIB = 1 << 20  # 1 TiB
+MAX_TEXT = 4096
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 #: bitrates slcand can set (-s0 … -s8)
 SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1000000)
@@ -84,7 +87,7 @@ class Network(_Model):
     """User-mode (slirp) networking: needs no privilege and no host bridge."""
 
     enabled: bool = True
-    forwards: list[PortForward] = []
+    forwards: list[PortForward] = Field(default=[], max_length=64)
 
     @field_validator("forwards")
     @classmethod
@@ -99,7 +102,7 @@ class Network(_Model):
 class Readiness(_Model):
     """When the guest counts as ready: a regex seen on a console, or as soon as it runs."""
 
-    pattern: str | None = DEFAULT_READY_PATTERN
+    pattern: str | None = Field(default=DEFAULT_READY_PATTERN, max_length=1024)
     console: Literal["ttyS0", "hvc0"] = "ttyS0"
     #: Seconds from power-on; generous because TCG guests boot 5-40 s.
     timeout: float = Field(default=300.0, gt=0, le=3600)
@@ -125,10 +128,10 @@ class CanBus(_Model):
     """A CAN bus, carried as SLCAN over a virtio-serial port (portable) or a native bridge (opt-in)."""
 
     name: Name
-    bitrate: int = Field(default=500000, gt=0)
+    bitrate: int = Field(default=500000, gt=0, le=8_000_000)  # CAN FD's fastest data phase
     mode: Literal["slcan", "native"] = "slcan"
     #: host SocketCAN interface for mode "native"
-    host_interface: str | None = None
+    host_interface: str | None = Field(default=None, max_length=15)  # IFNAMSIZ - 1
 
     @model_validator(mode="after")
     def _mode_fits(self) -> CanBus:
@@ -159,27 +162,28 @@ class GpioLine(_Model):
 class VmSpec(_Model):
     """Everything needed to run one VM. Validated once; backends consume it as is."""
 
-    image: str | None = Field(default=None, description="OCI reference, oci-layout:DIR[:TAG] or file:PATH")
+    image: str | None = Field(default=None, max_length=MAX_TEXT,
+                              description="OCI reference, oci-layout:DIR[:TAG] or file:PATH")
     arch: str = Field(default_factory=host_arch)
-    machine: str | None = None
+    machine: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # a type name, no options
     cpus: int = Field(default=1, ge=1, le=64)
-    memory: int = Field(default=512, description="MiB; accepts '512M', '1G'")
+    memory: int = Field(default=512, description="MiB; accepts '512M', '1G'; 16 MiB to 1 TiB")
     accel: Literal["auto", "kvm", "tcg"] = "auto"
     firmware: Literal["bios", "uefi"] = "bios"
     kernel: Path | None = None
     initrd: Path | None = None
-    cmdline: str | None = None
+    cmdline: str | None = Field(default=None, max_length=MAX_TEXT)
     virtio_console: bool = True
-    channels: list[Channel] = []
+    channels: list[Channel] = Field(default=[], max_length=30)  # virtio-serial has 31 ports, hvc0 is one
     network: Network = Network()
-    can: list[CanBus] = []
-    gpio: list[GpioLine] = []
+    can: list[CanBus] = Field(default=[], max_length=16)
+    gpio: list[GpioLine] = Field(default=[], max_length=256)
     backend: Literal["qemu", "libvirt"] = "qemu"
-    libvirt_uri: str | None = None
+    libvirt_uri: str | None = Field(default=None, max_length=MAX_TEXT)
     readiness: Readiness = Readiness()
     #: Extra QEMU arguments, appended verbatim as separate argv items. For admins only: the
     #: runtime refuses them over the API unless started with --allow-extra-args.
-    extra_args: list[str] = []
+    extra_args: list[Annotated[str, Field(max_length=MAX_TEXT)]] = Field(default=[], max_length=256)
 
     @field_validator("arch", mode="before")
     @classmethod
@@ -194,6 +198,8 @@ class VmSpec(_Model):
         mib = parse_size_mib(value)
         if mib < 16:
             raise ValueError(f"memory {value!r} is below the 16 MiB minimum a guest kernel needs")
+        if mib > MAX_MEMORY_MIB:
+            raise ValueError(f"memory {value!r} is above the {MAX_MEMORY_MIB >> 20} TiB limit; give the guest less")
         return mib
 
     @field_validator("cpus", mode="before")

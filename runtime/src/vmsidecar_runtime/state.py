@@ -43,8 +43,10 @@ def require(actual: Phase, allowed: frozenset[Phase], operation: str, *, hint: s
 
 
 class Timings(BaseModel):
-    """Seconds of the last boot, measured from the QEMU launch."""
+    """Seconds of the current boot (``VmState.boot``), measured from its start: the QEMU launch,
+    a reset or a guest reboot. A new boot starts with ``first_console_byte`` and ``ready`` unset."""
 
+    #: wall-clock time (epoch seconds) the current boot started
     launched_at: float | None = None
     first_console_byte: float | None = None
     ready: float | None = None
@@ -65,6 +67,9 @@ class VmState(BaseModel):
 
     phase: Phase
     generation: int
+    #: boots since the runtime started (power-on, reset, guest reboot); console scrollback and
+    #: ``timings`` belong to this boot only
+    boot: int = 0
     #: a lease has used this generation (the next lease gets a recycled guest)
     claimed: bool = False
     backend: str

@@ -58,14 +58,31 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _error_response(500, "internal_error", f"internal error ({type(e).__name__}: {e}); please report it")
 
 
+#: JSON is UTF-8 (RFC 8259); a body that names another charset is refused rather than guessed at
+_JSON_CHARSETS = {None, "utf-8", "utf8", "us-ascii"}
+
+
 async def _json_body(request: web.Request) -> Any:
-    text = await request.text()
+    """The body as JSON (``{}`` when empty); every way it can be malformed is a 400."""
+    charset = request.charset.lower() if request.charset else None
+    if charset not in _JSON_CHARSETS:
+        raise RequestError(f"the request declares charset={request.charset!r}; send the JSON body as UTF-8 "
+                           "(Content-Type: application/json)")
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not UTF-8 (byte {e.start} is 0x{raw[e.start]:02x}); "
+                           "send UTF-8 JSON") from e
     if not text.strip():
         return {}
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise RequestError(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); send a JSON object") from e
+        raise RequestError(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                           "send a JSON object") from e
+    except RecursionError as e:
+        raise RequestError("request body nests too deeply to be a request; send a flat JSON object") from e
 
 
 async def _model(request: web.Request, model: type[M]) -> M:
@@ -111,6 +128,8 @@ async def put_spec(request: web.Request) -> web.Response:
     data = await _json_body(request)
     if not isinstance(data, dict):
         raise RequestError("the spec must be a JSON object of spec fields")
+    if not data:  # PUT replaces: an empty body would silently reset every field, image included
+        raise RequestError("the spec is empty; send the whole spec (at least image), as GET /v1/vm/spec returns it")
     await vm.set_spec(load_spec(data))
     return _state(vm)
 
@@ -166,6 +185,7 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
     """Flash from a reference; the answer is an NDJSON stream of progress lines and one result."""
     vm = _vm(request)
     req = await _model(request, PullRequest)
+    vm.host_paths.check_reference(req.reference)  # before the 200 of the stream: a refusal is a 400
     if vm.phase in (Phase.STARTING, Phase.RUNNING, Phase.READY) and not req.power_off:
         from ..state import BOOTABLE, require
 
