@@ -1,5 +1,5 @@
 """Our images in the pod upstream's `qemu.jumpstarter.dev` provisioner renders today
-(../shared/facts/jep-0014-upstream.md §2, §7): an init container copies
+(upstream JEP-0014, as described in docs/containers.md): an init container copies
 /jumpstarter/bin/jumpstarter-exec out of the exporter image; the runtime image runs its
 ENTRYPOINT with no arguments as UID 0; the exporter runs `jmp run --exporter-config …` as UID
 65532; the only shared volume is a 100Mi emptyDir at /shared; no fsGroup. Differences here,
