@@ -3,8 +3,10 @@ names no host file, and leaves the spec, the disk and the guest as they were."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +144,16 @@ async def test_spec_bounds_and_empty_spec(live: Any) -> None:
         status, answer = await raw.call("PUT", "/v1/vm/spec", **kw)
         assert status == 400 and "spec is empty" in answer["message"], answer
     await _unchanged(rt, raw, spec)
+
+
+async def test_a_left_event_stream_does_not_hold_up_the_exit(start_runtime: Any) -> None:
+    rt = await start_runtime(None)
+    raw = Raw(rt.socket)
+    async with raw.session.get("/v1/events", params={"types": "never-published"}) as resp:
+        assert resp.status == 200
+        assert b'"hello"' in await resp.content.readline()
+    await raw.session.close()  # the client leaves; no event will ever match its filter
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    assert rt.stop(timeout=30) == 0
+    assert time.monotonic() - started < 10, "SIGTERM waited for an event stream whose client had left"

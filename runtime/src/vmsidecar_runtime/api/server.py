@@ -27,6 +27,8 @@ from .models import Accepted, Health, PowerRequest, PullRequest, RecycleRequest
 
 log = logging.getLogger(__name__)
 CONTROLLER = web.AppKey("controller", VmController)
+#: how often an idle event stream checks that its client is still there
+EVENTS_IDLE_CHECK_S = 1.0
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -248,7 +250,14 @@ async def get_events(request: web.Request) -> web.StreamResponse:
         first = {"type": "hello", "time": 0, "generation": vm.generation, "data": {"phase": vm.phase.value}}
         await response.write(json.dumps(first).encode() + b"\n")
         while True:
-            event = await queue.get()
+            try:
+                event = await asyncio.wait_for(queue.get(), EVENTS_IDLE_CHECK_S)
+            except TimeoutError:
+                # aiohttp does not cancel an idle handler whose client left; without this check a
+                # filter that never matches keeps the stream (and the runtime's exit) waiting forever
+                if request.transport is None or request.transport.is_closing():
+                    return response
+                continue
             await response.write(event.model_dump_json().encode() + b"\n")
 
 
