@@ -310,7 +310,7 @@ class VmController:
 
         pulled = await asyncio.to_thread(self._pull_fn or oci_pull, ref, self.paths.cache, arch=spec.arch,
                                          progress=report)
-        await check_image(pulled.path, pulled.format)
+        await check_image(pulled.path, pulled.format, f"image {ref}")  # also re-checks older cache entries
         self._timings = self._timings.model_copy(update={"pull": round(time.monotonic() - started, 3)})
         self.events.publish("pulled", reference=ref, digest=pulled.digest, cached=pulled.cached,
                             bytes_downloaded=pulled.bytes_downloaded)
