@@ -44,9 +44,12 @@ class BootPlan:
     @property
     def stream_names(self) -> list[str]:
         """Every byte stream the guest has: consoles, virtio-serial channels and CAN buses."""
-        names = ["ttyS0"]
-        if self.spec.virtio_console:
-            names.append("hvc0")
-        names += [f"channel-{c.name}" for c in self.spec.channels]
-        names += [f"can-{c.name}" for c in self.spec.can if c.mode == "slcan"]
-        return names
+        return stream_names(self.spec)
+
+
+def stream_names(spec: VmSpec) -> list[str]:
+    """Every byte stream a spec gives the guest, by name: ttyS0, hvc0, ``channel-*``, ``can-*``."""
+    names = ["ttyS0", *(["hvc0"] if spec.virtio_console else [])]
+    names += [f"channel-{c.name}" for c in spec.channels]
+    names += [f"can-{c.name}" for c in spec.can if c.mode == "slcan"]
+    return names
