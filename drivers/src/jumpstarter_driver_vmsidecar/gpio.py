@@ -37,16 +37,31 @@ class _Line(Driver):
     parent: VirtualMachine
     line: str
 
-    async def _call(self, request: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
-        await self.parent.link.call(lambda c: c.state())  # claims the VM; clear error when the runtime is down
-        path = self.parent.link.socket.parent / "gpio.sock"
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to ``gpio.sock``, claiming the VM at the lease's first call.
+
+        An API call costs about as much as the GPIO request itself, so it is made only when needed:
+        to claim, or when the socket is missing (the runtime is down: its clear error; or it
+        restarted without a spec: the link gives it ours again, and the socket comes back).
+        """
+        link = self.parent.link
+        if link.claimed_generation is None:
+            await link.call(lambda c: c.state())
+        path = link.socket.parent / "gpio.sock"
         try:
-            reader, writer = await asyncio.open_unix_connection(str(path))
+            return await asyncio.open_unix_connection(str(path))
+        except OSError:
+            await link.call(lambda c: c.state())
+        try:
+            return await asyncio.open_unix_connection(str(path))
         except OSError as e:
             raise RuntimeError(
                 f"cannot open the GPIO control socket {path} ({e.strerror}); the runtime serves it while its "
                 "spec has gpio lines"
             ) from e
+
+    async def _call(self, request: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
+        reader, writer = await self._connect()
         try:
             writer.write(json.dumps({**request, "line": self.line}).encode() + b"\n")
             await writer.drain()
