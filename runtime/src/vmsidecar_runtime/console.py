@@ -78,6 +78,9 @@ class ConsoleHub:
         self.replay = replay
         self._buffer = bytearray()
         self._log = RotatingByteLog(log_path) if log_path else None
+        #: log bytes not yet on disk; one task at a time writes them in a thread, in order
+        self._log_pending: list[bytes] = []
+        self._log_task: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Queue[bytes | None]] = set()
         self._watchers: set[Callable[[bytes], None]] = set()
         self._server: asyncio.Server | None = None
@@ -167,7 +170,9 @@ class ConsoleHub:
         if len(self._buffer) > self.scrollback:
             del self._buffer[: len(self._buffer) - self.scrollback]
         if self._log:
-            self._log.write(data)
+            self._log_pending.append(data)
+            if self._log_task is None or self._log_task.done():
+                self._log_task = asyncio.create_task(self._write_log(), name=f"log-{self.name}")
         for watcher in list(self._watchers):
             watcher(data)
         for queue in list(self._clients):
@@ -177,6 +182,16 @@ class ConsoleHub:
                 log.warning("console %s: dropping a client that stopped reading", self.name)
                 self._clients.discard(queue)
                 _end_queue(queue)
+
+    async def _write_log(self) -> None:
+        """File writes (and rotation) happen in a thread: a slow disk must not stall the drain."""
+        assert self._log is not None
+        while self._log_pending:
+            batch, self._log_pending = b"".join(self._log_pending), []
+            try:
+                await asyncio.to_thread(self._log.write, batch)
+            except OSError as e:  # a full disk loses log lines, never console output
+                log.warning("console %s: cannot write the log (%s)", self.name, e)
 
     async def detach(self) -> None:
         """Stop draining (the backend is gone); clients stay connected."""
@@ -229,5 +244,7 @@ class ConsoleHub:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
         with contextlib.suppress(FileNotFoundError):
             self.listen_path.unlink()
+        if self._log_task is not None:
+            await self._log_task
         if self._log:
             self._log.close()

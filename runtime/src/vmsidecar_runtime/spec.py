@@ -221,10 +221,6 @@ class VmSpec(_Model):
             raise ValueError(f"channel and CAN bus names share one namespace; {sorted(dup)} repeat")
         return self
 
-    def with_changes(self, **changes: Any) -> VmSpec:
-        """A validated copy with some fields replaced."""
-        return load_spec({**self.model_dump(mode="json"), **changes})
-
 
 def _format_errors(err: ValidationError) -> str:
     parts = []
