@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import oras.auth
+import oras.auth.utils
 import oras.provider
 import requests
 import requests.adapters
@@ -86,16 +87,34 @@ class _TimeoutAdapter(requests.adapters.HTTPAdapter):
 
 
 class _OrasRegistry(oras.provider.Registry):
-    """oras-py's registry with our request policy (see module docstring)."""
+    """oras-py's registry with our request policy (see module docstring).
 
-    def __init__(self, hostname: str, insecure: bool, basic: str | None) -> None:
-        super().__init__(hostname=hostname, insecure=insecure)
+    Why a subclass: oras-py has no hook for a request policy. Its ``do_request`` retries for
+    minutes with no socket timeout and cannot answer a ``Basic`` challenge, and it is the one
+    method its ``upload_blob``/``blob_exists``/``chunked_upload`` send through, so we override it.
+    Everything read here is either set by this class (``_verify``, ``_basic``, ``_basic_accepted``)
+    or oras' public API (constructor arguments, ``session``, ``auth`` with ``set_basic_auth``,
+    ``token``, ``get_auth_header`` and ``authenticate_request``), never oras' private state: that
+    is what lets runtime/pyproject.toml accept a range of oras versions.
+    """
+
+    def __init__(
+        self,
+        hostname: str,
+        *,
+        plain_http: bool,
+        credentials: tuple[str, str] | None,
+        tls_verify: bool = True,
+    ) -> None:
+        super().__init__(hostname=hostname, insecure=plain_http, tls_verify=tls_verify)
         adapter = _TimeoutAdapter()
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
-        self._basic = basic
-        if basic:
-            self.auth._basic_auth = basic  # what set_basic_auth stores, without re-encoding
+        self._verify = tls_verify
+        self._basic = oras.auth.utils.get_basic_auth(*credentials) if credentials else None
+        self._basic_accepted = False  # the registry took our Basic header: send it up front
+        if credentials:
+            self.auth.set_basic_auth(*credentials)  # for oras' Bearer token requests
 
     def do_request(  # type: ignore[override]
         self,
@@ -108,25 +127,25 @@ class _OrasRegistry(oras.provider.Registry):
     ) -> requests.Response:
         for attempt in range(TRIES):
             try:
-                return self._request_with_auth(url, method, data, dict(headers or {}), json, stream)
+                return self._send_with_auth(url, method, data, dict(headers or {}), json, stream)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 if attempt == TRIES - 1:
                     raise _Unreachable(str(exc)) from exc
                 time.sleep(BACKOFF[attempt])
         raise AssertionError("unreachable")
 
-    def _request_with_auth(
+    def _send_with_auth(
         self, url: str, method: str, data: dict | bytes | None, headers: dict, json: dict | None, stream: bool
     ) -> requests.Response:
         auth = self.auth
         if isinstance(auth, oras.auth.TokenAuth) and auth.token is not None:
             headers.update(auth.get_auth_header())
-        elif self._basic and getattr(self, "_basic_works", False):
+        elif self._basic and self._basic_accepted:
             headers["Authorization"] = f"Basic {self._basic}"
 
         def send() -> requests.Response:
             return self.session.request(
-                method, url, data=data, json=json, headers=headers, stream=stream, verify=self._tls_verify
+                method, url, data=data, json=json, headers=headers, stream=stream, verify=self._verify
             )
 
         response = send()
@@ -134,12 +153,12 @@ class _OrasRegistry(oras.provider.Registry):
             return response
         challenge = response.headers.get("Www-Authenticate", "")
         if challenge.lower().startswith("basic"):
-            if not self._basic or getattr(self, "_basic_works", False):
+            if not self._basic or self._basic_accepted:
                 return response
             headers["Authorization"] = f"Basic {self._basic}"
             response.close()
             response = send()
-            self._basic_works = response.status_code not in (401, 403)
+            self._basic_accepted = response.status_code not in (401, 403)
             return response
         if not challenge:
             return response
@@ -176,8 +195,7 @@ class RegistryClient:
         self.host = ref.registry
         self.plain_http = is_loopback_host(ref.registry) if plain_http is None else plain_http
         creds = resolve_credentials(credentials)
-        basic = oras.auth.utils.get_basic_auth(*creds) if creds else None
-        self._oras = _OrasRegistry(hostname=ref.registry, insecure=self.plain_http, basic=basic)
+        self._oras = _OrasRegistry(ref.registry, plain_http=self.plain_http, credentials=creds)
         self._has_credentials = creds is not None
         self.container = self._oras.get_container(f"{ref.registry}/{ref.repository}")
         self.scheme = "http" if self.plain_http else "https"
