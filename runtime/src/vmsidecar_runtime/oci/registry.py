@@ -128,6 +128,8 @@ class _OrasRegistry(oras.provider.Registry):
         for attempt in range(TRIES):
             try:
                 return self._send_with_auth(url, method, data, dict(headers or {}), json, stream)
+            except requests.exceptions.SSLError:
+                raise  # a certificate problem is not "unreachable" and retrying cannot fix it
             except (requests.ConnectionError, requests.Timeout) as exc:
                 if attempt == TRIES - 1:
                     raise _Unreachable(str(exc)) from exc
