@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vmsidecar_runtime.backend.qemu_argv import build_argv
 from vmsidecar_runtime.plan import BootPlan, Firmware
-from vmsidecar_runtime.qemu.argv import build_argv
 from vmsidecar_runtime.spec import load_spec
 
 

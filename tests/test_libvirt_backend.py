@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.timeout(300),
 @pytest.fixture
 async def libvirt_daemon() -> AsyncIterator[Any]:
     """A libvirtd started by the test (the same private, namespaced kind the runtime starts)."""
-    from vmsidecar_runtime.libvirt.daemon import PrivateDaemon
+    from vmsidecar_runtime.backend.libvirt.daemon import PrivateDaemon
 
     root = Path(tempfile.mkdtemp(prefix="vmsidecar-lv-"))
     daemon = PrivateDaemon(root / "libvirt")
@@ -39,7 +39,7 @@ def _names(passwd_or_group: str) -> set[str]:
 async def test_private_daemon_needs_no_system_qemu_user(libvirt_daemon: Any) -> None:
     """libvirtd resolves its built-in QEMU user (Debian: ``libvirt-qemu``, created only by
     libvirt-daemon-system) before it reads qemu.conf; the private daemon is up without that package."""
-    from vmsidecar_runtime.libvirt.daemon import BUILTIN_QEMU_GROUPS, BUILTIN_QEMU_USERS, _children
+    from vmsidecar_runtime.backend.libvirt.daemon import BUILTIN_QEMU_GROUPS, BUILTIN_QEMU_USERS, _children
 
     conf = (libvirt_daemon.root / "etc" / "qemu.conf").read_text()
     assert f'user = "+{os.getuid()}"' in conf and f'group = "+{os.getgid()}"' in conf
@@ -67,7 +67,7 @@ def _host_knows(lookup: Any, name: str) -> bool:
 def test_startup_failure_names_the_fix() -> None:
     """libvirtd's own words when its built-in QEMU user is missing (measured on Debian 12 without
     libvirt-daemon-system) turn into a message naming the fix, per daemon mode."""
-    from vmsidecar_runtime.libvirt.daemon import startup_hint
+    from vmsidecar_runtime.backend.libvirt.daemon import startup_hint
 
     said = ["2026-11-23 06:52:48.033+0000: 23: error : virGetUserID:760 : invalid argument: "
             "Failed to parse user 'libvirt-qemu'",
@@ -118,7 +118,7 @@ async def test_guest_powering_itself_off_is_stopped_and_leaves_no_domain(start_r
     seen: list[tuple[str, Any]] = []
 
     async def collect() -> None:
-        async for event in client.events(["qemu.shutdown", "qemu.exited", "phase"]):
+        async for event in client.events(["guest.powered_off", "backend.exited", "phase"]):
             seen.append((event["type"], event["data"].get("reason") or event["data"].get("phase")))
             if event["type"] == "phase" and event["data"].get("phase") == "Stopped":
                 return
@@ -131,7 +131,7 @@ async def test_guest_powering_itself_off_is_stopped_and_leaves_no_domain(start_r
     await con.writer.drain()
     await asyncio.wait_for(task, 60)
     await con.close()
-    assert ("qemu.shutdown", "guest-shutdown") in seen, seen
+    assert ("guest.powered_off", "guest-shutdown") in seen, seen
     state = await client.state()
     assert state.phase.value == "Stopped" and state.last_error is None
     assert rt.virsh_domains() == []

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from vmsidecar_runtime.backend.libvirt.xml import NIC_PCI_ADDR, QEMU_NS, render_domain
 from vmsidecar_runtime.errors import HostError
-from vmsidecar_runtime.libvirt.xml import NIC_PCI_ADDR, QEMU_NS, render_domain
 from vmsidecar_runtime.plan import BootPlan, Firmware
 from vmsidecar_runtime.spec import load_spec
 
@@ -127,10 +127,10 @@ def test_aarch64_defaults() -> None:
 def test_missing_libvirt_python_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from vmsidecar_runtime.libvirt_backend import LibvirtBackend
+    from vmsidecar_runtime.backend import create_backend
 
     monkeypatch.setitem(sys.modules, "libvirt", None)  # import libvirt now raises ImportError
     with pytest.raises(HostError) as err:
-        LibvirtBackend(_plan(), lambda name, data: None)
+        create_backend(_plan(backend="libvirt"), lambda event, data: None)
     msg = err.value.message
     assert "vmsidecar-runtime[libvirt]" in msg and "--all-extras" in msg and "libvirt-dev" in msg

@@ -53,18 +53,19 @@ async def test_registry_boot_without_exporter_graceful_and_hard_off(
     await hvc0.expect("VMSIDECAR-READY image=tiny")  # the marker on the second console too
 
     # graceful off: the guest sees the ACPI power button and shuts itself down
-    events = asyncio.create_task(_events_until(client, ["qemu.powerdown", "qemu.shutdown", "phase"], "qemu.shutdown"))
+    events = asyncio.create_task(_events_until(client, ["guest.powerdown_requested", "guest.powered_off", "phase"],
+                                               "guest.powered_off"))
     await asyncio.sleep(0.2)
     state = await client.power("off", graceful=True, timeout=60)
     assert state.phase.value == "Stopped"
     kinds = [(e["type"], e["data"].get("reason")) for e in await events]
-    assert ("qemu.powerdown", None) in kinds
-    assert ("qemu.shutdown", "guest-shutdown") in kinds, kinds
+    assert ("guest.powerdown_requested", None) in kinds
+    assert ("guest.powered_off", "guest-shutdown") in kinds, kinds
 
     # hard off: no ACPI, QEMU is simply ended
     await client.power("on")
     await client.wait_ready(180)
-    events = asyncio.create_task(_events_until(client, ["qemu.powerdown", "phase"], "phase", timeout=60))
+    events = asyncio.create_task(_events_until(client, ["guest.powerdown_requested", "phase"], "phase", timeout=60))
     await asyncio.sleep(0.2)
     state = await client.power("off", graceful=False)
     assert state.phase.value == "Stopped"

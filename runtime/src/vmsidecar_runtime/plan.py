@@ -10,6 +10,20 @@ from pathlib import Path
 
 from .spec import VmSpec
 
+#: the guest's serial console and its virtio console, as stream (and private socket) names
+SERIAL = "ttyS0"
+VIRTIO_CONSOLE = "hvc0"
+
+
+def channel_stream(name: str) -> str:
+    """The stream name of the virtio-serial channel ``name``."""
+    return f"channel-{name}"
+
+
+def can_stream(bus: str) -> str:
+    """The stream name of the SLCAN bus ``bus``."""
+    return f"can-{bus}"
+
 
 @dataclass(frozen=True)
 class Firmware:
@@ -42,6 +56,11 @@ class BootPlan:
         return self.run_dir / f"{name}.sock"
 
     @property
+    def gpio_socket(self) -> Path:
+        """vhost-user socket the runtime's virtio-gpio device serves and QEMU connects to."""
+        return self.run_dir / "gpio-vhost.sock"
+
+    @property
     def stream_names(self) -> list[str]:
         """Every byte stream the guest has: consoles, virtio-serial channels and CAN buses."""
         return stream_names(self.spec)
@@ -49,7 +68,7 @@ class BootPlan:
 
 def stream_names(spec: VmSpec) -> list[str]:
     """Every byte stream a spec gives the guest, by name: ttyS0, hvc0, ``channel-*``, ``can-*``."""
-    names = ["ttyS0", *(["hvc0"] if spec.virtio_console else [])]
-    names += [f"channel-{c.name}" for c in spec.channels]
-    names += [f"can-{c.name}" for c in spec.can if c.mode == "slcan"]
+    names = [SERIAL, *([VIRTIO_CONSOLE] if spec.virtio_console else [])]
+    names += [channel_stream(c.name) for c in spec.channels]
+    names += [can_stream(c.name) for c in spec.can if c.mode == "slcan"]
     return names

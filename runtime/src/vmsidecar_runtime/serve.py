@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import procs
 from .api.server import serve_api
+from .backend import close_backends
 from .controller import RuntimePaths, VmController
 from .errors import HostError
 from .hostpaths import HostPathPolicy
@@ -166,9 +167,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
             await asyncio.wait_for(vm.close(), grace)
         except TimeoutError:
             log.error("guest did not stop within %.0f s; killed", grace)
-        libvirt_backend = sys.modules.get("vmsidecar_runtime.libvirt_backend")
-        if libvirt_backend is not None:  # only loaded once a libvirt boot happened: stop its daemon
-            await libvirt_backend.close_all()
+        await close_backends()  # the private libvirtd, if a libvirt boot started one
         return 0
     finally:
         stop.set()

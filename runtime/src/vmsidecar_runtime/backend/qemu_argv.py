@@ -6,15 +6,11 @@ validated spec or from paths and ports the runtime resolved itself.
 
 from __future__ import annotations
 
-from ..plan import BootPlan
+from ..plan import SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
+from .common import MACHINE, TCG_CPU, qemu_binary, user_netdev
 
-_MACHINE = {"x86_64": "q35", "aarch64": "virt"}
-_TCG_CPU = {"x86_64": "max", "aarch64": "cortex-a57"}
-
-
-def qemu_binary(arch: str) -> str:
-    """The QEMU system emulator name for a guest architecture."""
-    return f"qemu-system-{arch}"
+#: id of the user-mode NIC's netdev
+NETDEV_ID = "net0"
 
 
 def _chardev(plan: BootPlan, ident: str, stream: str) -> list[str]:
@@ -23,14 +19,14 @@ def _chardev(plan: BootPlan, ident: str, stream: str) -> list[str]:
 
 def _base(plan: BootPlan) -> list[str]:
     spec = plan.spec
-    machine = spec.machine or _MACHINE[spec.arch]
+    machine = spec.machine or MACHINE[spec.arch]
     argv = [
         qemu_binary(spec.arch),
         "-name", "vmsidecar,debug-threads=on",
         "-nodefaults", "-no-user-config", "-display", "none",
         "-machine", machine,
         "-accel", plan.accel,
-        "-cpu", "host" if plan.accel == "kvm" else _TCG_CPU[spec.arch],
+        "-cpu", "host" if plan.accel == "kvm" else TCG_CPU[spec.arch],
         "-smp", str(spec.cpus),
         "-m", f"{spec.memory}M",
         # Paused until the runtime has attached to every console: no boot byte is lost.
@@ -71,14 +67,14 @@ def _boot(plan: BootPlan) -> list[str]:
 
 def _streams(plan: BootPlan) -> list[str]:
     spec = plan.spec
-    argv = [*_chardev(plan, "ser0", "ttyS0"), "-serial", "chardev:ser0"]
+    argv = [*_chardev(plan, "ser0", SERIAL), "-serial", "chardev:ser0"]
     virtio_ports = []
     if spec.virtio_console:
-        virtio_ports.append(("virtconsole", "hvc0", "console.0"))
+        virtio_ports.append(("virtconsole", VIRTIO_CONSOLE, "console.0"))
     # CAN buses ride on virtio *consoles* (ttys in the guest), so slcand can attach a line discipline.
     # The port name tells the guest the bus (= interface name) and bitrate: can.<bus>.<bitrate>.
-    virtio_ports += [("virtconsole", f"can-{c.name}", f"can.{c.name}.{c.bitrate}") for c in spec.can if c.mode == "slcan"]
-    virtio_ports += [("virtserialport", f"channel-{c.name}", c.name) for c in spec.channels]
+    virtio_ports += [("virtconsole", can_stream(c.name), f"can.{c.name}.{c.bitrate}") for c in spec.can if c.mode == "slcan"]
+    virtio_ports += [("virtserialport", channel_stream(c.name), c.name) for c in spec.channels]
     if virtio_ports:
         argv += ["-device", "virtio-serial-pci,id=vser0,max_ports=31"]
     for kind, stream, port_name in virtio_ports:
@@ -88,13 +84,9 @@ def _streams(plan: BootPlan) -> list[str]:
 
 
 def _network(plan: BootPlan) -> list[str]:
-    net = plan.spec.network
-    if not net.enabled:
+    if not plan.spec.network.enabled:
         return ["-nic", "none"]
-    netdev = "user,id=net0"
-    for fwd in net.forwards:
-        netdev += f",hostfwd=tcp:{fwd.host_address}:{plan.ports[fwd.name]}-:{fwd.guest_port}"
-    return ["-netdev", netdev, "-device", "virtio-net-pci,netdev=net0,id=net0-dev"]
+    return ["-netdev", user_netdev(plan, NETDEV_ID), "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev"]
 
 
 def _can_native(plan: BootPlan) -> list[str]:
@@ -113,7 +105,7 @@ def _can_native(plan: BootPlan) -> list[str]:
 def _gpio(plan: BootPlan) -> list[str]:
     if not plan.spec.gpio:
         return []
-    return [*["-chardev", f"socket,id=vgpio,path={plan.run_dir / 'gpio-vhost.sock'}"],
+    return ["-chardev", f"socket,id=vgpio,path={plan.gpio_socket}",
             "-device", "vhost-user-gpio-pci,chardev=vgpio,id=gpio0"]
 
 

@@ -1,13 +1,13 @@
-"""libvirt connections, the event loop thread, and the runtime's private libvirtd.
+"""The runtime's private libvirtd, and the one place libvirt-python is imported.
 
-With ``libvirt_uri`` in the spec the runtime connects to that daemon. Without one (the
-runtime-container case) it starts its own libvirtd lazily, in the foreground, without systemd:
+With ``libvirt_uri`` in the spec the runtime connects to that daemon (``connection``). Without one
+(the runtime-container case) it starts its own libvirtd lazily, in the foreground, without systemd:
 in a private mount+PID namespace whose etc/run/lib/cache/log dirs live under the runtime's run
 dir. Its qemu.conf runs QEMU as the runtime's own numeric uid/gid (root: so the capability cache
 stays valid, see docs/libvirt.md, "the /dev/kvm trap"; numeric: so no system user such as
 ``libvirt-qemu`` is needed), without security driver, cgroups or namespaces, and with QEMU's
-output in a plain log file (no virtlogd needed). The runtime stops it at exit (``close_all``); if
-the runtime dies, PR_SET_PDEATHSIG and the PID namespace take the daemon and every QEMU along.
+output in a plain log file (no virtlogd needed). The runtime stops it at exit (``close_backends``);
+if the runtime dies, PR_SET_PDEATHSIG and the PID namespace take the daemon and every QEMU along.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import HostError
-from ..procs import spawn
+from ...errors import HostError
+from ...procs import spawn
+from . import nsinit
 
 log = logging.getLogger(__name__)
 
@@ -139,42 +139,6 @@ def import_libvirt() -> Any:
     return libvirt
 
 
-# ---- event loop -----------------------------------------------------------------------------
-class EventLoop:
-    """libvirt's default event implementation, registered once and run in a daemon thread.
-
-    Callbacks run in that thread; backends hand them to asyncio with ``call_soon_threadsafe``.
-    libvirt's event implementation is process-wide (registered once, before the first
-    connection), so the one ``Connections`` of the process owns the one ``EventLoop``.
-    """
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def ensure(self) -> None:
-        """Start the thread unless it runs already."""
-        libvirt = import_libvirt()
-        with self._lock:
-            if self._thread is not None:
-                return
-            # libvirt prints every error to stderr by default, also the ones we expect and handle
-            # (destroying a domain that just went away): errors reach us as libvirtError instead
-            libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
-            libvirt.virEventRegisterDefaultImpl()
-
-            def run() -> None:
-                while True:
-                    try:
-                        libvirt.virEventRunDefaultImpl()
-                    except Exception:  # pragma: no cover - never let the loop thread die
-                        log.exception("libvirt event loop")
-                        time.sleep(0.1)
-
-            self._thread = threading.Thread(target=run, name="libvirt-events", daemon=True)
-            self._thread.start()
-
-
 # ---- private daemon -------------------------------------------------------------------------
 class PrivateDaemon:
     """A libvirtd owned by this runtime, in its own mount and PID namespace."""
@@ -231,7 +195,7 @@ class PrivateDaemon:
         self.namespaced = os.environ.get("VMSIDECAR_LIBVIRT_NAMESPACES", "1") != "0" and await _namespaces_work()
         if self.namespaced:
             argv = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
-                    "--kill-child", sys.executable, "-m", "vmsidecar_runtime.libvirt.nsinit", str(self.root)]
+                    "--kill-child", sys.executable, "-m", nsinit.__name__, str(self.root)]
         else:
             argv = await self._argv_without_namespaces()
         self.proc = await spawn(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -249,8 +213,7 @@ class PrivateDaemon:
                 )
             if self.socket.exists():
                 try:
-                    conn = await asyncio.to_thread(libvirt.open, self.uri)
-                    conn.close()
+                    await asyncio.to_thread(_probe, libvirt, self.uri)
                     break
                 except libvirt.libvirtError:
                     pass
@@ -315,155 +278,13 @@ async def _namespaces_work() -> bool:
     return await probe.wait() == 0
 
 
+def _probe(libvirt: Any, uri: str) -> None:
+    """Open and close a connection to ``uri`` (both RPCs: call it in a worker thread)."""
+    libvirt.open(uri).close()
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except (OSError, ValueError):
         return []
-
-
-# ---- connections ----------------------------------------------------------------------------
-#: handler(kind, event, detail) for one domain; kind is "lifecycle" or "reboot"
-DomainHandler = Callable[[str, int, int], None]
-
-
-class Connection:
-    """One open libvirt connection (shared by the boots of this runtime) and what is behind it.
-
-    It registers libvirt's lifecycle and reboot callbacks once and dispatches them by domain
-    name (libvirt refuses a second registration of the same callback on one connection).
-    """
-
-    def __init__(self, conn: Any, uri: str, daemon: PrivateDaemon | None) -> None:
-        libvirt = import_libvirt()
-        self.conn = conn
-        self.uri = uri
-        self.daemon = daemon
-        self._on_close: set[Callable[[], None]] = set()
-        self._domains: dict[str, DomainHandler] = {}
-        conn.registerCloseCallback(self._closed, None)
-        self._callback_ids = [
-            conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE, self._lifecycle, None),
-            conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_REBOOT, self._reboot, None),
-        ]
-
-    def close(self) -> None:
-        """Deregister the callbacks and close the connection (errors ignored: it may be gone)."""
-        for callback_id in self._callback_ids:
-            with contextlib.suppress(Exception):
-                self.conn.domainEventDeregisterAny(callback_id)
-        self._callback_ids = []
-        with contextlib.suppress(Exception):
-            self.conn.unregisterCloseCallback()
-        with contextlib.suppress(Exception):
-            self.conn.close()
-
-    def _dispatch(self, dom: Any, kind: str, event: int, detail: int) -> None:
-        try:
-            handler = self._domains.get(dom.name())
-        except Exception:  # the domain vanished meanwhile
-            return
-        if handler is not None:
-            handler(kind, event, detail)
-
-    def _lifecycle(self, _conn: Any, dom: Any, event: int, detail: int, _opaque: Any) -> None:
-        self._dispatch(dom, "lifecycle", event, detail)
-
-    def _reboot(self, _conn: Any, dom: Any, _opaque: Any) -> None:
-        self._dispatch(dom, "reboot", 0, 0)
-
-    def subscribe(self, domain: str, handler: DomainHandler) -> Callable[[], None]:
-        """Route events of ``domain`` to ``handler`` (replacing an earlier boot's); returns the remover."""
-        self._domains[domain] = handler
-
-        def remove() -> None:
-            if self._domains.get(domain) is handler:
-                del self._domains[domain]
-
-        return remove
-
-    def _closed(self, _conn: Any, reason: int, _opaque: Any) -> None:
-        log.warning("libvirt connection to %s closed (reason %d)", self.uri, reason)
-        for cb in list(self._on_close):
-            cb()
-
-    def on_close(self, cb: Callable[[], None]) -> Callable[[], None]:
-        """Call ``cb`` (in the event thread) if the connection drops; returns the remover."""
-        self._on_close.add(cb)
-        return lambda: self._on_close.discard(cb)
-
-    def log_path(self, domain: str) -> Path | None:
-        """Where QEMU's output for ``domain`` lands, when this host can read it."""
-        if self.daemon is not None:
-            return self.daemon.log_path(domain)
-        if self.uri.startswith("qemu:///system"):
-            return Path("/var/log/libvirt/qemu") / f"{domain}.log"
-        return None
-
-
-class Connections:
-    """This process's libvirt connections, by URI (``""``: the runtime's private daemon, started on
-    first use), and the event thread behind them.
-
-    The runtime has exactly one, ``CONNECTIONS``: libvirt's event implementation is process-wide,
-    the boots of one runtime share its private daemon, and ``serve`` stops that daemon at exit
-    (``close_all``) without knowing which boot started it.
-    """
-
-    def __init__(self) -> None:
-        self.events = EventLoop()
-        self._by_uri: dict[str, Connection] = {}
-        self._lock = asyncio.Lock()  # binds to a loop only when contended (Python >= 3.10)
-
-    async def connect(self, uri: str | None, run_dir: Path) -> Connection:
-        """The connection for ``uri``; with None, to the runtime's private daemon (started on first use).
-
-        :raise HostError: when libvirt-python is missing or the daemon cannot be reached.
-        """
-        libvirt = import_libvirt()
-        self.events.ensure()
-        key = uri or ""
-        async with self._lock:
-            existing = self._by_uri.get(key)
-            if existing is not None and existing.conn.isAlive():
-                return existing
-            daemon = None
-            target = uri
-            if uri is None:
-                daemon = existing.daemon if existing is not None else None
-                if daemon is None or daemon.proc is None or daemon.proc.returncode is not None:
-                    daemon = PrivateDaemon(run_dir / "libvirt")
-                    await daemon.start()
-                target = daemon.uri
-            assert target is not None
-            try:
-                conn = await asyncio.to_thread(libvirt.open, target)
-                conn.setKeepAlive(5, 3)
-                self._by_uri[key] = Connection(conn, target, daemon)
-            except libvirt.libvirtError as e:
-                raise HostError(f"cannot connect to libvirt at {target} ({e}); start the daemon or fix "
-                                "libvirt_uri") from e
-            log.info("libvirt URI: %s", target)
-            return self._by_uri[key]
-
-    async def close_all(self) -> None:
-        """Close every connection and stop the private daemon (runtime exit)."""
-        while self._by_uri:
-            _key, connection = self._by_uri.popitem()
-            connection.close()
-            if connection.daemon is not None:
-                await connection.daemon.stop()
-
-
-#: the runtime process's libvirt connections (see ``Connections``)
-CONNECTIONS = Connections()
-
-
-async def connect(uri: str | None, run_dir: Path) -> Connection:
-    """``CONNECTIONS.connect``: what backends use."""
-    return await CONNECTIONS.connect(uri, run_dir)
-
-
-async def close_all() -> None:
-    """``CONNECTIONS.close_all``: what ``serve`` calls at exit."""
-    await CONNECTIONS.close_all()

@@ -1,9 +1,9 @@
-"""``LibvirtBackend``: the controller's ``Backend`` over libvirt-python, mirroring ``QemuBackend``.
+"""``LibvirtBackend``: a ``Backend`` over libvirt-python (the ``libvirt`` extra).
 
 The domain is transient (``createXML``) and created paused, so the console hubs attach before
-``resume()``. libvirt lifecycle/reboot events are translated into the QMP event names the direct
-backend forwards (``SHUTDOWN`` with ``reason``, ``RESET``, ``STOP``, ``RESUME``; ``POWERDOWN``
-when we press the ACPI button; ``EXITED`` when the domain is gone) and handed to the asyncio loop.
+``resume()``. libvirt's lifecycle and reboot callbacks arrive in libvirt's event thread, are
+handed to the asyncio loop and mapped to ``BackendEvent`` (``map_lifecycle``); every libvirt call
+runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -17,42 +17,67 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import HostError
-from ..plan import BootPlan
-from ..state import ExitInfo
-from . import daemon
+from ...errors import HostError
+from ...plan import BootPlan
+from ...state import ExitInfo
+from ..base import BackendEvent, EventSink
+from . import connection
+from .daemon import import_libvirt
 from .xml import render_domain
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[[str, dict[str, Any]], None]
-
-# virDomainEventType / details (stable libvirt ABI numbers, so this module imports without libvirt)
-_SUSPENDED, _RESUMED, _STOPPED, _SHUTDOWN = 3, 4, 5, 6
-_SHUTDOWN_REASON = {0: "guest-shutdown", 1: "guest-shutdown", 2: "host-signal"}
+# virDomainEventType and details: stable libvirt ABI numbers, so this module imports without libvirt
+_SUSPENDED, _RESUMED, _STOPPED, _SHUTDOWN, _CRASHED = 3, 4, 5, 6, 8
+#: SHUTDOWN detail HOST: QEMU ended on a signal (a destroy); the STOPPED that follows decides
+_SHUTDOWN_HOST = 2
 _STOPPED_REASON = {0: "shutdown", 1: "destroyed", 2: "crashed", 3: "migrated", 4: "saved", 5: "failed",
                    6: "from-snapshot"}
+
+
+def map_lifecycle(event: int, detail: int) -> tuple[BackendEvent, dict[str, Any]] | None:
+    """The ``BackendEvent`` (and its data) for a libvirt lifecycle event, or None when it is not
+    reported. ``EXITED`` carries the reason the domain stopped (libvirt knows no exit status)."""
+    if event == _SUSPENDED:
+        return BackendEvent.PAUSED, {}
+    if event == _RESUMED:
+        return BackendEvent.RESUMED, {}
+    if event == _SHUTDOWN and detail != _SHUTDOWN_HOST:
+        # FINISHED (0: the QEMU did not say who asked) or GUEST (1): the guest powered itself off
+        return BackendEvent.POWERED_OFF, {"reason": "guest-shutdown", "guest": True}
+    if event == _CRASHED:
+        return BackendEvent.PANICKED, {}
+    if event == _STOPPED:
+        return BackendEvent.EXITED, {"reason": f"domain stopped: {_STOPPED_REASON.get(detail, str(detail))}"}
+    return None
 
 
 class LibvirtBackend:
     """One transient libvirt domain for one boot plan."""
 
     name = "libvirt"
+    label = "the libvirt domain"
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
-        self._libvirt = daemon.import_libvirt()  # fail at once, with the fix, when the extra is missing
+        """Check libvirt-python is there; nothing starts before ``launch``.
+
+        :raise HostError: naming the fix when libvirt-python (the ``libvirt`` extra) is missing.
+        """
+        self._libvirt = import_libvirt()  # fail at once, with the fix, when the extra is missing
         self.plan = plan
         self._on_event = on_event
         self.domain_name = f"vmsidecar-{plan.run_dir.name.removeprefix('vmsidecar-')}"
         self.exit_info: ExitInfo | None = None
         self._exited = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._conn: daemon.Connection | None = None
+        self._conn: connection.Connection | None = None
         self._dom: Any = None
         self._unsubscribe: Callable[[], None] | None = None
         self._remove_close_cb: Callable[[], None] | None = None
         self.create_seconds: float | None = None
         self._log_offset = 0
+        #: our reset() calls whose reboot event has not arrived yet (libvirt's event does not say who)
+        self._own_resets = 0
 
     @property
     def uri(self) -> str | None:
@@ -68,7 +93,7 @@ class LibvirtBackend:
         libvirt = self._libvirt
         self._loop = asyncio.get_running_loop()
         xml = render_domain(self.plan, self.domain_name)
-        self._conn = await daemon.connect(self.plan.spec.libvirt_uri, self.plan.run_dir)
+        self._conn = await connection.connect(self.plan.spec.libvirt_uri, self.plan.run_dir)
         conn = self._conn.conn
         if self._conn.daemon is None and self.plan.run_dir.stat().st_mode & 0o777 != 0o777:
             # a system daemon runs QEMU as its own user, which must create the console sockets here
@@ -98,8 +123,8 @@ class LibvirtBackend:
         if self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # the loop is closed: the runtime is exiting
-            if kind == "reboot":
-                self._loop.call_soon_threadsafe(self._emit, "RESET", {})
+            if kind == "reboot":  # QEMU's RESET, ours or the guest's
+                self._loop.call_soon_threadsafe(self._handle_reboot)
             else:
                 self._loop.call_soon_threadsafe(self._handle_lifecycle, event, detail)
 
@@ -108,22 +133,25 @@ class LibvirtBackend:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._mark_exited, "the libvirt connection closed")
 
-    def _emit(self, name: str, data: dict[str, Any]) -> None:
-        if not self._exited.is_set():
-            self._on_event(name, data)
+    def _emit(self, event: BackendEvent, data: dict[str, Any]) -> None:
+        if not self._exited.is_set():  # nothing of a domain is reported after its end
+            self._on_event(event, data)
+
+    def _handle_reboot(self) -> None:
+        ours = self._own_resets > 0
+        self._own_resets = max(0, self._own_resets - 1)
+        self._emit(BackendEvent.RESET, {"guest": not ours})
 
     def _handle_lifecycle(self, event: int, detail: int) -> None:
         log.debug("libvirt lifecycle event %d detail %d", event, detail)
-        if event == _SUSPENDED:
-            self._emit("STOP", {})
-        elif event == _RESUMED:
-            self._emit("RESUME", {})
-        elif event == _SHUTDOWN and detail != 2:
-            # detail HOST (2) is QEMU ending on a signal (a destroy): the STOPPED event that
-            # follows says whether that was asked for; only a guest power-off is a SHUTDOWN
-            self._emit("SHUTDOWN", {"guest": detail != 2, "reason": _SHUTDOWN_REASON.get(detail, "guest-shutdown")})
-        elif event == _STOPPED:
-            self._mark_exited(f"domain stopped: {_STOPPED_REASON.get(detail, str(detail))}")
+        mapped = map_lifecycle(event, detail)
+        if mapped is None:
+            return
+        kind, data = mapped
+        if kind == BackendEvent.EXITED:
+            self._mark_exited(data["reason"])
+        else:
+            self._emit(kind, data)
 
     def _mark_exited(self, reason: str) -> None:
         if self._exited.is_set():
@@ -131,7 +159,7 @@ class LibvirtBackend:
         self.exit_info = ExitInfo(stderr_tail=self._log_tail(), reason=reason)
         self._exited.set()
         self._detach()
-        self._on_event("EXITED", {"reason": reason})
+        self._on_event(BackendEvent.EXITED, {"reason": reason})
 
     def _log_tail(self, lines: int = 20) -> list[str]:
         """The domain log's last lines (libvirt's stand-in for QEMU's stderr)."""
@@ -178,12 +206,18 @@ class LibvirtBackend:
         dom = self._require_dom()
         await self._call("press the power button",
                          lambda: dom.shutdownFlags(self._libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN))
-        self._emit("POWERDOWN", {})  # QEMU's POWERDOWN event has no libvirt counterpart
+        # libvirt has no event for the button, so the one who pressed it says so
+        self._emit(BackendEvent.POWERDOWN_REQUESTED, {})
 
     async def reset(self) -> None:
         """Hard reset, like a reset button (libvirt reports QEMU's RESET as a reboot event)."""
         dom = self._require_dom()
-        await self._call("reset the guest", lambda: dom.reset(0))
+        self._own_resets += 1  # before the call: its reboot event may arrive before the call returns
+        try:
+            await self._call("reset the guest", lambda: dom.reset(0))
+        except HostError:
+            self._own_resets = max(0, self._own_resets - 1)
+            raise
 
     async def qmp(self, command: str, **arguments: Any) -> Any:
         """A QMP command through libvirt, for what libvirt has no API for."""

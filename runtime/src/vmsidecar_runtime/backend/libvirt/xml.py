@@ -6,17 +6,15 @@ attribute or text node, escaped by the serializer.
 
 from __future__ import annotations
 
-import shutil
 import xml.etree.ElementTree as ET
 
-from ..errors import HostError
-from ..plan import BootPlan
-from ..qemu.argv import qemu_binary
+from ...errors import HostError
+from ...plan import SERIAL, VIRTIO_CONSOLE, BootPlan, channel_stream
+from ..common import MACHINE, TCG_CPU, emulator_path, user_netdev
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 ET.register_namespace("qemu", QEMU_NS)
 
-_MACHINE = {"x86_64": "q35", "aarch64": "virt"}
 #: PCI slot of the user-mode NIC added through <qemu:commandline>: libvirt fills slots from the
 #: bottom, so a high fixed address never clashes with the devices it places itself.
 NIC_PCI_ADDR = "0x10"
@@ -50,13 +48,10 @@ def _unix_chardev(devices: ET.Element, tag: str, path: str) -> ET.Element:
 
 def _qemu_args(plan: BootPlan) -> list[str]:
     """Arguments libvirt 9.0 has no XML for: user networking with host port forwards."""
-    net = plan.spec.network
-    if not net.enabled:
+    if not plan.spec.network.enabled:
         return []
-    netdev = f"user,id={NETDEV_ID}"
-    for fwd in net.forwards:
-        netdev += f",hostfwd=tcp:{fwd.host_address}:{plan.ports[fwd.name]}-:{fwd.guest_port}"
-    return ["-netdev", netdev, "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev,addr={NIC_PCI_ADDR}"]
+    return ["-netdev", user_netdev(plan, NETDEV_ID),
+            "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev,addr={NIC_PCI_ADDR}"]
 
 
 def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> str:
@@ -74,7 +69,7 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> 
     _sub(root, "vcpu", str(spec.cpus))
 
     os_el = _sub(root, "os")
-    _sub(os_el, "type", "hvm", arch=spec.arch, machine=spec.machine or _MACHINE[spec.arch])
+    _sub(os_el, "type", "hvm", arch=spec.arch, machine=spec.machine or MACHINE[spec.arch])
     if plan.firmware is not None:
         _sub(os_el, "loader", str(plan.firmware.code), readonly="yes", type="pflash")
         _sub(os_el, "nvram", str(plan.firmware.vars))
@@ -89,11 +84,11 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> 
     _sub(features, "acpi")  # the ACPI power button is how a graceful power-off reaches the guest
     if plan.accel == "kvm":
         _sub(root, "cpu", mode="host-passthrough")
-    elif spec.arch == "x86_64":
-        _sub(root, "cpu", mode="maximum", check="none")
+    elif TCG_CPU[spec.arch] == "max":
+        _sub(root, "cpu", mode="maximum", check="none")  # libvirt's name for QEMU's -cpu max
     else:
         cpu = _sub(root, "cpu", mode="custom", match="exact", check="none")
-        _sub(cpu, "model", "cortex-a57", fallback="forbid")
+        _sub(cpu, "model", TCG_CPU[spec.arch], fallback="forbid")
 
     # the runtime's state machine decides what a power-off or a crash means
     _sub(root, "on_poweroff", "destroy")
@@ -101,20 +96,20 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> 
     _sub(root, "on_crash", "destroy")
 
     devices = _sub(root, "devices")
-    _sub(devices, "emulator", emulator or _emulator(spec.arch))
+    _sub(devices, "emulator", emulator or emulator_path(spec.arch))
     disk = _sub(devices, "disk", type="file", device="disk")
     _sub(disk, "driver", name="qemu", type=plan.disk_format)
     _sub(disk, "source", file=str(plan.disk))
     _sub(disk, "target", dev="vda", bus="virtio")
     _sub(disk, "boot", order="1")
 
-    serial = _unix_chardev(devices, "serial", str(plan.console_socket("ttyS0")))
+    serial = _unix_chardev(devices, "serial", str(plan.console_socket(SERIAL)))
     _sub(serial, "target", port="0")
     if spec.virtio_console:
-        console = _unix_chardev(devices, "console", str(plan.console_socket("hvc0")))
+        console = _unix_chardev(devices, "console", str(plan.console_socket(VIRTIO_CONSOLE)))
         _sub(console, "target", type="virtio", port="0")
     for ch in spec.channels:
-        channel = _unix_chardev(devices, "channel", str(plan.console_socket(f"channel-{ch.name}")))
+        channel = _unix_chardev(devices, "channel", str(plan.console_socket(channel_stream(ch.name))))
         _sub(channel, "target", type="virtio", name=ch.name)
 
     if spec.arch == "x86_64":
@@ -131,14 +126,3 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> 
     ET.indent(root)
     return ET.tostring(root, encoding="unicode")
 
-
-def _emulator(arch: str) -> str:
-    binary = qemu_binary(arch)
-    path = shutil.which(binary)
-    if path is None:
-        package = "qemu-system-x86" if arch == "x86_64" else "qemu-system-arm"
-        raise HostError(
-            f"{binary} is not installed, so {arch} guests cannot run; install it (apt-get install {package}) "
-            "or use the vmsidecar runtime image"
-        )
-    return path

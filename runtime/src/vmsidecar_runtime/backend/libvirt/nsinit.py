@@ -1,4 +1,4 @@
-"""PID 1 of the private libvirt namespace (``python -m vmsidecar_runtime.libvirt.nsinit ROOT``).
+"""PID 1 of the private libvirt namespace (``python -m vmsidecar_runtime.backend.libvirt.nsinit ROOT``).
 
 Runs inside ``unshare --mount --pid --fork --mount-proc --kill-child``: bind-mounts ROOT's
 etc/run/lib/cache/log over libvirt's fixed privileged paths (so this libvirtd shares nothing with

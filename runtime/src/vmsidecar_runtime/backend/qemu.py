@@ -1,7 +1,8 @@
 """Direct QEMU backend: one process per boot, one persistent QMP connection, events.
 
 "Process up" and "guest running" are separate steps: QEMU starts paused (``-S``), the runtime
-attaches to every console, then ``resume()`` sends ``cont``.
+attaches to every console, then ``resume()`` sends ``cont``. QMP events are mapped to
+``BackendEvent`` (``map_qmp_event``); the process's end is ``EXITED``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import signal
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from qemu.qmp import EventListener, QMPClient
@@ -22,20 +21,44 @@ from ..errors import HostError
 from ..plan import BootPlan
 from ..procs import spawn
 from ..state import ExitInfo
-from .argv import build_argv, qemu_binary
+from .base import BackendEvent, EventSink
+from .common import emulator_path
+from .qemu_argv import build_argv
 
 log = logging.getLogger(__name__)
 
-#: QMP events forwarded to the runtime
-EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED")
+#: the QMP events ``map_qmp_event`` understands (the listener asks QEMU for these only)
+QMP_EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED")
+#: SHUTDOWN causes after which QEMU exits despite ``-no-shutdown`` (QMP ``quit`` and a host signal
+#: override it): the guest is not "powered off and waiting"; the EXITED that follows decides
+EXITING_CAUSES = frozenset({"host-qmp-quit", "host-signal"})
+_SIMPLE = {
+    "POWERDOWN": BackendEvent.POWERDOWN_REQUESTED,
+    "STOP": BackendEvent.PAUSED,
+    "RESUME": BackendEvent.RESUMED,
+    "GUEST_PANICKED": BackendEvent.PANICKED,
+}
 
-EventSink = Callable[[str, dict[str, Any]], None]
+
+def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[str, Any]] | None:
+    """The ``BackendEvent`` (and its data) for a QMP event, or None when it is not reported."""
+    if name == "SHUTDOWN":
+        reason = str(data.get("reason", "guest-shutdown"))
+        if reason in EXITING_CAUSES:
+            return None
+        return BackendEvent.POWERED_OFF, {"reason": reason, "guest": bool(data.get("guest", True))}
+    if name == "RESET":
+        return BackendEvent.RESET, {"guest": bool(data.get("guest", False))}
+    if name in _SIMPLE:
+        return _SIMPLE[name], {}
+    return None
 
 
 class QemuBackend:
     """Runs one QEMU process for one boot plan."""
 
     name = "qemu"
+    label = "QEMU"
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         self.plan = plan
@@ -46,6 +69,8 @@ class QemuBackend:
         self._tasks: list[asyncio.Task[None]] = []
         self.exit_info: ExitInfo | None = None
         self._exited = asyncio.Event()
+        #: the SHUTDOWN cause when QEMU announced a host-side end (``EXITING_CAUSES``)
+        self._host_shutdown = ""
 
     # ---- launch --------------------------------------------------------------------------
     async def launch(self, *, qmp_timeout: float = 30.0) -> None:
@@ -53,13 +78,7 @@ class QemuBackend:
 
         :raise HostError: when the QEMU binary is missing or QEMU exits before QMP answers.
         """
-        binary = qemu_binary(self.plan.spec.arch)
-        if shutil.which(binary) is None:
-            package = "qemu-system-x86" if self.plan.spec.arch == "x86_64" else "qemu-system-arm"
-            raise HostError(
-                f"{binary} is not installed, so {self.plan.spec.arch} guests cannot run; "
-                f"install it (apt-get install {package}) or use the vmsidecar runtime image"
-            )
+        emulator_path(self.plan.spec.arch)  # fail early, naming the package, when QEMU is missing
         argv = build_argv(self.plan)
         log.info("starting %s", " ".join(argv))
         self._proc = await spawn(
@@ -94,9 +113,13 @@ class QemuBackend:
             returncode=rc if rc >= 0 else None,
             signal=-rc if rc < 0 else None,
             stderr_tail=list(self._stderr),
+            reason=self._host_shutdown,
         )
         self._exited.set()
-        self._on_event("EXITED", {"returncode": rc})
+        data: dict[str, Any] = {"returncode": rc} if rc >= 0 else {"signal": -rc}
+        if self._host_shutdown:
+            data["reason"] = self._host_shutdown
+        self._on_event(BackendEvent.EXITED, data)
 
     async def _connect_qmp(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -119,7 +142,7 @@ class QemuBackend:
                     ) from None
                 await asyncio.sleep(0.05)
         self._qmp = qmp
-        listener = EventListener(EVENTS)
+        listener = EventListener(QMP_EVENTS)
         qmp.register_listener(listener)
         self._tasks.append(asyncio.create_task(self._pump_events(listener), name="qmp-events"))
 
@@ -133,7 +156,12 @@ class QemuBackend:
 
     async def _pump_events(self, listener: EventListener) -> None:
         async for event in listener:
-            self._on_event(str(event["event"]), dict(event.get("data", {})))
+            name, data = str(event["event"]), dict(event.get("data", {}))
+            if name == "SHUTDOWN" and data.get("reason") in EXITING_CAUSES:
+                self._host_shutdown = str(data["reason"])
+            mapped = map_qmp_event(name, data)
+            if mapped is not None:
+                self._on_event(*mapped)
 
     # ---- guest control -------------------------------------------------------------------
     async def _execute(self, cmd: str, **args: Any) -> Any:
@@ -146,7 +174,7 @@ class QemuBackend:
         await self._execute("cont")
 
     async def powerdown(self) -> None:
-        """Ask the guest to power off (ACPI power button)."""
+        """Ask the guest to power off (ACPI power button; QEMU reports POWERDOWN)."""
         await self._execute("system_powerdown")
 
     async def reset(self) -> None:

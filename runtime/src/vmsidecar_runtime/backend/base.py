@@ -1,0 +1,128 @@
+"""What the controller needs from a backend, and the events every backend reports.
+
+Event names say what happened to the guest (``guest.powered_off``), not which hypervisor
+interface reported it: the direct QEMU backend maps QMP events, the libvirt backend maps
+libvirt's lifecycle callbacks, and neither has to fake the other's names.
+
+This module imports nothing heavy (``BootPlan`` and ``ExitInfo`` only for typing) so that
+``python -m vmsidecar_runtime.backend.libvirt.nsinit`` stays a light PID 1; the backends
+themselves are imported by ``create_backend`` when a boot needs one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..plan import BootPlan
+    from ..state import ExitInfo
+
+log = logging.getLogger(__name__)
+
+
+class BackendEvent(StrEnum):
+    """What a backend reports; the value is also the event type published on the API."""
+
+    #: the guest is off, the process/domain still exists; data: {"reason": str, "guest": bool}
+    POWERED_OFF = "guest.powered_off"
+    #: a reset happened, ours or the guest's; data: {"guest": bool}
+    RESET = "guest.reset"
+    #: the guest kernel panicked (pvpanic); data: {}
+    PANICKED = "guest.panicked"
+    #: the guest's CPUs stopped; data: {}
+    PAUSED = "guest.paused"
+    #: the guest's CPUs run again; data: {}
+    RESUMED = "guest.resumed"
+    #: the ACPI power button was pressed; data: {}
+    POWERDOWN_REQUESTED = "guest.powerdown_requested"
+    #: the hypervisor process/domain is gone; data: {"returncode"?: int, "signal"?: int, "reason"?: str}
+    EXITED = "backend.exited"
+
+
+#: how a backend hands its events to the controller (always called on the asyncio loop)
+EventSink = Callable[[BackendEvent, dict[str, Any]], None]
+
+
+class Backend(Protocol):
+    """One boot of one guest under some hypervisor; built by a ``BackendFactory``."""
+
+    #: ``"qemu"`` | ``"libvirt"`` (the spec's ``backend`` value)
+    name: str
+    #: what died, for messages: ``"QEMU"`` | ``"the libvirt domain"``
+    label: str
+    #: how the process/domain ended, once it has (``None`` while it runs)
+    exit_info: ExitInfo | None
+
+    async def launch(self) -> None:
+        """Start the guest paused (consoles attach before ``resume``).
+
+        :raise HostError: when the hypervisor cannot start it.
+        """
+
+    async def resume(self) -> None:
+        """Let the guest's CPUs run."""
+
+    async def powerdown(self) -> None:
+        """Press the ACPI power button (reported as ``POWERDOWN_REQUESTED``)."""
+
+    async def reset(self) -> None:
+        """Hard reset, like a reset button (reported as ``RESET`` with ``guest: False``)."""
+
+    async def quit(self, timeout: float = 5.0) -> None:
+        """End the process/domain, bounded, and release what the boot held."""
+
+    async def kill(self) -> None:
+        """End the process/domain at once."""
+
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        """Wait until the process/domain is gone; False on timeout."""
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process/domain still exists."""
+
+
+#: builds the backend for one boot; the controller's seam for tests
+BackendFactory = Callable[["BootPlan", EventSink], Backend]
+
+#: shared resources (the private libvirtd) a backend started, by name, with the coroutine that
+#: stops them; registered by the backend module that started them (see ``register_shared``)
+_SHARED: dict[str, Callable[[], Awaitable[None]]] = {}
+
+
+def register_shared(name: str, close: Callable[[], Awaitable[None]]) -> None:
+    """Have ``close_backends`` call ``close`` at runtime exit (once per ``name``; a later
+    registration under the same name replaces the earlier one)."""
+    _SHARED[name] = close
+
+
+def create_backend(plan: BootPlan, on_event: EventSink) -> Backend:
+    """The backend ``plan.spec.backend`` names, for one boot of ``plan``.
+
+    :raise HostError: for ``libvirt`` when libvirt-python (the ``libvirt`` extra) is missing.
+    """
+    if plan.spec.backend == "libvirt":
+        # optional extra: imported (and libvirt-python with it) only when a spec asks for it
+        from .libvirt.backend import LibvirtBackend
+
+        return LibvirtBackend(plan, on_event)
+    from .qemu import QemuBackend
+
+    return QemuBackend(plan, on_event)
+
+
+async def close_backends() -> None:
+    """Stop the shared resources backends started (the private libvirtd); a no-op when none did.
+
+    Called once at runtime exit, after the guest is stopped. Errors are logged, not raised:
+    the runtime is on its way out and must still remove its sockets.
+    """
+    while _SHARED:
+        name, close = _SHARED.popitem()
+        try:
+            await close()
+        except Exception:
+            log.exception("could not stop the %s backend's shared resources", name)

@@ -1,0 +1,47 @@
+"""What both backends render the same way, written once: machine and CPU per architecture, the
+emulator binary (and the message when it is missing), the user-mode network with its host port
+forwards. Pure, apart from looking the emulator up on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from ..errors import HostError
+from ..plan import BootPlan
+
+#: the machine type when the spec names none
+MACHINE = {"x86_64": "q35", "aarch64": "virt"}
+#: the CPU model under TCG (KVM passes the host CPU through); "max" enables everything TCG can emulate
+TCG_CPU = {"x86_64": "max", "aarch64": "cortex-a57"}
+#: the Debian package that ships each architecture's emulator
+EMULATOR_PACKAGE = {"x86_64": "qemu-system-x86", "aarch64": "qemu-system-arm"}
+
+
+def qemu_binary(arch: str) -> str:
+    """The QEMU system emulator name for a guest architecture."""
+    return f"qemu-system-{arch}"
+
+
+def emulator_path(arch: str) -> str:
+    """The absolute path of the emulator for ``arch``.
+
+    :raise HostError: naming the package to install when it is not on ``PATH``.
+    """
+    binary = qemu_binary(arch)
+    path = shutil.which(binary)
+    if path is None:
+        raise HostError(
+            f"{binary} is not installed, so {arch} guests cannot run; install it "
+            f"(apt-get install {EMULATOR_PACKAGE[arch]}) or use the vmsidecar runtime image"
+        )
+    return path
+
+
+def user_netdev(plan: BootPlan, ident: str) -> str:
+    """The ``-netdev`` value of the guest's user-mode NIC ``ident``, with every port forward of
+    the spec bound to the host port the runtime resolved for it (``plan.ports``)."""
+    netdev = f"user,id={ident}"
+    for fwd in plan.spec.network.forwards:
+        netdev += f",hostfwd=tcp:{fwd.host_address}:{plan.ports[fwd.name]}-:{fwd.guest_port}"
+    return netdev

@@ -1,1 +1,0 @@
-"""Direct QEMU backend: argv from the spec, QMP through qemu.qmp."""

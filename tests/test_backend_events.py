@@ -1,0 +1,86 @@
+"""Backend-neutral events: each backend maps its own (QMP events, libvirt lifecycle callbacks) to
+``BackendEvent``; ``create_backend`` and ``close_backends`` (pure, no hypervisor)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from vmsidecar_runtime.backend import BackendEvent, close_backends, create_backend
+from vmsidecar_runtime.backend.base import register_shared
+from vmsidecar_runtime.backend.libvirt.backend import map_lifecycle
+from vmsidecar_runtime.backend.qemu import QemuBackend, map_qmp_event
+from vmsidecar_runtime.plan import BootPlan
+from vmsidecar_runtime.spec import load_spec
+
+
+def test_event_names_say_what_happened_not_which_backend() -> None:
+    assert {e.value for e in BackendEvent} == {
+        "guest.powered_off", "guest.reset", "guest.panicked", "guest.paused", "guest.resumed",
+        "guest.powerdown_requested", "backend.exited",
+    }
+
+
+def test_qmp_events() -> None:
+    assert map_qmp_event("SHUTDOWN", {"guest": True, "reason": "guest-shutdown"}) == (
+        BackendEvent.POWERED_OFF, {"reason": "guest-shutdown", "guest": True})
+    assert map_qmp_event("SHUTDOWN", {"guest": True, "reason": "guest-panic"}) == (
+        BackendEvent.POWERED_OFF, {"reason": "guest-panic", "guest": True})
+    # QMP quit and a host signal end QEMU despite -no-shutdown: the exit decides, not a power-off
+    assert map_qmp_event("SHUTDOWN", {"guest": False, "reason": "host-qmp-quit"}) is None
+    assert map_qmp_event("SHUTDOWN", {"guest": False, "reason": "host-signal"}) is None
+    assert map_qmp_event("RESET", {"guest": False, "reason": "host-qmp-system-reset"}) == (
+        BackendEvent.RESET, {"guest": False})
+    assert map_qmp_event("RESET", {"guest": True, "reason": "guest-reset"}) == (BackendEvent.RESET, {"guest": True})
+    assert map_qmp_event("POWERDOWN", {}) == (BackendEvent.POWERDOWN_REQUESTED, {})
+    assert map_qmp_event("STOP", {}) == (BackendEvent.PAUSED, {})
+    assert map_qmp_event("RESUME", {}) == (BackendEvent.RESUMED, {})
+    assert map_qmp_event("GUEST_PANICKED", {"action": "pause"}) == (BackendEvent.PANICKED, {})
+    assert map_qmp_event("BLOCK_JOB_COMPLETED", {}) is None
+
+
+def test_libvirt_lifecycle_events() -> None:
+    suspended, resumed, stopped, shutdown, crashed = 3, 4, 5, 6, 8  # virDomainEventType
+    assert map_lifecycle(suspended, 0) == (BackendEvent.PAUSED, {})
+    assert map_lifecycle(resumed, 0) == (BackendEvent.RESUMED, {})
+    for detail in (0, 1):  # FINISHED, GUEST
+        assert map_lifecycle(shutdown, detail) == (BackendEvent.POWERED_OFF, {"reason": "guest-shutdown", "guest": True})
+    assert map_lifecycle(shutdown, 2) is None  # HOST: QEMU got a signal (a destroy); STOPPED decides
+    assert map_lifecycle(crashed, 0) == (BackendEvent.PANICKED, {})
+    assert map_lifecycle(stopped, 1) == (BackendEvent.EXITED, {"reason": "domain stopped: destroyed"})
+    assert map_lifecycle(stopped, 0) == (BackendEvent.EXITED, {"reason": "domain stopped: shutdown"})
+    assert map_lifecycle(2, 0) is None  # STARTED: launch() itself says when the domain is up
+
+
+def test_create_backend_picks_by_spec_and_loads_libvirt_only_when_asked() -> None:
+    plan = BootPlan(load_spec({"image": "file:/x"}), "tcg", Path("/s/o.qcow2"), "qcow2", Path("/r"))
+    backend = create_backend(plan, lambda event, data: None)
+    assert isinstance(backend, QemuBackend) and (backend.name, backend.label) == ("qemu", "QEMU")
+    # in a fresh interpreter: a qemu backend never imports the libvirt modules (an optional extra)
+    code = ("import sys\nfrom pathlib import Path\nfrom vmsidecar_runtime.backend import create_backend\n"
+            "from vmsidecar_runtime.plan import BootPlan\nfrom vmsidecar_runtime.spec import load_spec\n"
+            "create_backend(BootPlan(load_spec({}), 'tcg', Path('/o'), 'qcow2', Path('/r')), lambda e, d: None)\n"
+            "print(sorted(m for m in sys.modules if 'libvirt' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+async def test_close_backends_is_a_noop_without_shared_resources_and_closes_each_once() -> None:
+    await close_backends()  # nothing registered: nothing happens
+    closed: list[str] = []
+
+    async def close_a() -> None:
+        closed.append("a")
+
+    async def close_b() -> None:
+        closed.append("b")
+        raise RuntimeError("already gone")  # logged; the runtime must still finish its exit
+
+    register_shared("a", close_a)
+    register_shared("b", close_b)
+    register_shared("a", close_a)  # once per name
+    await close_backends()
+    await close_backends()
+    assert sorted(closed) == ["a", "b"]
+
