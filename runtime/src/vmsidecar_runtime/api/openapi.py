@@ -91,7 +91,9 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
     "/v1/events": {"get": {
         "summary": "Event stream (NDJSON of Event) until the client disconnects. Any phase.",
         "parameters": [{"name": "types", "in": "query", "schema": {"type": "string"},
-                        "description": "comma-separated event types (phase, spec, pulled, flashed, recycled, qemu.*)"}],
+                        "description": "comma-separated event types, exact names (phase, spec, pulled, flashed, recycled, "
+                                       "guest.powered_off, guest.reset, guest.paused, guest.resumed, guest.panicked, "
+                                       "guest.powerdown_requested, backend.exited)"}],
         "responses": {"200": {"description": "events", "content": {"application/x-ndjson": {"schema": _ref(Event)}}}}}},
     "/v1/shutdown": {"post": {"summary": "Stop the guest and exit the runtime with 0 (ExitAndReplace). Any phase.",
                               "responses": {"202": {"description": "accepted", "content": _json(Accepted)}}}},
