@@ -1,0 +1,121 @@
+"""The guest's disk: a read-only base (pulled or flashed), the lease's overlay, flash and dump.
+
+The base is never written: every boot runs on the overlay, and a flash lands in a temp file that
+only replaces the disk once verified (``image/formats.py`` checks it like a pulled image).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterable, Callable
+from pathlib import Path
+from typing import Any
+
+from ..disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
+from ..errors import HostError, SpecError
+from ..spec import VmSpec
+from .paths import RuntimePaths
+
+Progress = Callable[[int, int | None], None]
+
+
+class Disks:
+    """Which disk the next boot uses, and the files of this lease."""
+
+    def __init__(self, paths: RuntimePaths, pull_fn: Callable[..., Any] | None = None) -> None:
+        self.paths = paths
+        self._pull_fn = pull_fn
+        #: the spec's image, pulled into the cache
+        self.base: DiskImage | None = None
+        #: an image flashed during this lease (replaces the base until the next recycle)
+        self.flashed: DiskImage | None = None
+
+    @property
+    def current(self) -> DiskImage | None:
+        """The disk the guest boots from (flashed, else the spec's image)."""
+        return self.flashed or self.base
+
+    async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None
+                   ) -> tuple[DiskImage, Any, float]:
+        """Pull an image into the cache (or reuse it): the disk, the pull result, the seconds taken.
+
+        :raise SpecError: when neither ``reference`` nor the spec names an image.
+        :raise ImageError: for every pull failure, with the cause and the fix.
+        """
+        from ..oci import pull as oci_pull
+
+        ref = reference or spec.image
+        if not ref:
+            raise SpecError("the spec has no image; set image (an OCI reference, oci-layout:DIR or file:PATH)")
+        started = time.monotonic()
+        pulled = await asyncio.to_thread(self._pull_fn or oci_pull, ref, self.paths.cache, arch=spec.arch,
+                                         progress=progress or (lambda done, total: None))
+        await check_image(pulled.path, pulled.format, f"image {ref}")  # also re-checks older cache entries
+        disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref)
+        return disk, pulled, time.monotonic() - started
+
+    async def overlay(self) -> Path:
+        """The lease's overlay over the current disk, created on first boot.
+
+        :raise HostError: when qemu-img cannot write it.
+        """
+        assert self.current is not None
+        if not self.paths.overlay.exists():
+            await create_overlay(self.current, self.paths.overlay)
+        return self.paths.overlay
+
+    async def receive_flash(self, chunks: AsyncIterable[bytes], *, expected_size: int | None,
+                            expected_digest: str | None) -> Any:
+        """Receive and verify a streamed image into a temp file (nothing changes yet).
+
+        :raise ImageError: for a bad image; :raise HostError: for a full disk.
+        """
+        return await receive_image(chunks, self.paths.flashed, expected_size=expected_size,
+                                   expected_digest=expected_digest)
+
+    def use_flashed(self, received: Any) -> None:
+        """Make a received image the disk; the overlay of the old disk goes."""
+        previous = self.flashed
+        self.flashed = install_image(received, self.paths.flashed)
+        if previous is not None and previous.path != self.flashed.path:
+            previous.path.unlink(missing_ok=True)
+        self.paths.overlay.unlink(missing_ok=True)
+
+    def use_pulled(self, disk: DiskImage) -> None:
+        """Make a pulled image (read-only in the cache) the disk."""
+        self.flashed = disk
+        self.paths.overlay.unlink(missing_ok=True)
+
+    def forget_image(self) -> None:
+        """The spec names another image: drop the base, any flashed disk and the overlay."""
+        self.base = None
+        self.flashed = None
+        self.paths.overlay.unlink(missing_ok=True)
+
+    async def dump(self, fmt: str) -> Path:
+        """Write the current disk (base + this lease's changes) to a new standalone file; the caller
+        deletes it. Each dump has its own file, so concurrent dumps never share one.
+
+        :raise HostError: when qemu-img cannot write it.
+        """
+        source = self.paths.overlay if self.paths.overlay.exists() else self.current.path if self.current else None
+        assert source is not None
+        fd, name = tempfile.mkstemp(prefix="dump-", suffix=f".{fmt}", dir=self.paths.state)
+        out = Path(name)
+        os.close(fd)
+        rc, _, err = await run_tool("qemu-img", "convert", "-O", fmt, str(source), str(out))
+        if rc != 0:
+            out.unlink(missing_ok=True)
+            raise HostError(f"cannot write the disk dump ({err.strip()}); free space in {out.parent}")
+        return out
+
+    async def discard_lease(self) -> None:
+        """Back to the spec's image: overlay, flashed disks and UEFI vars go (off the event loop)."""
+        self.flashed = None
+        self.paths.overlay.unlink(missing_ok=True)
+        for d in (self.paths.flashed, self.paths.firmware):
+            await asyncio.to_thread(shutil.rmtree, d, True)

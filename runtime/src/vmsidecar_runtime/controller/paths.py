@@ -1,0 +1,41 @@
+"""Where the runtime keeps things: shared sockets, the image cache, per-instance state, private sockets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RuntimePaths:
+    """The runtime's directories (design §2: the shared dir is small; the cache is its own volume)."""
+
+    shared: Path
+    cache: Path
+    state: Path
+    run: Path
+
+    def stream_socket(self, stream: str) -> Path:
+        """The shared-dir socket for a guest stream (design §2)."""
+        if stream == "ttyS0":
+            return self.shared / "console.sock"
+        if stream.startswith("can-"):
+            return self.shared / "can" / f"{stream.removeprefix('can-')}.sock"
+        if stream.startswith("channel-"):
+            return self.shared / "channels" / f"{stream.removeprefix('channel-')}.sock"
+        return self.shared / f"{stream}.sock"
+
+    @property
+    def overlay(self) -> Path:
+        """The lease's qcow2 overlay over the read-only base (survives power cycles, not recycles)."""
+        return self.state / "overlay.qcow2"
+
+    @property
+    def flashed(self) -> Path:
+        """Disks flashed during this lease."""
+        return self.state / "flashed"
+
+    @property
+    def firmware(self) -> Path:
+        """Per-lease UEFI vars."""
+        return self.state / "firmware"

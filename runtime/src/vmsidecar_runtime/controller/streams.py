@@ -1,0 +1,107 @@
+"""The guest's byte streams and devices as the shared directory shows them: console hubs (consoles,
+virtio-serial channels, SLCAN buses) and the GPIO device, opened to match the spec."""
+
+from __future__ import annotations
+
+from ..console import ConsoleHub
+from ..devices.gpio import GpioDevice
+from ..plan import BootPlan, stream_names
+from ..spec import VmSpec
+from .paths import RuntimePaths
+
+#: streams a person reads: replayed to new readers, logged, and cut into boots
+CONSOLES = ("ttyS0", "hvc0")
+
+
+class GuestStreams:
+    """Owns the hubs and the GPIO device; the controller decides when they attach, detach or clear."""
+
+    def __init__(self, paths: RuntimePaths) -> None:
+        self.paths = paths
+        self.hubs: dict[str, ConsoleHub] = {}
+        #: the vhost-user virtio-gpio backend + <shared>/gpio.sock, when the spec has GPIO lines
+        self.gpio: GpioDevice | None = None
+
+    async def open_for(self, spec: VmSpec) -> None:
+        """Serve exactly the spec's streams and GPIO lines (kept when unchanged)."""
+        wanted = stream_names(spec)
+        for name in list(self.hubs):
+            if name not in wanted:
+                await self.hubs.pop(name).close()
+        for name in wanted:
+            if name not in self.hubs:
+                is_console = name in CONSOLES
+                hub = ConsoleHub(name, self.paths.stream_socket(name),
+                                 log_path=self.paths.state / f"{name}.log" if is_console else None,
+                                 replay=is_console)
+                await hub.listen()
+                self.hubs[name] = hub
+        await self._open_gpio(spec)
+
+    async def _open_gpio(self, spec: VmSpec) -> None:
+        lines = [(x.name, x.direction, x.initial) for x in spec.gpio]
+        if self.gpio is not None and [(x.name, x.direction, x.initial) for x in self.gpio.lines] != lines:
+            await self.gpio.close()
+            self.gpio = None
+        if spec.gpio and self.gpio is None:
+            self.gpio = GpioDevice(spec.gpio)
+            await self.gpio.listen_control(self.paths.shared / "gpio.sock")
+
+    async def before_launch(self, plan: BootPlan) -> None:
+        """QEMU asks the vhost-user GPIO backend for its config while it realizes the device."""
+        if self.gpio is not None:
+            await self.gpio.start_vhost(plan.run_dir / "gpio-vhost.sock")
+
+    async def attach(self, plan: BootPlan) -> None:
+        """Drain every stream from the backend's private sockets (the guest is still paused).
+
+        :raise TimeoutError: when a backend socket does not accept.
+        """
+        for name in plan.stream_names:
+            hub = self.hubs.get(name)
+            if hub is not None:
+                await hub.attach(plan.console_socket(name))
+
+    async def detach(self) -> None:
+        """The backend is gone: stop draining; shared-dir clients stay connected."""
+        if self.gpio is not None:
+            await self.gpio.stop_vhost()
+        for hub in self.hubs.values():
+            await hub.detach()
+
+    def new_boot(self) -> None:
+        """A new boot: no reader from now on gets an earlier boot's output."""
+        for hub in self.hubs.values():
+            hub.new_boot()
+
+    def clear_for_next_lease(self) -> None:
+        """Forget all scrollback and disconnect every client (recycle)."""
+        for hub in self.hubs.values():
+            hub.clear(disconnect_clients=True)
+
+    def boot_has_output(self) -> bool:
+        """Whether this boot printed anything on a console yet."""
+        return any(self.hubs[name].bytes_seen for name in CONSOLES if name in self.hubs)
+
+    def first_byte_at(self) -> float | None:
+        """Monotonic time of this boot's first serial console byte."""
+        hub = self.hubs.get("ttyS0")
+        return hub.first_byte_at if hub else None
+
+    def tail(self) -> str | None:
+        """The serial console's last bytes (for errors and the state of a failed guest)."""
+        hub = self.hubs.get("ttyS0")
+        return hub.tail() if hub else None
+
+    def sockets(self) -> dict[str, str]:
+        """Stream name -> shared-dir socket path."""
+        return {name: str(hub.listen_path) for name, hub in self.hubs.items()}
+
+    async def close(self) -> None:
+        """Close every socket (the runtime is exiting)."""
+        for hub in self.hubs.values():
+            await hub.close()
+        self.hubs.clear()
+        if self.gpio is not None:
+            await self.gpio.close()
+            self.gpio = None
