@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_contract.client import RuntimeClient
 
 
 async def _serve_until_ready(work: Path, spec: dict, cache: Path) -> tuple[subprocess.Popen[bytes], float]:

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_contract.client import RuntimeClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the console helper the tests use
 from guestio import Console

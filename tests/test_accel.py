@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from vmsidecar_contract.errors import HostError
 from vmsidecar_runtime.accel import choose_accel
-from vmsidecar_runtime.errors import HostError
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend.qemu_argv import build_argv
 from vmsidecar_runtime.plan import BootPlan, Firmware
-from vmsidecar_runtime.spec import load_spec
 
 
 def _plan(spec: dict, accel: str = "tcg", **kw: object) -> BootPlan:

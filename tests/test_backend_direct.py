@@ -17,9 +17,9 @@ import pytest
 
 from fixtures.runtime import BACKENDS, _libvirt_problem
 from guestio import Console
+from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend import Backend, BackendEvent, close_backends, create_backend
 from vmsidecar_runtime.plan import SERIAL, BootPlan
-from vmsidecar_runtime.spec import load_spec
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend import BackendEvent, close_backends, create_backend
 from vmsidecar_runtime.backend.base import register_shared
 from vmsidecar_runtime.backend.libvirt.backend import map_lifecycle
 from vmsidecar_runtime.backend.qemu import QemuBackend, map_qmp_event
 from vmsidecar_runtime.plan import BootPlan
-from vmsidecar_runtime.spec import load_spec
 
 
 def test_event_names_say_what_happened_not_which_backend() -> None:
@@ -59,7 +59,7 @@ def test_create_backend_picks_by_spec_and_loads_libvirt_only_when_asked() -> Non
     assert isinstance(backend, QemuBackend) and (backend.name, backend.label) == ("qemu", "QEMU")
     # in a fresh interpreter: a qemu backend never imports the libvirt modules (an optional extra)
     code = ("import sys\nfrom pathlib import Path\nfrom vmsidecar_runtime.backend import create_backend\n"
-            "from vmsidecar_runtime.plan import BootPlan\nfrom vmsidecar_runtime.spec import load_spec\n"
+            "from vmsidecar_runtime.plan import BootPlan\nfrom vmsidecar_contract.spec import load_spec\n"
             "create_backend(BootPlan(load_spec({}), 'tcg', Path('/o'), 'qcow2', Path('/r')), lambda e, d: None)\n"
             "print(sorted(m for m in sys.modules if 'libvirt' in m))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -13,7 +13,7 @@ import pytest
 
 from fixtures.vmdev import vm_client, vm_runtime
 from guestio import Console
-from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_contract.client import RuntimeClient
 
 pytestmark = pytest.mark.timeout(600)
 

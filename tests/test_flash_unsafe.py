@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from fixtures.registry import Crafter, RunningRegistry
-from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_contract.errors import VmsidecarError
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,11 +21,11 @@ from jumpstarter_driver_gpiod.client import PinState
 
 from fixtures.vmdev import vm_client, vm_runtime
 from guestio import Console
+from vmsidecar_contract.spec import GpioLine
 from vmsidecar_runtime.devices import vhost_user as vu
 from vmsidecar_runtime.devices import virtio_gpio as vg
 from vmsidecar_runtime.devices import virtqueue as vq
 from vmsidecar_runtime.devices.gpio import GpioDevice
-from vmsidecar_runtime.spec import GpioLine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,8 +19,8 @@ import pytest
 import zstandard
 
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
+from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.disk import receive_image
-from vmsidecar_runtime.errors import ImageError
 from vmsidecar_runtime.image import formats
 from vmsidecar_runtime.image.formats import Limits, Origin
 from vmsidecar_runtime.oci import pull, push_artifact, write_layout

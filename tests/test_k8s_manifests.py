@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from vmsidecar_runtime.spec import load_spec
+from vmsidecar_contract.spec import load_spec
 
 ROOT = Path(__file__).parents[1]
 CRDS = ROOT / "tests" / "data" / "upstream-crds"  # vendored; source and commit in its README

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend.libvirt.xml import NIC_PCI_ADDR, QEMU_NS, render_domain
-from vmsidecar_runtime.errors import HostError
 from vmsidecar_runtime.plan import BootPlan, Firmware
-from vmsidecar_runtime.spec import load_spec
 
 RUN = Path("/tmp/vmsidecar-test")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.registry import RunningRegistry, start_registry
-from vmsidecar_runtime.errors import RegistryError
+from vmsidecar_contract.errors import RegistryError
 from vmsidecar_runtime.oci import pull, push_artifact
 from vmsidecar_runtime.oci.cli import main
 

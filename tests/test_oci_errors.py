@@ -17,7 +17,7 @@ import pytest
 import zstandard
 
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
-from vmsidecar_runtime.errors import (
+from vmsidecar_contract.errors import (
     BadReferenceError,
     DigestMismatchError,
     ImageError,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vmsidecar_runtime.errors import BadReferenceError
+from vmsidecar_contract.errors import BadReferenceError
 from vmsidecar_runtime.oci import Reference, parse_reference
 from vmsidecar_runtime.oci.reference import is_loopback_host
 

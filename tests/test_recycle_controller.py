@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fixtures.jmp import PIPE_UNTIL
-from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_contract.client import RuntimeClient
 
 pytestmark = pytest.mark.timeout(900)
 

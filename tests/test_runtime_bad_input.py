@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from guestio import Console
-from vmsidecar_runtime.client import RuntimeClient
-from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import VmsidecarError
 
 pytestmark = pytest.mark.timeout(600)
 

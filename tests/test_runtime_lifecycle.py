@@ -13,8 +13,8 @@ import pytest
 
 from fixtures.runtime import BACKENDS
 from guestio import Console
-from vmsidecar_runtime.client import RuntimeClient
-from vmsidecar_runtime.errors import GenerationChangedError
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import GenerationChangedError
 from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(600)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vmsidecar_runtime.errors import SpecError
-from vmsidecar_runtime.spec import load_spec, load_spec_text, parse_size_mib, spec_from_sources
+from vmsidecar_contract.errors import SpecError
+from vmsidecar_contract.spec import load_spec, load_spec_text, parse_size_mib, spec_from_sources
 
 
 @pytest.mark.parametrize(("text", "mib"), [("512M", 512), ("1G", 1024), ("1GiB", 1024), ("2048", 2048), (256, 256)])

@@ -26,9 +26,9 @@ from typing import Any
 from jumpstarter.driver import Driver, export
 from jumpstarter_driver_can.driver import Can
 
-from vmsidecar_runtime.canhost import check_native_can
-from vmsidecar_runtime.errors import GenerationChangedError, VmsidecarError
-from vmsidecar_runtime.spec import VmSpec, load_spec
+from vmsidecar_contract.canhost import check_native_can
+from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
+from vmsidecar_contract.spec import VmSpec, load_spec
 
 from .console import VmConsole
 from .gpio import VmGpio, VmGpioInput, VmGpioOutput

@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from vmsidecar_runtime.client import RuntimeClient
-from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import VmsidecarError
 
 VERSION = "vmsidecar-compat 1"
 

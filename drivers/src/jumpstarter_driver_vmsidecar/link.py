@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vmsidecar_runtime.client import RuntimeClient
-from vmsidecar_runtime.errors import VmsidecarError
-from vmsidecar_runtime.spec import VmSpec
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.spec import VmSpec
 
 T = TypeVar("T")
 _closing: set[asyncio.Task[None]] = set()

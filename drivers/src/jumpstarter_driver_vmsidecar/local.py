@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shutil
 import signal
@@ -25,8 +26,8 @@ import yaml
 from jumpstarter.common.utils import launch_shell
 from jumpstarter.config.exporter import ExporterConfigV1Alpha1
 
-from vmsidecar_runtime.client import RuntimeClient
-from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import VmsidecarError
 
 
 def _exporter_config(path: Path, socket: Path, recycle: str) -> Path:
@@ -79,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not args.image and not args.spec:
         print("error: give --image REF or --spec FILE (./scripts/run passes the tiny guest)", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("vmsidecar_runtime") is None:
+        print("error: vmsidecar-shell starts the runtime as a local process, and vmsidecar-runtime is not "
+              "installed here; install jumpstarter-driver-vmsidecar[local] (or run it from a checkout: ./scripts/run)",
+              file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="vmsidecar-local-"))
     shared, log = work / "shared", work / "runtime.log"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from jumpstarter.driver import Driver, FlasherInterface, export
 
-from vmsidecar_runtime.client import RuntimeClient
+from vmsidecar_contract.client import RuntimeClient
 
 if TYPE_CHECKING:
     from .driver import VirtualMachine

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vmsidecar_runtime.arch import normalize_arch
+from vmsidecar_contract.arch import normalize_arch
 
 from . import debs, disk, extras, initramfs
 from .errors import BuildError

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_contract.errors import VmsidecarError
 
 from .build import build_image, cache_root, list_images
 from .recipe import available_recipes

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vmsidecar_runtime.errors import HostError, ImageError
+from vmsidecar_contract.errors import HostError, ImageError
 
 
 class BuildError(ImageError):

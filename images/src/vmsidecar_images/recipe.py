@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vmsidecar_runtime.arch import normalize_arch
+from vmsidecar_contract.arch import normalize_arch
 
 from .errors import BuildError
 

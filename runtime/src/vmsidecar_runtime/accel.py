@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .arch import host_arch
-from .errors import HostError
+from vmsidecar_contract.arch import host_arch
+from vmsidecar_contract.errors import HostError
 
 KVM_DEVICE = Path("/dev/kvm")
 CPUINFO = Path("/proc/cpuinfo")

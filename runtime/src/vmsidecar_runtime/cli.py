@@ -17,13 +17,14 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from .client import RuntimeClient
-from .errors import VmsidecarError
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.spec import spec_from_sources
+from vmsidecar_contract.state import VmState
+
 from .hostpaths import ENV as HOST_PATHS_ENV
 from .hostpaths import HostPathPolicy
 from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
-from .spec import spec_from_sources
-from .state import VmState
 
 #: environment that configures the process, not the VM spec
 _PROCESS_ENV = {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DigestMismatchError, HostError, ImageError
+from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
+
 from .image import formats
 from .image.formats import DEFAULT_LIMITS, Limits, Origin
 from .procs import spawn

@@ -5,9 +5,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .errors import HostError
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import VmSpec
+
 from .plan import Firmware
-from .spec import VmSpec
 
 # (code, vars) pairs in order of preference; Debian names first, then Fedora/upstream ones.
 CANDIDATES: dict[str, list[tuple[str, str]]] = {

@@ -16,9 +16,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import HostPathError
+from vmsidecar_contract.errors import HostPathError
+from vmsidecar_contract.spec import VmSpec
+
 from .oci.reference import parse_reference
-from .spec import VmSpec
 
 ENV = "VMSIDECAR_ALLOW_HOST_PATHS"
 _FIX = ("stream the file instead (`j vm storage flash FILE`, `vmsidecar-runtime flash FILE`, PUT /v1/vm/disk), "

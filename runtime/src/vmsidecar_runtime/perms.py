@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import SpecError
+from vmsidecar_contract.errors import SpecError
 
 ENV = "VMSIDECAR_SOCKET_OWNER"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec import VmSpec
+from vmsidecar_contract.spec import VmSpec
 
 #: the guest's serial console and its virtio console, as stream (and private socket) names
 SERIAL = "ttyS0"

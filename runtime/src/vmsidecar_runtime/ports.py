@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from .errors import HostError
-from .spec import PortForward
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import PortForward
 
 
 def _free_port(address: str) -> int:

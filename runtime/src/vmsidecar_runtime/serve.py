@@ -22,14 +22,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import VmSpec
+
 from . import procs
 from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
-from .errors import HostError
 from .hostpaths import HostPathPolicy
 from .perms import share
-from .spec import VmSpec
 
 log = logging.getLogger("vmsidecar_runtime")
 

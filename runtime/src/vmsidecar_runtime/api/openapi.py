@@ -12,10 +12,19 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from vmsidecar_contract.models import (
+    Accepted,
+    ErrorBody,
+    Health,
+    PowerRequest,
+    ProgressLine,
+    PullRequest,
+    RecycleRequest,
+)
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.state import VmState
+
 from ..events import Event
-from ..spec import VmSpec
-from ..state import VmState
-from .models import Accepted, ErrorBody, Health, PowerRequest, ProgressLine, PullRequest, RecycleRequest
 
 _MODELS: list[type[BaseModel]] = [
     VmSpec, VmState, PowerRequest, RecycleRequest, PullRequest, ErrorBody, Health, Accepted, ProgressLine, Event,

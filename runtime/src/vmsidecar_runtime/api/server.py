@@ -18,12 +18,13 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from vmsidecar_contract.errors import RequestError, VmsidecarError
+from vmsidecar_contract.models import Accepted, Health, PowerRequest, PullRequest, RecycleRequest
+from vmsidecar_contract.spec import load_spec
+from vmsidecar_contract.state import Phase
+
 from ..controller import VmController
-from ..errors import RequestError, VmsidecarError
 from ..perms import share
-from ..spec import load_spec
-from ..state import Phase
-from .models import Accepted, Health, PowerRequest, PullRequest, RecycleRequest
 
 log = logging.getLogger(__name__)
 CONTROLLER = web.AppKey("controller", VmController)
@@ -189,7 +190,7 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
     req = await _model(request, PullRequest)
     vm.host_paths.check_reference(req.reference)  # before the 200 of the stream: a refusal is a 400
     if vm.phase in (Phase.STARTING, Phase.RUNNING, Phase.READY) and not req.power_off:
-        from ..state import BOOTABLE, require
+        from vmsidecar_contract.state import BOOTABLE, require
 
         require(vm.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

@@ -7,6 +7,7 @@ across boots (the private libvirtd) at runtime exit. Importing this package load
 
 from __future__ import annotations
 
-from .base import Backend, BackendEvent, BackendFactory, EventSink, close_backends, create_backend
+from .base import Backend, BackendEvent, BackendFactory, EventSink, close_backends
+from .factory import create_backend
 
 __all__ = ["Backend", "BackendEvent", "BackendFactory", "EventSink", "close_backends", "create_backend"]

@@ -17,8 +17,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from vmsidecar_contract.state import ExitInfo
+
     from ..plan import BootPlan
-    from ..state import ExitInfo
 
 log = logging.getLogger(__name__)
 
@@ -97,21 +98,6 @@ def register_shared(name: str, close: Callable[[], Awaitable[None]]) -> None:
     """Have ``close_backends`` call ``close`` at runtime exit (once per ``name``; a later
     registration under the same name replaces the earlier one)."""
     _SHARED[name] = close
-
-
-def create_backend(plan: BootPlan, on_event: EventSink) -> Backend:
-    """The backend ``plan.spec.backend`` names, for one boot of ``plan``.
-
-    :raise HostError: for ``libvirt`` when libvirt-python (the ``libvirt`` extra) is missing.
-    """
-    if plan.spec.backend == "libvirt":
-        # optional extra: imported (and libvirt-python with it) only when a spec asks for it
-        from .libvirt.backend import LibvirtBackend
-
-        return LibvirtBackend(plan, on_event)
-    from .qemu import QemuBackend
-
-    return QemuBackend(plan, on_event)
 
 
 async def close_backends() -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import shutil
 
-from ..errors import HostError
+from vmsidecar_contract.errors import HostError
+
 from ..plan import BootPlan
 
 #: the machine type when the spec names none

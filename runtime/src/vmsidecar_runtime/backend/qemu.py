@@ -17,10 +17,11 @@ from typing import Any
 from qemu.qmp import EventListener, QMPClient
 from qemu.qmp.error import QMPError
 
-from ..errors import HostError
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.state import ExitInfo
+
 from ..plan import BootPlan
 from ..procs import spawn
-from ..state import ExitInfo
 from .base import BackendEvent, EventSink
 from .common import emulator_path
 from .qemu_argv import build_argv

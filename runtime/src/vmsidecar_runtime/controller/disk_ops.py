@@ -12,11 +12,12 @@ from collections.abc import AsyncIterable
 from pathlib import Path
 from typing import Any
 
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.state import BOOTABLE, LIVE, Phase, Timings, VmState, require
+
 from ..disk import DiskImage
-from ..errors import VmsidecarError
 from ..events import EventBus
 from ..hostpaths import HostPathPolicy
-from ..state import BOOTABLE, LIVE, Phase, Timings, VmState, require
 from .disks import Disks, Progress
 
 

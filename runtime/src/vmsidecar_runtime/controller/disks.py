@@ -15,9 +15,10 @@ from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import Any
 
+from vmsidecar_contract.errors import HostError, SpecError
+from vmsidecar_contract.spec import VmSpec
+
 from ..disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
-from ..errors import HostError, SpecError
-from ..spec import VmSpec
 from .paths import RuntimePaths
 
 Progress = Callable[[int, int | None], None]

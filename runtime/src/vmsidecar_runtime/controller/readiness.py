@@ -6,9 +6,10 @@ import asyncio
 import re
 from collections.abc import Callable
 
+from vmsidecar_contract.errors import GuestError, SpecError, VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+
 from ..console import ConsoleHub
-from ..errors import GuestError, SpecError, VmsidecarError
-from ..spec import VmSpec
 
 #: bytes of console output kept to match a pattern split across chunks
 WINDOW = 4096

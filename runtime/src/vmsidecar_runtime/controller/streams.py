@@ -3,10 +3,11 @@ virtio-serial channels, SLCAN buses) and the GPIO device, opened to match the sp
 
 from __future__ import annotations
 
+from vmsidecar_contract.spec import VmSpec
+
 from ..console import ConsoleHub
 from ..devices.gpio import GpioDevice
 from ..plan import BootPlan, stream_names
-from ..spec import VmSpec
 from .paths import RuntimePaths
 
 #: streams a person reads: replayed to new readers, logged, and cut into boots

@@ -14,17 +14,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vmsidecar_contract.canhost import check_native_can
+from vmsidecar_contract.errors import GenerationChangedError, GuestError, SpecError, VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.state import BOOTABLE, LIVE, ExitInfo, Phase, Timings, VmState, require
+
 from .. import ports
 from ..accel import AccelChoice, choose_accel
 from ..backend import Backend, BackendEvent, BackendFactory, create_backend
-from ..canhost import check_native_can
-from ..errors import GenerationChangedError, GuestError, SpecError, VmsidecarError
 from ..events import EventBus
 from ..firmware import prepare_firmware
 from ..hostpaths import HostPathPolicy
 from ..plan import BootPlan
-from ..spec import VmSpec
-from ..state import BOOTABLE, LIVE, ExitInfo, Phase, Timings, VmState, require
 from .disk_ops import DiskOperations
 from .disks import Disks
 from .paths import RuntimePaths

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..spec import GpioLine
+from vmsidecar_contract.spec import GpioLine
+
 from .gpio_control import GpioControlServer
 from .vhost_user import VhostUserSlave
 from .virtio_gpio import Line, VirtioGpio

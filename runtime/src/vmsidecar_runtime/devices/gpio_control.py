@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import GuestError, RequestError, StateError, VmsidecarError
+from vmsidecar_contract.errors import GuestError, RequestError, StateError, VmsidecarError
+
 from ..perms import share
 from .virtio_gpio import DIR_IN, DIR_NONE, DIR_OUT, Line, VirtioGpio
 

@@ -18,8 +18,9 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import GuestError, NotFoundError, RequestError
-from ..spec import GpioLine
+from vmsidecar_contract.errors import GuestError, NotFoundError, RequestError
+from vmsidecar_contract.spec import GpioLine
+
 from .virtqueue import Virtqueue, bad_virtqueue
 
 log = logging.getLogger(__name__)

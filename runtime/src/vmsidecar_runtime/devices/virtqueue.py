@@ -4,7 +4,7 @@ QEMU shares the guest's RAM (``memory-backend-memfd,share=on``) and tells the ba
 rings are (in QEMU's own virtual addresses) and where buffers are (guest-physical addresses). A
 device model takes chains off a :class:`Virtqueue`, reads and writes their buffers in place,
 pushes them back as used and notifies the guest. Everything the guest wrote is untrusted: a bad
-address or chain raises :class:`~vmsidecar_runtime.errors.GuestError` with code ``bad_virtqueue``,
+address or chain raises :class:`~vmsidecar_contract.errors.GuestError` with code ``bad_virtqueue``,
 which device models answer, never let escape.
 """
 
@@ -17,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ..errors import GuestError
+from vmsidecar_contract.errors import GuestError
 
 # split virtqueue descriptor flags
 DESC_NEXT, DESC_WRITE, DESC_INDIRECT = 1, 2, 4

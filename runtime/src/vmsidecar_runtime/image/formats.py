@@ -26,7 +26,7 @@ Limits (generous: the disks of test rigs are far below them):
   disk that is also its virtual size). It stops a decompression bomb before it fills the volume.
 
 Both are the defaults of :class:`Limits`, which every entry point takes. Every refusal is an
-:class:`~vmsidecar_runtime.errors.ImageError` naming the cause and the fix; callers remove their
+:class:`~vmsidecar_contract.errors.ImageError` naming the cause and the fix; callers remove their
 temporary file on any error, so nothing half-checked is ever kept.
 """
 
@@ -46,8 +46,8 @@ from typing import BinaryIO, Literal, Protocol
 
 import zstandard
 
+from vmsidecar_contract.errors import HostError, ImageError, VmsidecarError
 from vmsidecar_runtime import procs
-from vmsidecar_runtime.errors import HostError, ImageError, VmsidecarError
 
 DiskFormat = Literal["qcow2", "raw"]
 Compression = Literal["zstd", "gzip", "xz"]

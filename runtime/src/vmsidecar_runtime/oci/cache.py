@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vmsidecar_runtime.errors import HostError
+from vmsidecar_contract.errors import HostError
 from vmsidecar_runtime.image.formats import DiskFormat
 
 

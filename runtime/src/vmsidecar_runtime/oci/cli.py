@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from vmsidecar_runtime.errors import VmsidecarError
+from vmsidecar_contract.errors import VmsidecarError
 
 from .pull import Progress, inspect, pull
 from .push import push

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from vmsidecar_runtime.errors import DigestMismatchError, ImageError
+from vmsidecar_contract.errors import DigestMismatchError, ImageError
 from vmsidecar_runtime.image.formats import Compression, sha256_digest
 
 from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX

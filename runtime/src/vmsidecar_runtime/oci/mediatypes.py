@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from vmsidecar_runtime.errors import ImageError
+from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.image.formats import Compression, DiskFormat
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

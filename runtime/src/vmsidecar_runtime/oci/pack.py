@@ -16,8 +16,8 @@ from typing import Any, BinaryIO, Literal
 
 import zstandard
 
-from vmsidecar_runtime.arch import oci_arch
-from vmsidecar_runtime.errors import ImageError
+from vmsidecar_contract.arch import oci_arch
+from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.image.formats import (
     Compression,
     DiskFormat,

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vmsidecar_runtime.arch import host_arch, normalize_arch
-from vmsidecar_runtime.errors import DigestMismatchError, ImageError, PlatformError
+from vmsidecar_contract.arch import host_arch, normalize_arch
+from vmsidecar_contract.errors import DigestMismatchError, ImageError, PlatformError
 from vmsidecar_runtime.image.formats import DEFAULT_LIMITS, DiskFormat, Limits
 
 from .cache import CacheEntry, DiskCache

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from vmsidecar_runtime.errors import BadReferenceError
+from vmsidecar_contract.errors import BadReferenceError
 from vmsidecar_runtime.image.formats import Compression
 
 from .mediatypes import OCI_INDEX, OCI_MANIFEST

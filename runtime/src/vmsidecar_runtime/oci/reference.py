@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from vmsidecar_runtime.errors import BadReferenceError
+from vmsidecar_contract.errors import BadReferenceError
 
 RefKind = Literal["registry", "layout", "file"]
 

@@ -27,7 +27,7 @@ import oras.provider
 import requests
 import requests.adapters
 
-from vmsidecar_runtime.errors import DigestMismatchError, ImageError, RegistryError
+from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError
 from vmsidecar_runtime.image.formats import sha256_digest
 
 from .mediatypes import ACCEPT

@@ -11,8 +11,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from vmsidecar_runtime.arch import oci_arch
-from vmsidecar_runtime.errors import ImageError, PlatformError
+from vmsidecar_contract.arch import oci_arch
+from vmsidecar_contract.errors import ImageError, PlatformError
 
 from .mediatypes import (
     ANNOTATION_DISK_DIGEST,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal
 
-from vmsidecar_runtime.errors import DigestMismatchError, HostError, ImageError
+from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
 from vmsidecar_runtime.image.formats import (
     DEFAULT_LIMITS,
     Compression,

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostError
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.state import ExitInfo
+
 from ...plan import BootPlan
-from ...state import ExitInfo
 from ..base import BackendEvent, EventSink
 from . import connection
 from .daemon import import_libvirt

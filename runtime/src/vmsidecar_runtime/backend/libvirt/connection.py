@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostError
+from vmsidecar_contract.errors import HostError
+
 from ..base import register_shared
 from .daemon import PrivateDaemon, import_libvirt
 

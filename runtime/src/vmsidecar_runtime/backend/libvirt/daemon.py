@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostError
+from vmsidecar_contract.errors import HostError
+
 from ...procs import spawn
 from . import nsinit
 

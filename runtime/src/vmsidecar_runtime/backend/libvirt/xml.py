@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from ...errors import HostError
+from vmsidecar_contract.errors import HostError
+
 from ...plan import SERIAL, VIRTIO_CONSOLE, BootPlan, channel_stream
 from ..common import MACHINE, TCG_CPU, emulator_path, user_netdev
 
