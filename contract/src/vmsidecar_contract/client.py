@@ -18,16 +18,6 @@ from . import errors
 from .spec import VmSpec
 from .state import VmState
 
-_BY_CODE: dict[str, type[errors.VmsidecarError]] = {
-    cls.code: cls
-    for cls in (
-        errors.SpecError, errors.RequestError, errors.NotFoundError, errors.StateError, errors.ImageError,
-        errors.GenerationChangedError,
-        errors.BadReferenceError, errors.RegistryError, errors.DigestMismatchError, errors.PlatformError,
-        errors.HostError, errors.GuestError,
-    )
-}
-
 
 class RuntimeUnavailableError(errors.VmsidecarError):
     """The runtime's API socket is missing or does not answer."""
@@ -37,12 +27,8 @@ class RuntimeUnavailableError(errors.VmsidecarError):
 
 
 def error_from_body(body: dict[str, Any], status: int) -> errors.VmsidecarError:
-    """Rebuild the runtime's exception from an error body."""
-    cls = _BY_CODE.get(str(body.get("error")), errors.VmsidecarError)
-    exc = cls.__new__(cls)
-    errors.VmsidecarError.__init__(exc, str(body.get("message", f"HTTP {status}")), code=str(body.get("error")))
-    exc.http_status = status
-    return exc
+    """Rebuild the runtime's exception (its class and fields) from an error body."""
+    return errors.from_wire(body, status)
 
 
 class RuntimeClient:

@@ -39,10 +39,13 @@ class PullRequest(_Request):
 
 
 class ErrorBody(BaseModel):
-    """Every error: a stable code and one sentence with the cause and the fix."""
+    """Every error: a stable code (listed in the document) and one sentence with the cause and the fix."""
 
     error: str
     message: str
+    #: wrong_phase and generation_changed: the phase the VM is in, and the phases the call needs
+    actual: str | None = None
+    required: str | None = None
 
 
 class Health(BaseModel):

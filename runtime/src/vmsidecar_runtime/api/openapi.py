@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from vmsidecar_contract.errors import describe, registry
 from vmsidecar_contract.models import (
     Accepted,
     ErrorBody,
@@ -121,6 +122,12 @@ def build_document() -> dict[str, Any]:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=False)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+    codes = registry()
+    schemas["ErrorBody"]["properties"]["error"] = {
+        "title": "Error", "type": "string", "enum": sorted(codes),
+        "description": "Stable error code; the message says the cause and the fix. "
+                       + "; ".join(f"`{c}`: {describe(c)}" for c in sorted(codes)),
+    }
     return {
         "openapi": "3.1.0",
         "info": {

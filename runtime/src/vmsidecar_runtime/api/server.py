@@ -45,11 +45,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except VmsidecarError as e:
         log.info("%s %s -> %d %s: %s", request.method, request.path, e.http_status, e.code, e.message)
-        return _error_response(e.http_status, e.code, e.message)
+        return web.json_response(e.to_dict(), status=e.http_status)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
-        return _error_response(405, "method_not_allowed",
-                               f"{request.method} is not allowed on {request.path}; use {allowed}")
+        response = _error_response(405, "method_not_allowed",
+                                   f"{request.method} is not allowed on {request.path}; use {allowed}")
+        response.headers["Allow"] = allowed
+        return response
     except web.HTTPNotFound:
         return _error_response(404, "not_found", f"no such endpoint {request.path}; see docs/api/openapi.json")
     except web.HTTPException as e:

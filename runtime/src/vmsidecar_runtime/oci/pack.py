@@ -315,7 +315,7 @@ def pack(
         return pack_artifact(disk, workdir, arch=arch, compression=compression)
     if form == "containerdisk":
         return pack_containerdisk(disk, workdir, arch=arch)
-    raise ImageError(f"unknown image form {form!r}; use artifact or containerdisk", code="bad_request")
+    raise ImageError(f"unknown image form {form!r}; use artifact or containerdisk", code="unknown_form")
 
 
 def merged_index(existing: dict | None, entry: dict) -> bytes:
