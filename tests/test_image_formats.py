@@ -21,8 +21,12 @@ import zstandard
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.disk import receive_image
-from vmsidecar_runtime.image import formats
-from vmsidecar_runtime.image.formats import Limits, Origin
+from vmsidecar_runtime.image.checks import check_image
+from vmsidecar_runtime.image.decompress import open_decompressed
+from vmsidecar_runtime.image.digest import sha256_digest
+from vmsidecar_runtime.image.limits import Limits, Origin
+from vmsidecar_runtime.image.sniff import decide_format, sniff_compression, sniff_format
+from vmsidecar_runtime.image.write import write_disk
 from vmsidecar_runtime.oci import pull, push_artifact, write_layout
 
 FLASH = Origin("the image", "flash the result")
@@ -94,9 +98,9 @@ def test_sha256_digest_of_bytes_and_of_a_running_hash() -> None:
     h = hashlib.sha256()
     h.update(b"ab")
     h.update(b"c")
-    assert formats.sha256_digest(b"abc") == formats.sha256_digest(h) == "sha256:" + hashlib.sha256(b"abc").hexdigest()
+    assert sha256_digest(b"abc") == sha256_digest(h) == "sha256:" + hashlib.sha256(b"abc").hexdigest()
     with pytest.raises(ValueError, match="needs a sha256 hash object"):
-        formats.sha256_digest(hashlib.sha1(b"abc"))  # a sha1 must be refused, not mislabelled
+        sha256_digest(hashlib.sha1(b"abc"))  # a sha1 must be refused, not mislabelled
 
 
 # ---- sniffing and the format decision -----------------------------------------------------------
@@ -104,26 +108,26 @@ def test_sha256_digest_of_bytes_and_of_a_running_hash() -> None:
 
 def test_sniffing(images: dict[str, Path]) -> None:
     good = images["good"].read_bytes()
-    assert formats.sniff_format(good[:2048]) == "qcow2"
-    assert formats.sniff_format(b"\0" * 510 + b"\x55\xaa") == "raw"  # MBR / protective MBR
-    assert formats.sniff_format(b"\0" * 1080 + b"\x53\xef") == "raw"  # ext2/3/4 superblock
-    assert formats.sniff_format(b"\x01" * 2048) is None
+    assert sniff_format(good[:2048]) == "qcow2"
+    assert sniff_format(b"\0" * 510 + b"\x55\xaa") == "raw"  # MBR / protective MBR
+    assert sniff_format(b"\0" * 1080 + b"\x53\xef") == "raw"  # ext2/3/4 superblock
+    assert sniff_format(b"\x01" * 2048) is None
     for name, compress in COMPRESS.items():
-        assert formats.sniff_compression(compress(good)[:8]) == name
-    assert formats.sniff_compression(good[:8]) is None
+        assert sniff_compression(compress(good)[:8]) == name
+    assert sniff_compression(good[:8]) is None
 
 
 def test_format_decision() -> None:
     qcow2_head = b"QFI\xfb" + b"\0" * 100
     # declared raw stays raw even with a qcow2 header: never probe a raw disk
-    assert formats.decide_format(qcow2_head, "raw", FLASH) == "raw"
+    assert decide_format(qcow2_head, "raw", FLASH) == "raw"
     with pytest.raises(ImageError, match="declared qcow2 but does not start with the qcow2 magic") as exc:
-        formats.decide_format(b"\0" * 2048, "qcow2", FLASH)
+        decide_format(b"\0" * 2048, "qcow2", FLASH)
     assert exc.value.code == "bad_disk"
     with pytest.raises(ImageError, match="is not a disk image") as exc:
-        formats.decide_format(b"\x01" * 2048, None, FLASH)
+        decide_format(b"\x01" * 2048, None, FLASH)
     assert exc.value.code == "bad_disk"
-    assert formats.decide_format(b"\x01" * 2048, None, FLASH, guess_raw=True) == "raw"
+    assert decide_format(b"\x01" * 2048, None, FLASH, guess_raw=True) == "raw"
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def test_format_decision() -> None:
 )
 def test_check_image_refuses(images: dict[str, Path], kind: str, code: str, needles: list[str]) -> None:
     with pytest.raises(ImageError) as exc:
-        formats.check_image(images[kind], "qcow2", FLASH)
+        check_image(images[kind], "qcow2", FLASH)
     assert exc.value.code == code
     for needle in needles:
         assert needle in exc.value.message
@@ -149,35 +153,35 @@ def test_check_image_refuses(images: dict[str, Path], kind: str, code: str, need
 
 
 def test_check_image_accepts_good_and_leaky(images: dict[str, Path], tmp_path: Path) -> None:
-    formats.check_image(images["good"], "qcow2", FLASH)
-    formats.check_image(images["leaky"], "qcow2", FLASH)  # rc 3: leaked clusters only, harmless
+    check_image(images["good"], "qcow2", FLASH)
+    check_image(images["leaky"], "qcow2", FLASH)  # rc 3: leaked clusters only, harmless
     empty = tmp_path / "empty.raw"
     empty.write_bytes(b"")
     with pytest.raises(ImageError, match=r"is empty \(0 bytes\)"):
-        formats.check_image(empty, "raw", FLASH)
+        check_image(empty, "raw", FLASH)
 
 
 def test_limits_are_parameters(images: dict[str, Path], tmp_path: Path) -> None:
     raw = tmp_path / "disk.raw"
     raw.write_bytes(b"\0" * 510 + b"\x55\xaa" + b"\0" * 4096)
     with pytest.raises(ImageError, match=r"has a virtual size of 4\.5 KiB, more than the 4 KiB limit") as exc:
-        formats.check_image(raw, "raw", FLASH, Limits(max_virtual_size=4096))
+        check_image(raw, "raw", FLASH, Limits(max_virtual_size=4096))
     assert exc.value.code == "disk_too_large"
     with pytest.raises(ImageError, match="more than the 8 MiB limit"):
-        formats.check_image(images["good"], "qcow2", FLASH, Limits(max_virtual_size=8 << 20))  # a 16 MiB disk
+        check_image(images["good"], "qcow2", FLASH, Limits(max_virtual_size=8 << 20))  # a 16 MiB disk
 
 
 def test_write_disk_refuses_an_unsafe_header_before_writing(images: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     for kind in ("backing", "data_file", "huge"):
         with open(images[kind], "rb") as src, pytest.raises(ImageError):
-            formats.write_disk(src, out, declared=None, origin=FLASH)
+            write_disk(src, out, declared=None, origin=FLASH)
         assert not out.exists()
     with pytest.raises(ImageError, match="is empty"):
-        formats.write_disk(io.BytesIO(b""), out, declared=None, origin=FLASH)
-    written = formats.write_disk(io.BytesIO(images["good"].read_bytes()), out, declared=None, origin=FLASH)
+        write_disk(io.BytesIO(b""), out, declared=None, origin=FLASH)
+    written = write_disk(io.BytesIO(images["good"].read_bytes()), out, declared=None, origin=FLASH)
     assert (written.format, written.size) == ("qcow2", images["good"].stat().st_size)
-    assert written.digest == formats.sha256_digest(images["good"].read_bytes())
+    assert written.digest == sha256_digest(images["good"].read_bytes())
 
 
 # ---- decompression -----------------------------------------------------------------------------
@@ -187,9 +191,9 @@ def test_write_disk_refuses_an_unsafe_header_before_writing(images: dict[str, Pa
 def test_decompression_round_trip_and_truncation(images: dict[str, Path], name: str) -> None:
     data = images["good"].read_bytes()
     packed = COMPRESS[name](data)
-    used, stream = formats.open_decompressed(io.BytesIO(packed), "auto", FLASH)
+    used, stream = open_decompressed(io.BytesIO(packed), "auto", FLASH)
     assert used == name and stream.read() == data
-    _, stream = formats.open_decompressed(io.BytesIO(packed[: len(packed) // 2]), "auto", FLASH)
+    _, stream = open_decompressed(io.BytesIO(packed[: len(packed) // 2]), "auto", FLASH)
     with pytest.raises(ImageError) as exc:
         stream.read()
     assert exc.value.code == "bad_compression"
@@ -201,14 +205,14 @@ def test_concatenated_streams_are_one_disk(images: dict[str, Path]) -> None:
     half = len(data) // 2
     for packed in (_zstd_frames(data, parts=3), gzip.compress(data[:half]) + gzip.compress(data[half:]),
                    lzma.compress(data[:half]) + lzma.compress(data[half:])):
-        _, stream = formats.open_decompressed(io.BytesIO(packed), "auto", FLASH)
+        _, stream = open_decompressed(io.BytesIO(packed), "auto", FLASH)
         assert stream.read() == data
 
 
 def test_decompression_bomb_stops_at_the_limit() -> None:
     bomb = zstandard.ZstdCompressor(level=19).compress(bytes(256 << 20))  # 256 MiB of zeros in ~8 KiB
     assert len(bomb) < 64 << 10
-    _, stream = formats.open_decompressed(io.BytesIO(bomb), "auto", FLASH, Limits(max_disk_bytes=8 << 20))
+    _, stream = open_decompressed(io.BytesIO(bomb), "auto", FLASH, Limits(max_disk_bytes=8 << 20))
     read = 0
     with pytest.raises(ImageError) as exc:
         while chunk := stream.read(1 << 20):
@@ -260,7 +264,7 @@ async def test_flash_in_tiny_chunks_still_sniffs_and_verifies(images: dict[str, 
     data = images["good"].read_bytes()
     packed = COMPRESS["gzip"](data)
     received = await receive_image(_chunks(packed, 3), tmp_path / "flashed", expected_size=len(packed),
-                                   expected_digest=formats.sha256_digest(data))
+                                   expected_digest=sha256_digest(data))
     assert (received.format, received.compression, received.size) == ("qcow2", "gzip", len(data))
     assert received.path.read_bytes() == data
 

@@ -3,7 +3,7 @@
 A flashed image is streamed into a temp file, decompressed on the fly, verified (length, digest)
 and checked, and only then renamed into place. Until that rename nothing changes: a truncated,
 garbage or unsafe stream leaves the previous disk as it was. Sniffing, decompression, size
-limits and the image checks are :mod:`vmsidecar_runtime.image.formats`, the same code a pull
+limits and the image checks are :mod:`vmsidecar_runtime.image`, the same code a pull
 goes through; this module adds what is flash's own (the async stream, length and digest).
 """
 
@@ -22,8 +22,11 @@ from pathlib import Path
 
 from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
 
-from .image import formats
-from .image.formats import DEFAULT_LIMITS, Limits, Origin
+from .image import checks  # a module: this one has its own async check_image
+from .image.decompress import open_decompressed
+from .image.limits import DEFAULT_LIMITS, Limits, Origin
+from .image.sniff import DiskFormat
+from .image.write import write_disk
 from .procs import spawn
 
 #: how messages about a flashed image name it and end their fix
@@ -58,14 +61,14 @@ async def run_tool(*argv: str) -> tuple[int, str, str]:
 
 
 async def check_image(path: Path, fmt: str, label: str | None = None, *, limits: Limits = DEFAULT_LIMITS) -> None:
-    """Refuse an image QEMU must not boot (see :func:`vmsidecar_runtime.image.formats.check_image`).
+    """Refuse an image QEMU must not boot (see :func:`vmsidecar_runtime.image.checks.check_image`).
 
     :raise ImageError: naming what is wrong (empty, corrupt, backing or data file, too large) and
         what to do.
     :raise HostError: when qemu-img is not installed.
     """
     origin = Origin(label or f"disk image {path.name}", "use the result")
-    await asyncio.to_thread(formats.check_image, path, fmt, origin, limits)
+    await asyncio.to_thread(checks.check_image, path, fmt, origin, limits)
 
 
 async def create_overlay(base: DiskImage, overlay: Path) -> None:
@@ -96,7 +99,7 @@ class ReceivedImage:
 class _AsyncChunks(io.RawIOBase):
     """A blocking reader over an async byte stream, for the worker thread that writes the image.
 
-    The image pipeline (:mod:`.image.formats`) reads; the request body arrives on the event
+    The image pipeline (:mod:`.image`) reads; the request body arrives on the event
     loop. Each read that needs data runs one ``__anext__`` on that loop and waits for it, so
     memory stays bounded by one chunk and the loop is never blocked. After :meth:`abandon`
     (the flash was cancelled) reads fail and the worker unwinds.
@@ -208,13 +211,13 @@ def _receive(
     tmp: Path,
     expected_size: int | None,
     expected_digest: str | None,
-    format_hint: formats.DiskFormat | None,
+    format_hint: DiskFormat | None,
     limits: Limits,
 ) -> ReceivedImage:
     """The blocking part of :func:`receive_image` (worker thread); removes ``tmp`` on any error."""
     try:
-        compression, stream = formats.open_decompressed(source, "auto", FLASHED, limits)
-        disk = formats.write_disk(stream, tmp, declared=format_hint, origin=FLASHED, limits=limits)
+        compression, stream = open_decompressed(source, "auto", FLASHED, limits)
+        disk = write_disk(stream, tmp, declared=format_hint, origin=FLASHED, limits=limits)
         if expected_size is not None and source.count != expected_size:
             raise ImageError(
                 f"the image stream was truncated ({source.count} of {expected_size} bytes arrived); "
@@ -225,7 +228,7 @@ def _receive(
                 f"the flashed image has digest {disk.digest} but {expected_digest} was expected; "
                 "the data was corrupted on the way or the digest is wrong"
             )
-        formats.check_image(tmp, disk.format, FLASHED, limits)
+        checks.check_image(tmp, disk.format, FLASHED, limits)
         return ReceivedImage(tmp, disk.format, disk.digest, disk.size, compression)
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):

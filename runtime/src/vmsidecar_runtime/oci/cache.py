@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
-from vmsidecar_runtime.image.formats import DiskFormat
+from vmsidecar_runtime.image.sniff import DiskFormat
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vmsidecar_contract.errors import DigestMismatchError, ImageError
-from vmsidecar_runtime.image.formats import Compression, sha256_digest
+from vmsidecar_runtime.image.digest import sha256_digest
+from vmsidecar_runtime.image.sniff import Compression
 
 from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX
 from .pack import Form, Packed, merged_index, pack

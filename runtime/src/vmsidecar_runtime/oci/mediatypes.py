@@ -1,6 +1,7 @@
 """Media types and the classification of manifest layers.
 
-Magic numbers, sniffing and the disk checks are :mod:`vmsidecar_runtime.image.formats`.
+Magic numbers and sniffing are :mod:`vmsidecar_runtime.image.sniff`, the disk checks
+:mod:`vmsidecar_runtime.image.checks`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vmsidecar_contract.errors import ImageError
-from vmsidecar_runtime.image.formats import Compression, DiskFormat
+from vmsidecar_runtime.image.sniff import Compression, DiskFormat
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"

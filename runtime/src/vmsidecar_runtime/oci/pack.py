@@ -18,15 +18,10 @@ import zstandard
 
 from vmsidecar_contract.arch import oci_arch
 from vmsidecar_contract.errors import ImageError
-from vmsidecar_runtime.image.formats import (
-    Compression,
-    DiskFormat,
-    Origin,
-    check_image,
-    sha256_digest,
-    sniff_compression,
-    sniff_format,
-)
+from vmsidecar_runtime.image.checks import check_image
+from vmsidecar_runtime.image.digest import sha256_digest
+from vmsidecar_runtime.image.limits import Origin
+from vmsidecar_runtime.image.sniff import Compression, DiskFormat, sniff_compression, sniff_format
 
 from .mediatypes import (
     ANNOTATION_DISK_DIGEST,
@@ -130,7 +125,7 @@ def inspect_disk(disk: Path) -> tuple[DiskFormat, int]:
     """Format and size of a disk to publish, checked as a pull will check it.
 
     :raise ImageError: (``disk_not_found``) missing or not a regular file; (``compressed_input``)
-        already compressed; and :func:`vmsidecar_runtime.image.formats.check_image`'s refusals
+        already compressed; and :func:`vmsidecar_runtime.image.checks.check_image`'s refusals
         (``unsafe_disk`` for a qcow2 with a backing or data file, ``bad_disk``, ``disk_too_large``).
     :raise HostError: when qemu-img is not installed.
     """

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from vmsidecar_contract.arch import host_arch, normalize_arch
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, PlatformError
-from vmsidecar_runtime.image.formats import DEFAULT_LIMITS, DiskFormat, Limits
+from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits
+from vmsidecar_runtime.image.sniff import DiskFormat
 
 from .cache import CacheEntry, DiskCache
 from .layout import LayoutSource
@@ -83,7 +84,7 @@ def pull(
 
     Registry tags cost one small manifest GET when the content is already cached; pinned
     digests and layouts cost none. Safe to call from several threads and processes at once.
-    A new disk passes the same checks as a flashed one (:mod:`vmsidecar_runtime.image.formats`,
+    A new disk passes the same checks as a flashed one (:mod:`vmsidecar_runtime.image`,
     sized by ``limits``) before it enters the cache.
 
     :raise BadReferenceError: the reference cannot be parsed.

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from vmsidecar_contract.errors import BadReferenceError
-from vmsidecar_runtime.image.formats import Compression
+from vmsidecar_runtime.image.sniff import Compression
 
 from .mediatypes import OCI_INDEX, OCI_MANIFEST
 from .pack import Form, merged_index, pack

@@ -1,11 +1,8 @@
-"""Registry I/O on top of oras-py, with bounded retries and vmsidecar's errors.
+"""Registry operations (manifests, tags, blobs), and registry answers mapped to vmsidecar errors.
 
-oras-py (``oras.provider.Registry``) does the URLs, the token/anonymous auth dance, blob
-existence checks and chunked blob uploads. We add what it lacks for our use:
+The HTTP policy under them (auth, TLS, timeouts, bounded retries on top of oras-py) is
+:mod:`.transport`. Here:
 
-* ``do_request`` with a bounded retry (3 tries, < 10 s in total) and socket timeouts: oras-py's
-  own retry sleeps 3 s, 5 s, 11 s, 29 s, 83 s for an unreachable host and sets no timeout;
-* registries that answer 401 with a ``Basic`` challenge (oras' token backend only does Bearer);
 * manifests fetched and put as raw bytes, so the digest is computed over exactly what was served
   or pushed (oras-py parses/re-serializes and always sends the image-manifest media type);
 * blob downloads as a chunk iterator (hashing and progress happen in :mod:`.unpack`).
@@ -15,31 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import oras.auth
-import oras.auth.utils
-import oras.provider
 import requests
-import requests.adapters
 
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError
-from vmsidecar_runtime.image.formats import sha256_digest
+from vmsidecar_runtime.image.digest import sha256_digest
 
 from .mediatypes import ACCEPT
 from .reference import Reference, is_loopback_host
+from .transport import TRIES, OrasRegistry, Unreachable, resolve_credentials
 
-ENV_USERNAME = "VMSIDECAR_REGISTRY_USERNAME"
-ENV_PASSWORD = "VMSIDECAR_REGISTRY_PASSWORD"
-
-CONNECT_TIMEOUT = 2.5
-READ_TIMEOUT = 60.0
-TRIES = 3
-BACKOFF = (0.3, 1.0)
 MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20
 
@@ -71,117 +56,6 @@ class RawManifest:
         return doc
 
 
-def resolve_credentials(credentials: tuple[str, str] | None) -> tuple[str, str] | None:
-    """The argument, else ``VMSIDECAR_REGISTRY_USERNAME``/``_PASSWORD`` from the environment."""
-    if credentials:
-        return credentials
-    user, password = os.environ.get(ENV_USERNAME), os.environ.get(ENV_PASSWORD)
-    return (user, password) if user and password else None
-
-
-class _TimeoutAdapter(requests.adapters.HTTPAdapter):
-    def send(self, request, **kwargs):  # type: ignore[no-untyped-def]
-        if kwargs.get("timeout") is None:
-            kwargs["timeout"] = (CONNECT_TIMEOUT, READ_TIMEOUT)
-        return super().send(request, **kwargs)
-
-
-class _OrasRegistry(oras.provider.Registry):
-    """oras-py's registry with our request policy (see module docstring).
-
-    Why a subclass: oras-py has no hook for a request policy. Its ``do_request`` retries for
-    minutes with no socket timeout and cannot answer a ``Basic`` challenge, and it is the one
-    method its ``upload_blob``/``blob_exists``/``chunked_upload`` send through, so we override it.
-    Everything read here is either set by this class (``_verify``, ``_basic``, ``_basic_accepted``)
-    or oras' public API (constructor arguments, ``session``, ``auth`` with ``set_basic_auth``,
-    ``token``, ``get_auth_header`` and ``authenticate_request``), never oras' private state: that
-    is what lets runtime/pyproject.toml accept a range of oras versions.
-    """
-
-    def __init__(
-        self,
-        hostname: str,
-        *,
-        plain_http: bool,
-        credentials: tuple[str, str] | None,
-        tls_verify: bool = True,
-    ) -> None:
-        super().__init__(hostname=hostname, insecure=plain_http, tls_verify=tls_verify)
-        adapter = _TimeoutAdapter()
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
-        self._verify = tls_verify
-        self._basic = oras.auth.utils.get_basic_auth(*credentials) if credentials else None
-        self._basic_accepted = False  # the registry took our Basic header: send it up front
-        if credentials:
-            self.auth.set_basic_auth(*credentials)  # for oras' Bearer token requests
-
-    def do_request(  # type: ignore[override]
-        self,
-        url: str,
-        method: str = "GET",
-        data: dict | bytes | None = None,
-        headers: dict | None = None,
-        json: dict | None = None,
-        stream: bool = False,
-    ) -> requests.Response:
-        for attempt in range(TRIES):
-            try:
-                return self._send_with_auth(url, method, data, dict(headers or {}), json, stream)
-            except requests.exceptions.SSLError:
-                raise  # a certificate problem is not "unreachable" and retrying cannot fix it
-            except (requests.ConnectionError, requests.Timeout) as exc:
-                if attempt == TRIES - 1:
-                    raise _Unreachable(str(exc)) from exc
-                time.sleep(BACKOFF[attempt])
-        raise AssertionError("unreachable")
-
-    def _send_with_auth(
-        self, url: str, method: str, data: dict | bytes | None, headers: dict, json: dict | None, stream: bool
-    ) -> requests.Response:
-        auth = self.auth
-        if isinstance(auth, oras.auth.TokenAuth) and auth.token is not None:
-            headers.update(auth.get_auth_header())
-        elif self._basic and self._basic_accepted:
-            headers["Authorization"] = f"Basic {self._basic}"
-
-        def send() -> requests.Response:
-            return self.session.request(
-                method, url, data=data, json=json, headers=headers, stream=stream, verify=self._verify
-            )
-
-        response = send()
-        if response.status_code not in (401, 403):
-            return response
-        challenge = response.headers.get("Www-Authenticate", "")
-        if challenge.lower().startswith("basic"):
-            if not self._basic or self._basic_accepted:
-                return response
-            headers["Authorization"] = f"Basic {self._basic}"
-            response.close()
-            response = send()
-            self._basic_accepted = response.status_code not in (401, 403)
-            return response
-        if not challenge:
-            return response
-        new_headers, changed = auth.authenticate_request(response, headers)
-        if not changed:
-            return response
-        headers = new_headers
-        response.close()
-        response = send()
-        if response.status_code == 403:
-            new_headers, changed = auth.authenticate_request(response, headers, refresh=True)
-            if changed:
-                headers = new_headers
-                response = send()
-        return response
-
-
-class _Unreachable(Exception):
-    pass
-
-
 class RegistryClient:
     """One registry repository, as named by a registry :class:`Reference`."""
 
@@ -197,7 +71,7 @@ class RegistryClient:
         self.host = ref.registry
         self.plain_http = is_loopback_host(ref.registry) if plain_http is None else plain_http
         creds = resolve_credentials(credentials)
-        self._oras = _OrasRegistry(ref.registry, plain_http=self.plain_http, credentials=creds)
+        self._oras = OrasRegistry(ref.registry, plain_http=self.plain_http, credentials=creds)
         self._has_credentials = creds is not None
         self.container = self._oras.get_container(f"{ref.registry}/{ref.repository}")
         self.scheme = "http" if self.plain_http else "https"
@@ -209,6 +83,7 @@ class RegistryClient:
     # -- requests -------------------------------------------------------------------------
 
     def _unreachable(self, exc: Exception) -> RegistryError:
+        """The error for a registry that did not answer (code ``registry_unreachable``)."""
         return RegistryError(
             f"registry {self.host} is unreachable after {TRIES} tries ({_short(exc)}); "
             f"check that it runs and that {self.host} is the right host:port",
@@ -216,9 +91,13 @@ class RegistryClient:
         )
 
     def _call(self, what: str, method: str, url: str, **kwargs) -> requests.Response:  # type: ignore[no-untyped-def]
+        """Send a request through :class:`.transport.OrasRegistry`.
+
+        :raise RegistryError: unreachable, TLS failed, or the request failed on the way.
+        """
         try:
             return self._oras.do_request(url, method, **kwargs)
-        except _Unreachable as exc:
+        except Unreachable as exc:
             raise self._unreachable(exc) from None
         except requests.exceptions.SSLError as exc:
             raise RegistryError(
@@ -234,6 +113,7 @@ class RegistryClient:
             ) from None
 
     def _fail(self, response: requests.Response, what: str, subject: str) -> RegistryError:
+        """The error for a refused request: unauthorized, unknown repository, or the status as served."""
         codes = _error_codes(response)
         status = response.status_code
         if status in (401, 403):
@@ -289,6 +169,7 @@ class RegistryClient:
         return RawManifest(data=data, media_type=media_type, digest=digest)
 
     def _manifest_unknown(self, reference: str) -> RegistryError:
+        """The error for an unknown manifest: digest, tag (listing the tags there) or repository not found."""
         if reference.startswith("sha256:"):
             return RegistryError(
                 f"manifest {reference} not found in {self.ref.name}; check the digest or pull by tag",
@@ -363,6 +244,10 @@ class RegistryClient:
             yield self._chunks(response, digest)
 
     def _chunks(self, response: requests.Response, digest: str) -> Iterator[bytes]:
+        """The body in chunks.
+
+        :raise RegistryError: when the connection breaks.
+        """
         try:
             yield from response.iter_content(chunk_size=CHUNK)
         except requests.RequestException as exc:
@@ -380,7 +265,7 @@ class RegistryClient:
         layer = {"mediaType": media_type, "digest": digest, "size": size}
         try:
             response = self._oras.upload_blob(str(path), self.container, layer, do_chunked=True)
-        except _Unreachable as exc:
+        except Unreachable as exc:
             raise self._unreachable(exc) from None
         except ValueError as exc:  # oras-py: "Issue retrieving session url"
             raise RegistryError(
@@ -402,6 +287,10 @@ class RegistryClient:
 
 
 def _read_limited(response: requests.Response, limit: int, subject: str) -> bytes:
+    """The whole body of a manifest response.
+
+    :raise ImageError: (code ``bad_manifest``) past ``limit`` bytes.
+    """
     body = bytearray()
     for chunk in response.iter_content(chunk_size=65536):
         body += chunk
@@ -415,6 +304,7 @@ def _read_limited(response: requests.Response, limit: int, subject: str) -> byte
 
 
 def _error_codes(response: requests.Response) -> list[str]:
+    """The OCI error codes (``MANIFEST_UNKNOWN`` …) in an error response's JSON body."""
     try:
         errors = response.json().get("errors") or []
     except ValueError:
@@ -423,6 +313,7 @@ def _error_codes(response: requests.Response) -> list[str]:
 
 
 def _short(exc: BaseException) -> str:
+    """A requests exception as a short phrase for a one-line message."""
     text = str(exc)
     # requests' messages repeat the pool and object reprs; keep the useful tail
     for marker in ("Caused by ", "Failed to establish a new connection: "):

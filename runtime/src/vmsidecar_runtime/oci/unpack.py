@@ -4,7 +4,7 @@ One pass: the blob bytes are hashed and counted as they arrive, decompressed on 
 the disk bytes hashed as they are written to a temporary file. Nothing written here is visible
 to anyone until :mod:`.cache` moves it into place, which happens only after every check passed.
 The image side (sniffing, decompression, limits, disk checks) is
-:mod:`vmsidecar_runtime.image.formats`, shared with flashing; this module adds what is OCI's
+:mod:`vmsidecar_runtime.image`, shared with flashing; this module adds what is OCI's
 own: blob digests and sizes, and containerDisk tar layers.
 """
 
@@ -18,18 +18,12 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal
 
 from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
-from vmsidecar_runtime.image.formats import (
-    DEFAULT_LIMITS,
-    Compression,
-    DiskFormat,
-    Limits,
-    Origin,
-    WrittenDisk,
-    check_image,
-    open_decompressed,
-    sha256_digest,
-    write_disk,
-)
+from vmsidecar_runtime.image.checks import check_image
+from vmsidecar_runtime.image.decompress import open_decompressed
+from vmsidecar_runtime.image.digest import sha256_digest
+from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits, Origin
+from vmsidecar_runtime.image.sniff import Compression, DiskFormat
+from vmsidecar_runtime.image.write import WrittenDisk, write_disk
 
 from .mediatypes import DISK_SUFFIXES, title_format
 
@@ -130,7 +124,7 @@ def unpack_blob(
 ) -> WrittenDisk:
     """Decompress (and for ``tar`` layers, extract) the disk from ``reader`` into ``out``, and check it.
 
-    Sniffing, decompression and the disk checks are :mod:`vmsidecar_runtime.image.formats`, the
+    Sniffing, decompression and the disk checks are :mod:`vmsidecar_runtime.image`, the
     same code that checks a flashed image. The blob is always read to its end and verified, even
     after an error about its content, so that a tampered blob is reported as a digest mismatch
     rather than as garbage. ``resend`` ends the fix in messages ("push the result").

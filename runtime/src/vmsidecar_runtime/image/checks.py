@@ -1,0 +1,271 @@
+"""Checks on a guest disk before QEMU may boot it: the qcow2 header, ``qemu-img``, the size limits.
+
+:func:`check_image` checks a written file: not empty; for qcow2 the header (naming the files it
+points at for the message), ``qemu-img info`` (backing file, data file, virtual size) and
+``qemu-img check``. qemu-img is only run once the header is known to name no other file, and
+always with an explicit ``-f`` (never format probing). :func:`check_qcow2_header` is also run on
+the first bytes of a stream, so an unsafe header is refused before anything is written.
+
+Every refusal is an :class:`~vmsidecar_contract.errors.ImageError` naming the cause and the fix;
+callers remove their temporary file on any error, so nothing half-checked is ever kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmsidecar_contract.errors import HostError, ImageError
+from vmsidecar_runtime import procs
+
+from .limits import DEFAULT_LIMITS, KIB, Limits, Origin, human_size
+from .sniff import QCOW2_MAGIC, DiskFormat
+
+#: qcow2 v3 incompatible feature bit 2: the guest's data lives in another file the header names
+QCOW2_EXTERNAL_DATA_FILE = 1 << 2
+_QCOW2_DATA_FILE_EXTENSION = 0x44415441
+_QCOW2_V2_HEADER = 72
+_QCOW2_V3_HEADER = 104
+#: the header, its extensions and (where qemu-img writes it) the backing file name fit in here
+_QCOW2_HEAD = 64 * KIB
+
+
+@dataclass(frozen=True)
+class Qcow2Header:
+    """What matters for safety in a qcow2 header.
+
+    ``backing_file``/``data_file`` are ``None`` when there is none, else the name (``""`` when
+    the name lies beyond the bytes that were parsed).
+    """
+
+    version: int
+    virtual_size: int
+    backing_file: str | None
+    data_file: str | None
+    backing_offset: int = 0
+    backing_size: int = 0
+
+
+def parse_qcow2_header(data: bytes, origin: Origin) -> Qcow2Header:
+    """Parse the start of a qcow2 file (the magic is already known to be there).
+
+    :raise ImageError: (code ``bad_disk``) for a header too short for its version, or an
+        unknown version.
+    """
+    if len(data) < _QCOW2_V2_HEADER:
+        raise _too_short(origin)
+    version, backing_offset, backing_size = struct.unpack_from(">IQI", data, 4)
+    (virtual_size,) = struct.unpack_from(">Q", data, 24)
+    if version not in (2, 3):
+        raise ImageError(
+            f"{origin.what} is a qcow2 image of version {version}, which QEMU does not read; "
+            f"rebuild it with `qemu-img convert -O qcow2 IN OUT` and {origin.resend}",
+            code="bad_disk",
+        )
+    backing: str | None = None
+    if backing_offset:
+        end = backing_offset + backing_size
+        backing = _printable(data[backing_offset:end]) if end <= len(data) else ""
+    data_file: str | None = None
+    if version == 3:
+        if len(data) < _QCOW2_V3_HEADER:
+            raise _too_short(origin)
+        (incompatible,) = struct.unpack_from(">Q", data, 72)
+        if incompatible & QCOW2_EXTERNAL_DATA_FILE:
+            (header_length,) = struct.unpack_from(">I", data, 100)
+            name = _extension(data, max(header_length, _QCOW2_V3_HEADER), _QCOW2_DATA_FILE_EXTENSION)
+            data_file = _printable(name) if name is not None else ""
+    return Qcow2Header(version, virtual_size, backing, data_file, backing_offset, backing_size)
+
+
+def check_qcow2_header(header: Qcow2Header, origin: Origin, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse a qcow2 header that names another host file or claims too large a disk.
+
+    Either file would be opened by QEMU on the host, at a path the image's author chose.
+
+    :raise ImageError: (code ``unsafe_disk``) for a backing or external data file; (code
+        ``disk_too_large``) for a virtual size past the limit.
+    """
+    if header.backing_file is not None:
+        raise _backing_file(header.backing_file, origin)
+    if header.data_file is not None:
+        raise _data_file(header.data_file, origin)
+    check_virtual_size(header.virtual_size, origin, limits)
+
+
+def check_virtual_size(size: int, origin: Origin, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse a disk larger than the guest may see.
+
+    :raise ImageError: (code ``disk_too_large``) past ``limits.max_virtual_size``.
+    """
+    if size > limits.max_virtual_size:
+        raise ImageError(
+            f"{origin.what} has a virtual size of {human_size(size)}, more than the "
+            f"{human_size(limits.max_virtual_size)} limit; build a smaller disk (or shrink its file systems, "
+            f"then `qemu-img resize --shrink`) and {origin.resend}",
+            code="disk_too_large",
+        )
+
+
+def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse a disk file QEMU must not boot: empty, too large, corrupt, or opening other host files.
+
+    Blocking (it runs ``qemu-img``); call it in a thread from asyncio.
+
+    :raise ImageError: (code ``bad_disk``) empty, no qcow2 magic, corrupt; (code
+        ``unsafe_disk``) a qcow2 with a backing file or an external data file; (code
+        ``disk_too_large``) past the virtual size limit.
+    :raise HostError: when qemu-img is not installed.
+    """
+    size = path.stat().st_size
+    if size == 0:
+        raise empty_error(origin)
+    if fmt == "raw":
+        check_virtual_size(size, origin, limits)
+        return
+    with open(path, "rb") as f:
+        data = f.read(_QCOW2_HEAD)
+        if not data.startswith(QCOW2_MAGIC):
+            raise ImageError(
+                f"{origin.what} is meant to be qcow2 but has no qcow2 magic; "
+                f"convert it with `qemu-img convert -O qcow2 IN OUT` and {origin.resend}",
+                code="bad_disk",
+            )
+        header = parse_qcow2_header(data, origin)
+        if header.backing_file == "":  # the name lies past the first 64 KiB: read it for the message
+            f.seek(header.backing_offset)
+            header = dataclasses.replace(header, backing_file=_printable(f.read(min(header.backing_size, 4096))))
+    check_qcow2_header(header, origin, limits)
+    # The header is the format's own word; qemu-img's reading of it is the one QEMU will act on.
+    info = _qemu_img_info(path, origin)
+    backing = info.get("full-backing-filename") or info.get("backing-filename")
+    if backing:
+        raise _backing_file(_printable(str(backing).encode()), origin)
+    specific = info.get("format-specific")
+    specific_data = specific.get("data") if isinstance(specific, dict) else None
+    data_file = specific_data.get("data-file") if isinstance(specific_data, dict) else None
+    if data_file:
+        raise _data_file(_printable(str(data_file).encode()), origin)
+    virtual_size = info.get("virtual-size")
+    if isinstance(virtual_size, int):
+        check_virtual_size(virtual_size, origin, limits)
+    rc, out, err = _qemu_img("check", "-f", "qcow2", "--output=json", str(path))
+    # rc 3 = only leaked clusters: wasted space, harmless for a read-only base
+    if rc not in (0, 3):
+        raise _corrupt(origin, _check_detail(rc, out, err))
+
+
+def _qemu_img_info(path: Path, origin: Origin) -> dict:
+    """``qemu-img info`` of a qcow2 file, parsed.
+
+    :raise ImageError: (code ``bad_disk``) when qemu-img cannot read it.
+    :raise HostError: when qemu-img is not installed.
+    """
+    rc, out, err = _qemu_img("info", "-f", "qcow2", "--output=json", str(path))
+    if rc != 0:
+        raise _corrupt(origin, _last_line(err or out) or f"qemu-img info rc {rc}")
+    try:
+        info = json.loads(out)
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        raise _corrupt(origin, "qemu-img info gave no JSON object")
+    return info
+
+
+def _qemu_img(*args: str) -> tuple[int, str, str]:
+    """Run qemu-img (blocking).
+
+    :raise HostError: when it is not installed.
+    """
+    try:
+        return procs.run("qemu-img", *args)
+    except FileNotFoundError:
+        raise HostError("qemu-img is not installed; install qemu-utils") from None
+
+
+def _check_detail(rc: int, out: str, err: str) -> str:
+    """One line from ``qemu-img check``: its error, else the counts from its JSON report."""
+    if err.strip():
+        return _last_line(err)
+    try:
+        report = json.loads(out)
+    except ValueError:
+        report = None
+    if isinstance(report, dict):
+        counts = [f"{report[k]} {k}" for k in ("corruptions", "leaks", "check-errors") if report.get(k)]
+        if counts:
+            return ", ".join(counts)
+    return _last_line(out) or f"qemu-img check rc {rc}"
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a tool's output (where qemu-img puts its verdict)."""
+    lines = text.strip().splitlines()
+    return lines[-1].strip() if lines else ""
+
+
+def _extension(data: bytes, start: int, wanted: int) -> bytes | None:
+    """The payload of the qcow2 header extension ``wanted``, if it is within ``data``."""
+    pos = start
+    while pos + 8 <= len(data):
+        kind, length = struct.unpack_from(">II", data, pos)
+        if kind == 0:  # end of the extension area
+            return None
+        pos += 8
+        if kind == wanted:
+            return data[pos : pos + length]
+        pos += (length + 7) & ~7
+    return None
+
+
+def _printable(raw: bytes) -> str:
+    """A host path from an image header, safe to put in a one-line message."""
+    text = "".join(c if c.isprintable() else "?" for c in raw.decode(errors="replace"))
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def empty_error(origin: Origin) -> ImageError:
+    """The refusal of an empty (0-byte) disk."""
+    return ImageError(
+        f"{origin.what} is empty (0 bytes); build a qcow2 or raw disk with content and {origin.resend}",
+        code="bad_disk",
+    )
+
+
+def _too_short(origin: Origin) -> ImageError:
+    """The refusal of a qcow2 header cut off before its end."""
+    return ImageError(
+        f"{origin.what} is too short to be a qcow2 image (the header is cut off); check the source and "
+        f"{origin.resend}",
+        code="bad_disk",
+    )
+
+
+def _corrupt(origin: Origin, detail: str) -> ImageError:
+    """The refusal of a qcow2 that qemu-img finds corrupt."""
+    return ImageError(f"{origin.what} is a corrupt qcow2 ({detail}); re-download or rebuild the image", code="bad_disk")
+
+
+def _backing_file(name: str, origin: Origin) -> ImageError:
+    """The refusal of a qcow2 overlay (QEMU would open its backing file on the host)."""
+    return _opens_host_file(origin, "a qcow2 overlay that names a backing file", name, "flatten it")
+
+
+def _data_file(name: str, origin: Origin) -> ImageError:
+    """The refusal of a qcow2 whose data lives in an external file on the host."""
+    is_what = "a qcow2 image with an external data file"
+    return _opens_host_file(origin, is_what, name, "copy the data into one image")
+
+
+def _opens_host_file(origin: Origin, is_what: str, name: str, fix: str) -> ImageError:
+    """The refusal of a qcow2 that makes QEMU open ``name`` on the host (code ``unsafe_disk``)."""
+    named = f" ({name})" if name else ""
+    return ImageError(
+        f"{origin.what} is {is_what}{named}, which QEMU would open on the host; "
+        f"{fix} with `qemu-img convert -O qcow2 IN OUT` and {origin.resend}",
+        code="unsafe_disk",
+    )

@@ -1,0 +1,23 @@
+"""``sha256:<hex>`` digests, the one spelling for disks, blobs and manifests."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol
+
+
+class _Sha256(Protocol):
+    name: str
+
+    def hexdigest(self) -> str: ...
+
+
+def sha256_digest(content: bytes | _Sha256) -> str:
+    """``sha256:<hex>`` of ``content``: bytes, or a ``hashlib.sha256()`` fed with streamed data.
+
+    :raise ValueError: for a hash object that is not sha256 (its digest would be mislabelled).
+    """
+    hasher = hashlib.sha256(content) if isinstance(content, bytes | bytearray | memoryview) else content
+    if hasher.name != "sha256":
+        raise ValueError(f"sha256_digest() needs a sha256 hash object, not {hasher.name}")
+    return "sha256:" + hasher.hexdigest()
