@@ -1,7 +1,7 @@
 """The guest's disk: a read-only base (pulled or flashed), the lease's overlay, flash and dump.
 
 The base is never written: every boot runs on the overlay, and a flash lands in a temp file that
-only replaces the disk once verified (``image/formats.py`` checks it like a pulled image).
+only replaces the disk once verified (``image/`` checks it like a pulled image).
 """
 
 from __future__ import annotations
