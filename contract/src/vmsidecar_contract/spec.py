@@ -181,6 +181,10 @@ class VmSpec(_Model):
     backend: Literal["qemu", "libvirt"] = "qemu"
     libvirt_uri: str | None = Field(default=None, max_length=MAX_TEXT)
     readiness: Readiness = Readiness()
+    #: auto: capture the guest's RAM at its first Ready and restore that instead of booting
+    #: (recycles, warm starts); off: always boot. Falls back to a cold boot, with the reason in
+    #: the state, whenever a snapshot cannot be taken or used.
+    snapshot: Literal["auto", "off"] = "auto"
     #: Extra QEMU arguments, appended verbatim as separate argv items. For admins only: the
     #: runtime refuses them over the API unless started with --allow-extra-args.
     extra_args: list[Annotated[str, Field(max_length=MAX_TEXT)]] = Field(default=[], max_length=256)

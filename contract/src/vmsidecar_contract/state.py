@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -53,6 +54,20 @@ class Timings(BaseModel):
     pull: float | None = None
 
 
+class SnapshotInfo(BaseModel):
+    """How memory snapshots serve this VM (``spec.snapshot``)."""
+
+    #: how the current boot began: booted cold, restored from the snapshot, or not begun
+    boot: Literal["none", "cold", "restored"] = "none"
+    #: why the current boot was cold, or why no snapshot is taken (flashed disk, libvirt, a device …)
+    reason: str | None = None
+    #: the snapshot in the cache for this spec and image, if any
+    available: bool = False
+    size: int | None = None
+    capture_seconds: float | None = None
+    restore_seconds: float | None = None
+
+
 class ExitInfo(BaseModel):
     """How the last backend process ended."""
 
@@ -84,3 +99,4 @@ class VmState(BaseModel):
     last_error: dict[str, str] | None = None
     last_exit: ExitInfo | None = None
     console_tail: str | None = None
+    snapshot: SnapshotInfo = SnapshotInfo()

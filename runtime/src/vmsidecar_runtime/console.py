@@ -216,6 +216,14 @@ class ConsoleHub:
         self.bytes_seen = 0
         self.first_byte_at = None
 
+    def boot_output(self) -> bytes:
+        """This boot's scrollback (what a new reader gets first)."""
+        return bytes(self._buffer)
+
+    def preload(self, data: bytes) -> None:
+        """Start a boot's scrollback with ``data`` (a restored guest's pristine boot output)."""
+        self._buffer[:] = data[-self.scrollback:]
+
     def clear(self, *, disconnect_clients: bool = False) -> None:
         """Forget the scrollback; with ``disconnect_clients`` also drop every client (a new lease
         must not see the previous one's output, not even what a slow client has not read yet)."""

@@ -45,6 +45,8 @@ class BootPlan:
     #: forward name -> host port actually bound
     ports: dict[str, int] = field(default_factory=dict)
     firmware: Firmware | None = None
+    #: a memory snapshot to restore instead of booting (QEMU waits for it: ``-incoming defer``)
+    incoming: Path | None = None
 
     @property
     def qmp_socket(self) -> Path:

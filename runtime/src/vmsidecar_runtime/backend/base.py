@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class Backend(Protocol):
     name: str
     #: what died, for messages: ``"QEMU"`` | ``"the libvirt domain"``
     label: str
+    #: whether ``save_state`` works and ``launch`` honours ``plan.incoming`` (memory snapshots)
+    supports_snapshots: bool
     #: how the process/domain ended, once it has (``None`` while it runs)
     exit_info: ExitInfo | None
 
@@ -71,6 +74,13 @@ class Backend(Protocol):
 
     async def reset(self) -> None:
         """Hard reset, like a reset button (reported as ``RESET`` with ``guest: False``)."""
+
+    async def save_state(self, path: Path) -> None:
+        """Pause the guest and write its RAM and device state to ``path`` (a new file).
+
+        :raise HostError: when the backend cannot (the reason names the device or the limit).
+        """
+        ...
 
     async def quit(self, timeout: float = 5.0) -> None:
         """End the process/domain, bounded, and release what the boot held."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from qemu.qmp import EventListener, QMPClient
@@ -28,6 +30,8 @@ from .qemu_argv import build_argv
 
 log = logging.getLogger(__name__)
 
+#: bound on writing or loading a memory snapshot (hundreds of MB at disk speed)
+MIGRATION_TIMEOUT_S = 120.0
 #: the QMP events ``map_qmp_event`` understands (the listener asks QEMU for these only)
 QMP_EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED")
 #: SHUTDOWN causes after which QEMU exits despite ``-no-shutdown`` (QMP ``quit`` and a host signal
@@ -60,6 +64,7 @@ class QemuBackend:
 
     name = "qemu"
     label = "QEMU"
+    supports_snapshots = True
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         self.plan = plan
@@ -96,6 +101,8 @@ class QemuBackend:
             asyncio.create_task(self._watch_exit(), name="qemu-wait"),
         ]
         await self._connect_qmp(qmp_timeout)
+        if self.plan.incoming is not None:
+            await self._restore(self.plan.incoming)
 
     async def _collect(self, stream: asyncio.StreamReader | None) -> None:
         assert stream is not None
@@ -163,6 +170,59 @@ class QemuBackend:
             mapped = map_qmp_event(name, data)
             if mapped is not None:
                 self._on_event(*mapped)
+
+    # ---- memory snapshots ----------------------------------------------------------------
+    async def _pass_file(self, path: Path, flags: int, name: str) -> None:
+        # The stream goes through a file descriptor handed over QMP (getfd): QEMU's exec: would
+        # need a shell, and fd: needs no path QEMU could be tricked into opening.
+        assert self._qmp is not None
+        fd = os.open(path, flags, 0o600)
+        try:
+            self._qmp.send_fd_scm(fd)
+            await self._execute("getfd", fdname=name)
+        finally:
+            os.close(fd)
+
+    async def _restore(self, path: Path, timeout: float = MIGRATION_TIMEOUT_S) -> None:
+        """Load a memory snapshot into the paused QEMU (it stays paused until ``resume``).
+
+        :raise HostError: when QEMU refuses the stream (it then exits) or takes too long.
+        """
+        try:
+            await self._pass_file(path, os.O_RDONLY, "incoming")
+            await self._execute("migrate-incoming", uri="fd:incoming")
+            deadline = asyncio.get_running_loop().time() + timeout
+            while (await self._execute("query-status"))["status"] == "inmigrate":
+                if asyncio.get_running_loop().time() > deadline:
+                    raise HostError(f"restoring the memory snapshot took over {timeout:.0f} s")
+                await asyncio.sleep(0.01)
+            result = await self._execute("query-migrate")
+        except (QMPError, EOFError, OSError) as e:  # QEMU exits when it cannot load the stream
+            await self.wait_exit(5)
+            tail = " | ".join(self._stderr) or str(e)
+            raise HostError(f"QEMU could not load the memory snapshot ({tail})") from e
+        if result.get("status") not in (None, "completed"):
+            raise HostError(f"QEMU did not load the memory snapshot ({result.get('status')})")
+
+    async def save_state(self, path: Path, timeout: float = MIGRATION_TIMEOUT_S) -> None:
+        """Pause the guest and write its RAM and device state to ``path`` (a new file).
+
+        :raise HostError: when QEMU cannot migrate this guest (e.g. a device that blocks migration).
+        """
+        try:
+            await self._execute("stop")
+            await self._pass_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "snapshot")
+            await self._execute("migrate", uri="fd:snapshot")
+            deadline = asyncio.get_running_loop().time() + timeout
+            while (status := await self._execute("query-migrate")).get("status") not in ("completed", "failed"):
+                if asyncio.get_running_loop().time() > deadline:
+                    await self._execute("migrate_cancel")
+                    raise HostError(f"writing the memory snapshot took over {timeout:.0f} s")
+                await asyncio.sleep(0.02)
+        except QMPError as e:
+            raise HostError(f"QEMU cannot snapshot this guest ({e})") from e
+        if status["status"] != "completed":
+            raise HostError(f"QEMU cannot snapshot this guest ({status.get('error-desc', 'migration failed')})")
 
     # ---- guest control -------------------------------------------------------------------
     async def _execute(self, cmd: str, **args: Any) -> Any:

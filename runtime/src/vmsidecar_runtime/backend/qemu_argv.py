@@ -33,6 +33,7 @@ def _base(plan: BootPlan) -> list[str]:
         "-S",
         # A guest power-off leaves QEMU up in state "shutdown" so the runtime sees SHUTDOWN and quits it.
         "-no-shutdown",
+        *(["-incoming", "defer"] if plan.incoming else []),
         "-chardev", f"socket,id=qmp,path={plan.qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
     ]
@@ -109,6 +110,12 @@ def _gpio(plan: BootPlan) -> list[str]:
             "-device", "vhost-user-gpio-pci,chardev=vgpio,id=gpio0"]
 
 
+def _generation_id(plan: BootPlan) -> list[str]:
+    # A new random VM generation ID at every QEMU start: a guest restored from a memory snapshot
+    # sees it change and Linux reseeds its RNG, so two restores never share randomness.
+    return ["-device", "vmgenid"] if plan.spec.arch == "x86_64" else []
+
+
 def build_argv(plan: BootPlan) -> list[str]:
     """The full QEMU argv for a boot plan."""
     return [
@@ -119,5 +126,6 @@ def build_argv(plan: BootPlan) -> list[str]:
         *_can_native(plan),
         *_gpio(plan),
         "-device", "virtio-rng-pci",
+        *_generation_id(plan),
         *plan.spec.extra_args,
     ]

@@ -59,14 +59,16 @@ class Disks:
         disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref)
         return disk, pulled, time.monotonic() - started
 
-    async def overlay(self) -> Path:
-        """The lease's overlay over the current disk, created on first boot.
+    async def overlay(self, backing: DiskImage | None = None) -> Path:
+        """The lease's overlay over the current disk (or ``backing``, a snapshot's frozen
+        overlay), created on first boot.
 
         :raise HostError: when qemu-img cannot write it.
         """
-        assert self.current is not None
+        backing = backing or self.current
+        assert backing is not None
         if not self.paths.overlay.exists():
-            await create_overlay(self.current, self.paths.overlay)
+            await create_overlay(backing, self.paths.overlay)
         return self.paths.overlay
 
     async def receive_flash(self, chunks: AsyncIterable[bytes], *, expected_size: int | None,

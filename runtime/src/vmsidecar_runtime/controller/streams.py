@@ -75,6 +75,12 @@ class GuestStreams:
         for hub in self.hubs.values():
             hub.new_boot()
 
+    def preload(self, consoles: dict[str, bytes]) -> None:
+        """Show a restored guest's consoles as its pristine boot left them."""
+        for name, data in consoles.items():
+            if name in self.hubs:
+                self.hubs[name].preload(data)
+
     def clear_for_next_lease(self) -> None:
         """Forget all scrollback and disconnect every client (recycle)."""
         for hub in self.hubs.values():

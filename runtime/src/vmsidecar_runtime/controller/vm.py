@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
@@ -26,10 +27,12 @@ from ..events import EventBus
 from ..firmware import prepare_firmware
 from ..hostpaths import HostPathPolicy
 from ..plan import BootPlan
+from ..snapshots import CONSOLES, Snapshot
 from .disk_ops import DiskOperations
 from .disks import Disks
 from .paths import RuntimePaths
 from .readiness import ReadinessWatch
+from .snapshot_ops import SnapshotOperations
 from .streams import GuestStreams
 
 log = logging.getLogger(__name__)
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 RESET_COALESCE_S = 1.0
 
 
-class VmController(DiskOperations):
+class VmController(DiskOperations, SnapshotOperations):
     """Owns one VM: its spec, disks, backend process, streams and phase."""
 
     def __init__(
@@ -79,6 +82,7 @@ class VmController(DiskOperations):
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
         self._background: set[asyncio.Task[None]] = set()
+        self._init_snapshots()
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -127,6 +131,7 @@ class VmController(DiskOperations):
             last_error=self._last_error.to_dict() if self._last_error else None,
             last_exit=self._last_exit,
             console_tail=self.streams.tail() if self.phase in (Phase.ERROR, Phase.CRASHED) else None,
+            snapshot=self.snapshot_info,
         )
 
     # ---- lifecycle of the controller -----------------------------------------------------
@@ -206,6 +211,7 @@ class VmController(DiskOperations):
             return self.state()
 
     async def _boot(self) -> None:
+        """Boot: restore the snapshot when this fresh overlay of the spec's image has one, else cold."""
         spec = self._require_spec()
         await self._stop_backend(graceful=False)  # a leftover from Error/Crashed
         try:
@@ -213,24 +219,52 @@ class VmController(DiskOperations):
             await self._ensure_disk()
             self._set_phase(Phase.STARTING)
             self._accel = choose_accel(spec.accel, spec.arch)
-            plan = BootPlan(spec=spec, accel=self._accel.accel, disk=await self.disks.overlay(), disk_format="qcow2",
-                            run_dir=self.paths.run, ports=ports.allocate(spec.network.forwards),
-                            firmware=prepare_firmware(spec, self.paths.state))
-            self._plan = plan
-            self._expect_exit = False
-            self._last_exit = None
-            self._begin_boot("power-on")
-            self._backend = self._backend_factory(plan, self._on_backend_event)
-            await self.streams.before_launch(plan)
-            await self._backend.launch()
-            await self.streams.attach(plan)
-            await self._backend.resume()
+            snap = self._plan_snapshot(spec, self._accel.accel)
+            if snap is not None and await self._restore_or_fall_back(snap):
+                self._set_ready()
+                return
+            await self._cold_boot()
         except VmsidecarError as e:
             await self._stop_backend(graceful=False)
             self._fail(Phase.ERROR, e)
             raise
+
+    def _new_plan(self, overlay: Path, incoming: Path | None = None) -> BootPlan:
+        spec = self._require_spec()
+        assert self._accel is not None
+        return BootPlan(spec=spec, accel=self._accel.accel, disk=overlay, disk_format="qcow2",
+                        run_dir=self.paths.run, ports=ports.allocate(spec.network.forwards),
+                        firmware=prepare_firmware(spec, self.paths.state), incoming=incoming)
+
+    async def _launch(self, plan: BootPlan) -> None:
+        """Start the backend paused, attach every stream, then let the guest run."""
+        self._plan = plan
+        self._expect_exit = False
+        self._last_exit = None
+        self._backend = self._backend_factory(plan, self._on_backend_event)
+        await self.streams.before_launch(plan)
+        await self._backend.launch()
+        await self.streams.attach(plan)
+        await self._backend.resume()
+        assert self._accel is not None
         self._set_phase(Phase.RUNNING, accel=self._accel.accel, accel_reason=self._accel.reason)
-        self._readiness.arm(spec, self.streams.hubs)
+
+    async def _cold_boot(self) -> None:
+        """Boot the guest from its disk; the readiness watch decides when it is Ready."""
+        plan = self._new_plan(await self.disks.overlay())
+        self._begin_boot("power-on")
+        self.snapshot_info = self.snapshot_info.model_copy(update={"boot": "cold"})
+        await self._launch(plan)
+        self._readiness.arm(self._require_spec(), self.streams.hubs)
+
+    async def _launch_restored(self, snap: Snapshot, *, new_boot: bool = True) -> None:
+        """Run from a memory snapshot: a fresh overlay on its frozen disk; a new boot shows the
+        pristine boot's scrollback (a capture continues the boot it interrupted)."""
+        plan = self._new_plan(await self.disks.overlay(self._overlay_backing(snap)), snap.memory)
+        if new_boot:
+            self._begin_boot("restore")
+            self.streams.preload({name: snap.console(name) for name in CONSOLES})
+        await self._launch(plan)
 
     async def power_off(self, *, graceful: bool = True, timeout: float = 60.0) -> VmState:
         """Power the guest off: ACPI first when graceful (bounded by ``timeout``), then quit."""
@@ -276,9 +310,15 @@ class VmController(DiskOperations):
             self._set_phase(Phase.STOPPING, graceful=graceful)
             if graceful:
                 await self._acpi_powerdown(backend, timeout)
-            await backend.quit()
-        else:
-            await backend.quit(timeout=1)
+        await self._quiet_stop()
+
+    async def _quiet_stop(self) -> None:
+        """End the backend process without a phase change (also the capture's hand-over)."""
+        backend = self._backend
+        if backend is None:
+            return
+        self._expect_exit = True
+        await backend.quit(timeout=5 if backend.alive else 1)
         self._last_exit = backend.exit_info
         await self.streams.detach()
         self._backend = None
@@ -313,6 +353,11 @@ class VmController(DiskOperations):
         return self.streams.boot_has_output() and time.monotonic() - self._boot_started > RESET_COALESCE_S
 
     def _mark_ready(self) -> None:
+        """The readiness watch saw the pattern: Ready, unless this boot first captures a snapshot."""
+        if not self._ready_or_capture():
+            self._set_ready()
+
+    def _set_ready(self) -> None:
         first = self.streams.first_byte_at()
         self._timings = self._timings.model_copy(update={
             "ready": round(time.monotonic() - self._boot_started, 3),

@@ -58,6 +58,8 @@ class LibvirtBackend:
 
     name = "libvirt"
     label = "the libvirt domain"
+    #: libvirt's own save/restore (virDomainSave) is not wired in yet: recycles boot cold
+    supports_snapshots = False
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         """Check libvirt-python is there; nothing starts before ``launch``.
@@ -248,6 +250,14 @@ class LibvirtBackend:
                 self._mark_exited("domain gone")  # the event was lost (connection hiccup)
                 return True
             return False
+
+    async def save_state(self, path: Path) -> None:
+        """Not supported on this backend yet.
+
+        :raise HostError: always, naming the way out.
+        """
+        raise HostError("the libvirt backend has no memory snapshots yet; recycles boot cold "
+                        "(use backend: qemu for sub-second recycles)")
 
     async def quit(self, timeout: float = 5.0) -> None:
         """Destroy the domain (QEMU is ended; nothing of it is left in libvirt), bounded."""

@@ -1,0 +1,173 @@
+"""Leases without boots: capture a pristine guest at its first Ready, restore it afterwards.
+
+A mixin of ``VmController`` (like ``DiskOperations``): capture and restore are steps of its power
+operations, under the same lock. The rules:
+
+- **Restore** when a boot starts on a fresh overlay of the spec's own image (a cold start or a
+  recycle, not a flashed disk, not a power cycle within a lease) and the cache has the snapshot
+  for this spec, image, QEMU and accelerator. A refused snapshot is discarded: the guest boots cold.
+- **Capture** at the first Ready of such a cold boot, unless a lease has already claimed the
+  guest (its activity must never reach the snapshot). The guest is paused, its state written,
+  QEMU stopped, the overlay frozen into the snapshot; then the same boot continues from the
+  snapshot just taken, which proves it loads. Consoles keep their clients and scrollback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from typing import Any
+
+from vmsidecar_contract.errors import HostError, VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.state import Phase, SnapshotInfo
+
+from ..backend import Backend
+from ..backend.common import TCG_CPU
+from ..disk import DiskImage
+from ..snapshots import CONSOLES, Snapshot, SnapshotStore, snapshot_key
+from .disks import Disks
+from .paths import RuntimePaths
+from .streams import GuestStreams
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotOperations:
+    """Decides when to restore or capture, and does it."""
+
+    # provided by VmController
+    disks: Disks
+    streams: GuestStreams
+    paths: RuntimePaths
+    phase: Phase
+    _backend: Backend | None
+    _claimed: bool
+    _lock: asyncio.Lock
+
+    def _spawn(self, coro: Any) -> None: ...
+    def _set_ready(self) -> None: ...
+    async def _launch_restored(self, snap: Snapshot, *, new_boot: bool = True) -> None: ...
+    async def _cold_boot(self) -> None: ...
+    async def _quiet_stop(self) -> None: ...
+
+    def _init_snapshots(self) -> None:
+        self._store = SnapshotStore(self.paths.cache)
+        self.snapshot_info = SnapshotInfo()
+        #: key of the snapshot the current cold boot should capture at its first Ready
+        self._capture_key: str | None = None
+        #: key of the snapshot the current boot restores or captures
+        self._planned_key: str | None = None
+        #: keys QEMU could not snapshot (a device that blocks migration): not retried
+        self._uncapturable: dict[str, str] = {}
+
+    def _snapshot_key(self, spec: VmSpec, accel: str) -> str | None:
+        """The key for booting ``spec`` on the spec's own image now, or None (reason recorded)."""
+        base = self.disks.current
+        reason = None
+        if spec.snapshot == "off":
+            reason = "snapshot: off in the spec"
+        elif spec.backend != "qemu":
+            reason = "the libvirt backend has no memory snapshots yet"
+        elif self.disks.flashed is not None or base is None:
+            reason = "the disk was flashed in this lease"
+        elif self.paths.overlay.exists():
+            reason = "the disk already has this lease's changes (power cycle within a lease)"
+        if reason is not None:
+            self.snapshot_info = self.snapshot_info.model_copy(update={"reason": reason})
+            return None
+        assert base is not None
+        cpu = "host" if accel == "kvm" else TCG_CPU[spec.arch]
+        return snapshot_key(spec, base.digest, accel, cpu)
+
+    def _plan_snapshot(self, spec: VmSpec, accel: str) -> Snapshot | None:
+        """Before a boot: the snapshot to restore, or None (and whether to capture one)."""
+        self._capture_key = None
+        key = self._snapshot_key(spec, accel)
+        self._planned_key = key
+        if key is None:
+            return None
+        snap = self._store.find(key)
+        self.snapshot_info = self.snapshot_info.model_copy(
+            update={"available": snap is not None, "size": snap.size if snap else None})
+        if snap is not None:
+            return snap
+        if key in self._uncapturable:
+            self.snapshot_info = self.snapshot_info.model_copy(update={"reason": self._uncapturable[key]})
+        else:
+            self._capture_key = key
+            self.snapshot_info = self.snapshot_info.model_copy(
+                update={"reason": "no snapshot yet for this spec and image: this boot captures one at Ready"})
+        return None
+
+    def _overlay_backing(self, snap: Snapshot) -> DiskImage:
+        base = self.disks.current
+        assert base is not None
+        return DiskImage(snap.disk, "qcow2", base.digest, base.source)
+
+    async def _restore_or_fall_back(self, snap: Snapshot, *, new_boot: bool = True) -> bool:
+        """Run from ``snap`` (a new boot, or the captured boot continuing); on refusal discard it
+        and return False (the caller boots cold)."""
+        started = time.monotonic()
+        try:
+            await self._launch_restored(snap, new_boot=new_boot)
+        except VmsidecarError as e:
+            log.warning("memory snapshot %s refused (%s); booting cold", snap.path.name, e.message)
+            await self._quiet_stop()
+            self.paths.overlay.unlink(missing_ok=True)
+            await self._store.discard(snap)
+            self.snapshot_info = SnapshotInfo(boot="cold", reason=f"the snapshot was refused ({e.message}); "
+                                              "it was discarded and a new one is captured at Ready")
+            self._capture_key = self._planned_key  # the cold boot that follows takes a new one
+            return False
+        update: dict[str, Any] = {"available": True, "restore_seconds": round(time.monotonic() - started, 3)}
+        if new_boot:
+            update |= {"boot": "restored", "reason": None}
+        self.snapshot_info = self.snapshot_info.model_copy(update=update)
+        return True
+
+    def _ready_or_capture(self) -> bool:
+        """At a boot's Ready: True when a capture was started (it marks Ready itself)."""
+        if self._capture_key is None:
+            return False
+        key, self._capture_key = self._capture_key, None
+        self._spawn(self._capture(key))
+        return True
+
+    async def _capture(self, key: str) -> None:
+        async with self._lock:
+            backend = self._backend
+            if backend is None or self.phase != Phase.RUNNING:
+                return  # powered off or failed while waiting for the lock
+            if self._claimed:
+                self.snapshot_info = self.snapshot_info.model_copy(
+                    update={"reason": "a lease claimed the guest before it was ready; no snapshot of it is taken"})
+                self._set_ready()
+                return
+            started = time.monotonic()
+            staged = self._store.staging(key)
+            try:
+                await backend.save_state(staged.memory)
+            except HostError as e:
+                await self._store.discard(staged)
+                self._uncapturable[key] = f"QEMU cannot snapshot this guest: {e.message}"
+                self.snapshot_info = self.snapshot_info.model_copy(update={"reason": self._uncapturable[key]})
+                log.warning("no memory snapshot: %s", e.message)
+                if backend.alive:
+                    await backend.resume()
+                self._set_ready()
+                return
+            consoles = {name: self.streams.hubs[name].boot_output() for name in CONSOLES if name in self.streams.hubs}
+            await self._quiet_stop()
+            await asyncio.to_thread(shutil.move, self.paths.overlay, staged.disk)
+            snap = self._store.commit(staged, key, consoles)
+            captured = round(time.monotonic() - started, 3)
+            log.info("memory snapshot %s captured in %.2f s (%d MB)", key, captured, snap.size >> 20)
+            if await self._restore_or_fall_back(snap, new_boot=False):
+                self.snapshot_info = self.snapshot_info.model_copy(
+                    update={"capture_seconds": captured, "size": snap.size})
+                self._set_ready()
+            else:
+                await self._cold_boot()

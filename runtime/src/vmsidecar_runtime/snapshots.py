@@ -1,0 +1,127 @@
+"""Memory snapshots of a pristine, Ready guest: what a recycle restores instead of booting.
+
+A snapshot is the guest's RAM and device state (a QEMU migration stream), the disk overlay
+frozen at the same instant, and the consoles' scrollback of the boot that led to it. It lives
+in the image cache (``<cache>/snapshots/<key>/``), read-only, written once into a temp
+directory and renamed into place, and is never written during a lease: each restore boots a
+fresh overlay on top of the frozen one.
+
+The key covers everything that must match for QEMU to accept the stream and for the guest to
+be the same pristine guest: the image digest, the spec (devices, memory, CPUs, readiness …),
+the QEMU binary's version, the accelerator and the CPU model. A snapshot that QEMU refuses
+anyway is discarded and the guest boots cold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmsidecar_contract.spec import VmSpec
+
+from .backend.common import qemu_binary
+
+log = logging.getLogger(__name__)
+
+#: bump when the layout or the meaning of a snapshot changes: older ones are then never matched
+FORMAT = 1
+#: consoles whose scrollback a restored guest shows
+CONSOLES = ("ttyS0", "hvc0")
+
+
+@functools.cache
+def qemu_version(arch: str) -> str:
+    """``qemu-system-ARCH --version`` (first line), or "" when it cannot be run."""
+    try:
+        out = subprocess.run([qemu_binary(arch), "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str) -> str:
+    """The cache key of the snapshot of ``spec`` booted from ``image_digest``."""
+    material = {
+        "format": FORMAT,
+        "image": image_digest,
+        "spec": spec.model_dump(mode="json", exclude={"snapshot", "libvirt_uri"}),
+        "qemu": qemu_version(spec.arch),
+        "accel": accel,
+        "cpu": cpu,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One snapshot directory."""
+
+    path: Path
+
+    @property
+    def memory(self) -> Path:
+        """The migration stream (RAM and device state)."""
+        return self.path / "memory"
+
+    @property
+    def disk(self) -> Path:
+        """The overlay frozen at capture time (its backing file is the base image)."""
+        return self.path / "disk.qcow2"
+
+    def console(self, name: str) -> bytes:
+        """The scrollback ``name`` showed at capture time."""
+        try:
+            return (self.path / f"{name}.console").read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk."""
+        return sum(p.stat().st_size for p in self.path.iterdir())
+
+
+class SnapshotStore:
+    """The snapshots in one cache directory."""
+
+    def __init__(self, cache: Path) -> None:
+        self.root = cache / "snapshots"
+
+    def find(self, key: str) -> Snapshot | None:
+        """The complete snapshot for ``key``, if the cache has one."""
+        snap = Snapshot(self.root / key)
+        return snap if snap.memory.is_file() and snap.disk.is_file() else None
+
+    def staging(self, key: str) -> Snapshot:
+        """A fresh, empty directory to capture into (renamed into place by ``commit``)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f".incoming-{key}-{os.getpid()}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir()
+        return Snapshot(path)
+
+    def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes]) -> Snapshot:
+        """Make a captured snapshot visible: read-only files, one atomic rename."""
+        for name, data in consoles.items():
+            (staged.path / f"{name}.console").write_bytes(data)
+        for item in staged.path.iterdir():
+            os.chmod(item, 0o444)
+        final = self.root / key
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(staged.path, final)
+        return Snapshot(final)
+
+    async def discard(self, snap: Snapshot) -> None:
+        """Remove a snapshot QEMU refused (or a half-written one)."""
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(shutil.rmtree, snap.path, True)
+        log.info("snapshot %s discarded", snap.path.name)

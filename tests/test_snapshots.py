@@ -1,0 +1,130 @@
+"""Leases without boots: the first Ready captures the pristine guest, recycles and warm starts
+restore it, and nothing of a lease — disk, RAM, processes, console bytes, randomness — reaches
+the next one."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.runtime import BACKENDS
+from guestio import Console
+from vmsidecar_contract.client import RuntimeClient
+
+pytestmark = pytest.mark.timeout(900)
+
+PROBE = ("ls /data/lease-file /tmp/ram-file 2>&1; ps | grep -c '[s]leep 4242'; "
+         "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo")
+
+
+async def _lease_leaves_traces(console_sock: Path, tag: str) -> str:
+    """Write a disk file, a RAM-only file and a process; return the guest's fresh random bytes."""
+    con = await Console.open(console_sock)
+    try:
+        await con.wake()
+        await con.run(f"echo {tag} > /data/lease-file; echo {tag} > /tmp/ram-file; sync; (sleep 4242 &)")
+        return (await con.run(PROBE)).strip().splitlines()[-1]
+    finally:
+        await con.close()
+
+
+async def _probe(console_sock: Path) -> tuple[str, str]:
+    con = await Console.open(console_sock)
+    try:
+        await con.drain_replay()
+        replay = bytes(con.seen).decode(errors="replace")
+        await con.wake()
+        return replay, await con.run(PROBE)
+    finally:
+        await con.close()
+
+
+async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
+    started = time.monotonic()
+    await client.recycle()
+    state = await client.wait_ready(120, poll=0.02)
+    return state, time.monotonic() - started
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
+    start_runtime: Any, tiny_image: Any, backend: str
+) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"}, backend=backend)
+    client = rt.client()
+    first = await client.wait_ready(240)
+    console = rt.shared / "console.sock"
+    if backend == "qemu":
+        assert first.snapshot.boot == "cold" and first.snapshot.available and first.snapshot.size
+        assert first.snapshot.capture_seconds is not None
+    else:
+        assert not first.snapshot.available and "libvirt" in (first.snapshot.reason or "")
+    seen_random = {await _lease_leaves_traces(console, "lease-one-secret")}
+
+    for lease in (2, 3):
+        state, seconds = await _recycle(client)
+        assert state.generation == lease - 1
+        if backend == "qemu":
+            assert state.snapshot.boot == "restored", state.snapshot
+            assert seconds < 10, f"a restore took {seconds:.1f} s"  # ~0.5 s unloaded: see bench/snapshot.py
+        replay, probe = await _probe(console)
+        assert "VMSIDECAR-READY" in replay  # the pristine boot's scrollback: expect(marker) works
+        assert "lease-one-secret" not in replay and "lease-two-secret" not in replay
+        lines = [line.strip() for line in probe.splitlines()]
+        assert "ls: /data/lease-file: No such file or directory" in lines, probe  # disk
+        assert "ls: /tmp/ram-file: No such file or directory" in lines, probe  # RAM
+        assert "0" in lines, probe  # the process is gone
+        random_now = lines[-1]
+        assert re.fullmatch(r"[0-9a-f]{32}", random_now) and random_now not in seen_random, probe
+        seen_random.add(random_now)
+        seen_random.add(await _lease_leaves_traces(console, "lease-two-secret"))
+
+
+async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image: Any) -> None:
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "cpus": 1}
+    first = await start_runtime(spec, name="first")
+    await first.client().wait_ready(240)
+    assert (await first.client().state()).snapshot.available
+    assert first.stop() == 0
+    started = time.monotonic()
+    second = await start_runtime(spec, name="second", wait=False)
+    await second.wait_serving()
+    state = await second.client().wait_ready(120, poll=0.02)
+    took = time.monotonic() - started
+    assert state.snapshot.boot == "restored" and state.boot == 1, state.snapshot
+    assert took < 15, f"warm start took {took:.1f} s"  # ~1 s unloaded: see bench/snapshot.py
+    replay, _ = await _probe(second.shared / "console.sock")
+    assert "VMSIDECAR-READY" in replay
+
+
+async def test_snapshot_off_and_a_corrupt_snapshot_boot_cold(start_runtime: Any, tiny_image: Any,
+                                                              image_cache: Path) -> None:
+    off = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}, name="off")
+    state = await off.client().wait_ready(240)
+    assert state.snapshot.boot == "cold" and state.snapshot.reason == "snapshot: off in the spec"
+    await off.client().recycle()
+    state = await off.client().wait_ready(240)
+    assert state.snapshot.boot == "cold"
+    off.stop()
+
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "cpus": 2}  # a key of its own
+    rt = await start_runtime(spec, name="corrupt")
+    await rt.client().wait_ready(240)
+    snaps = [p for p in (image_cache / "snapshots").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    memory = max((p / "memory" for p in snaps), key=lambda p: p.stat().st_mtime)
+    memory.chmod(0o644)
+    data = bytearray(memory.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4096] = b"\xa5" * 4096
+    memory.write_bytes(bytes(data[: len(data) * 3 // 4]))  # damaged and truncated
+    await rt.client().recycle()
+    state = await rt.client().wait_ready(240)
+    assert state.snapshot.boot == "cold" and "refused" in (state.snapshot.reason or ""), state.snapshot
+    await rt.client().recycle()  # the cold boot captured a new one
+    state = await rt.client().wait_ready(240)
+    assert state.snapshot.boot == "restored", state.snapshot
+    await asyncio.sleep(0)
