@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import GenerationChangedError, GuestError, SpecError, VmsidecarError
+from vmsidecar_contract.errors import GuestError, SpecError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, ExitInfo, Phase, Timings, VmState, require
 
@@ -30,6 +30,7 @@ from ..plan import BootPlan
 from ..snapshots import CONSOLES, Snapshot
 from .disk_ops import DiskOperations
 from .disks import Disks
+from .lease_ops import LeaseOperations
 from .paths import RuntimePaths
 from .readiness import ReadinessWatch
 from .snapshot_ops import SnapshotOperations
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 RESET_COALESCE_S = 1.0
 
 
-class VmController(DiskOperations, SnapshotOperations):
+class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
     """Owns one VM: its spec, disks, backend process, streams and phase."""
 
     def __init__(
@@ -402,49 +403,6 @@ class VmController(DiskOperations, SnapshotOperations):
             tail = " | ".join(info.stderr_tail[-3:]) or "no output"
             self._fail(Phase.CRASHED, GuestError(
                 f"{backend.label} died unexpectedly ({how}; stderr: {tail}); power on again to recover"))
-
-    # ---- leases --------------------------------------------------------------------------
-    async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
-        """Back to pristine: guest stopped, overlay and flashed disks discarded, consoles cleared,
-        generation bumped; then boot a fresh overlay of the spec's image.
-
-        :raise GenerationChangedError: when ``if_generation`` is no longer the current one (an
-            earlier recycle already happened, e.g. the next lease claimed the VM first).
-        """
-        async with self._lock:
-            if if_generation is not None and if_generation != self.generation:
-                raise GenerationChangedError(
-                    f"generation {if_generation} was already recycled (now {self.generation}); nothing to do")
-            await self._recycle_locked(boot=boot)
-            return self.state()
-
-    async def claim(self) -> VmState:
-        """Start a lease: the caller gets a generation no earlier lease has used.
-
-        A generation already claimed (the previous lease's recycle has not run yet) is recycled
-        first, so a new lease never sees the previous one, whatever order the exporter closes
-        and opens its driver trees in.
-        """
-        async with self._lock:
-            if self._claimed:
-                await self._recycle_locked(boot=True)
-            self._claimed = True
-            self.events.publish("claimed", generation=self.generation)
-            return self.state()
-
-    async def _recycle_locked(self, *, boot: bool) -> None:
-        await self._stop_backend(graceful=False)
-        await self.disks.discard_lease()
-        self.streams.clear_for_next_lease()
-        self._timings = Timings()
-        self._last_error = None
-        self._last_exit = None
-        self._claimed = False
-        self.events.generation += 1
-        self._set_phase(Phase.STOPPED, reason="recycled")
-        self.events.publish("recycled", generation=self.generation)
-        if boot and self.spec is not None and self.spec.image:
-            await self._boot()
 
     async def shutdown(self) -> None:
         """Stop the guest and ask the runtime process to exit 0 (ExitAndReplace)."""
