@@ -18,6 +18,9 @@ from . import errors
 from .spec import VmSpec
 from .state import VmState
 
+#: how long a Stopped VM is given to start booting before ``wait_ready`` gives up
+STOPPED_GRACE_S = 5.0
+
 
 class RuntimeUnavailableError(errors.VmsidecarError):
     """The runtime's API socket is missing or does not answer."""
@@ -205,20 +208,29 @@ class RuntimeClient:
         except RuntimeUnavailableError:
             return False
 
-    async def wait_ready(self, timeout: float = 300.0, *, poll: float = 0.25) -> VmState:
+    async def wait_ready(self, timeout: float = 300.0, *, poll: float = 0.25,
+                         stopped_grace: float = STOPPED_GRACE_S) -> VmState:
         """Poll until the VM is Ready.
 
-        :raise GuestError: when it ends in Error/Crashed/Stopped instead (with the runtime's message).
+        :raise GuestError: when it ends in Error/Crashed instead (with the runtime's message), or
+            stays Stopped for ``stopped_grace`` seconds (nothing will boot it).
         :raise TimeoutError: when it is not Ready in time.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        stopped_since: float | None = None
         while True:
             state = await self.state()
             if state.phase.value == "Ready":
                 return state
             if state.phase.value in ("Error", "Crashed") and state.last_error:
                 raise error_from_body(state.last_error, 500)
+            # Stopped is also the moment between a start (or a recycle) and its boot: only a
+            # Stopped that lasts means no boot is coming.
+            stopped_since = (stopped_since or loop.time()) if state.phase.value == "Stopped" else None
+            if stopped_since is not None and loop.time() - stopped_since > stopped_grace:
+                raise errors.GuestError(f"the VM is {state.phase.value} and nothing is booting it; power it on "
+                                        "(j vm power on, or POST /v1/vm/power {\"action\": \"on\"})")
             if loop.time() > deadline:
                 raise TimeoutError(f"VM not Ready after {timeout:.0f} s (phase {state.phase.value})")
             await asyncio.sleep(poll)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import GuestError, SpecError, VmsidecarError
+from vmsidecar_contract.errors import GuestError, HostError, SpecError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, ExitInfo, Phase, Timings, VmState, require
 
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: RESET events this soon after a boot started belong to that boot (see ``_is_new_boot``)
 RESET_COALESCE_S = 1.0
+#: launches tried when a forward's host port is taken between its choice and QEMU's bind
+PORT_ATTEMPTS = 3
 
 
 class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
@@ -237,14 +239,29 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
                         run_dir=self.paths.run, ports=ports.allocate(spec.network.forwards),
                         firmware=prepare_firmware(spec, self.paths.state), incoming=incoming)
 
-    async def _launch(self, plan: BootPlan) -> None:
-        """Start the backend paused, attach every stream, then let the guest run."""
-        self._plan = plan
-        self._expect_exit = False
-        self._last_exit = None
-        self._backend = self._backend_factory(plan, self._on_backend_event)
-        await self.streams.before_launch(plan)
-        await self._backend.launch()
+    async def _launch(self, overlay: Path, incoming: Path | None = None) -> None:
+        """Start the backend paused, attach every stream, then let the guest run.
+
+        A free host port for a forward is only free until QEMU binds it: another process may take
+        it in between. QEMU then refuses the forwarding rule and exits; the launch is retried on
+        new ports.
+        """
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            plan = self._new_plan(overlay, incoming)
+            self._plan = plan
+            self._expect_exit = False
+            self._last_exit = None
+            self._backend = self._backend_factory(plan, self._on_backend_event)
+            await self.streams.before_launch(plan)
+            try:
+                await self._backend.launch()
+                break
+            except HostError as e:
+                if "host forwarding rule" not in e.message or attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("a forward's host port was taken before QEMU bound it; retrying on new ports")
+                await self._quiet_stop()
+        assert self._backend is not None
         await self.streams.attach(plan)
         await self._backend.resume()
         assert self._accel is not None
@@ -252,20 +269,20 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
 
     async def _cold_boot(self) -> None:
         """Boot the guest from its disk; the readiness watch decides when it is Ready."""
-        plan = self._new_plan(await self.disks.overlay())
+        overlay = await self.disks.overlay()
         self._begin_boot("power-on")
         self.snapshot_info = self.snapshot_info.model_copy(update={"boot": "cold"})
-        await self._launch(plan)
+        await self._launch(overlay)
         self._readiness.arm(self._require_spec(), self.streams.hubs)
 
     async def _launch_restored(self, snap: Snapshot, *, new_boot: bool = True) -> None:
         """Run from a memory snapshot: a fresh overlay on its frozen disk; a new boot shows the
         pristine boot's scrollback (a capture continues the boot it interrupted)."""
-        plan = self._new_plan(await self.disks.overlay(self._overlay_backing(snap)), snap.memory)
+        overlay = await self.disks.overlay(self._overlay_backing(snap))
         if new_boot:
             self._begin_boot("restore")
             self.streams.preload({name: snap.console(name) for name in CONSOLES})
-        await self._launch(plan)
+        await self._launch(overlay, snap.memory)
 
     async def power_off(self, *, graceful: bool = True, timeout: float = 60.0) -> VmState:
         """Power the guest off: ACPI first when graceful (bounded by ``timeout``), then quit."""
