@@ -132,7 +132,7 @@ async def test_native_can_refused_by_the_runtime_api(can_vm: tuple[Any, Any]) ->
     rt, _ = can_vm
     async with rt.client() as c:
         with pytest.raises(SpecError, match="mode: slcan"):
-            await c.put_spec(load_spec({"image": "file:/x", "can": [{"name": "bus0", "mode": "native",
+            await c.put_spec(load_spec({"image": "registry.example/vm:1", "can": [{"name": "bus0", "mode": "native",
                                                                       "host_interface": "vcan0"}]}))
 
 
