@@ -51,7 +51,7 @@ class GuestStreams:
     async def before_launch(self, plan: BootPlan) -> None:
         """QEMU asks the vhost-user GPIO backend for its config while it realizes the device."""
         if self.gpio is not None:
-            await self.gpio.start_vhost(plan.run_dir / "gpio-vhost.sock")
+            await self.gpio.start_vhost(plan.gpio_socket)
 
     async def attach(self, plan: BootPlan) -> None:
         """Drain every stream from the backend's private sockets (the guest is still paused).
