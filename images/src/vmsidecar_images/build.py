@@ -2,10 +2,13 @@
 
 Layout of one build (``<cache>/<name>-<arch>-<hash12>/``)::
 
-    disk.qcow2     bootable BIOS disk (x86_64): MBR, p1 FAT16 syslinux+kernel+initrd, p2 ext4 vmdata
+    disk.qcow2     bootable BIOS disk (x86_64): MBR, p1 FAT16 syslinux+kernel+initrd, p2 ext4
+                   (tiny: the vmdata partition; debian: the root file system)
     vmlinuz        the kernel, for direct kernel boot
-    initrd.gz      the busybox initramfs
+    initrd.gz      the initramfs (tiny: the whole busybox guest; debian: Debian's initramfs-tools)
     manifest.json  inputs, pins, file hashes, timings, readiness marker and prompt
+
+The recipe's ``builder`` decides the steps: ``initramfs`` (here) or ``debian`` (:mod:`.debian`).
 
 A directory only exists under its final name once complete (built next to it, then renamed).
 """
@@ -17,14 +20,15 @@ import fcntl
 import json
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmsidecar_contract.arch import normalize_arch
 
-from . import debs, disk, extras, initramfs
+from . import debian, debs, disk, extras, initramfs
 from .errors import BuildError
 from .recipe import BUILDER_FORMAT, SOURCE_DATE_EPOCH, Recipe, load_recipe
 
@@ -134,6 +138,26 @@ def build_image(
     return BuiltImage.load(final)
 
 
+def lock_recipe(name: str, arch: str = "x86_64") -> dict[str, tuple[str | None, str | None]]:
+    """Re-resolve a bootstrapped recipe's packages and rewrite its snapshot in ``versions.toml``.
+
+    Returns what changed, ``package -> (old, new)``; the next build is a new cache entry.
+
+    :raise BuildError: for a recipe without a snapshot (tiny pins each package by hand).
+    """
+    arch = normalize_arch(arch)
+    recipe = load_recipe(name)
+    if recipe.builder != "debian":
+        raise BuildError(
+            f"recipe {name!r} pins each package by hand in {recipe.versions_file}; only bootstrapped "
+            "recipes (builder = \"debian\") have a package snapshot to lock"
+        )
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".relock-{name}-") as tmp:
+        return debian.lock(name, arch, Path(tmp))
+
+
 def _check_label(label: str) -> None:
     ok = label and len(label) <= 63 and all(c.isalnum() or c in "-_." for c in label)
     if not ok:
@@ -143,19 +167,57 @@ def _check_label(label: str) -> None:
 
 
 def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash: str) -> None:
-    t0 = time.monotonic()
+    """Run the recipe's builder in ``out`` and write the manifest (fields shared by every builder)."""
+    t0 = last = time.monotonic()
     steps: dict[str, float] = {}
 
-    def step(label_: str, since: float) -> float:
+    def step(name: str) -> None:
+        nonlocal last
         now = time.monotonic()
-        steps[label_] = round(now - since, 3)
-        return now
+        steps[name] = round(now - last, 3)
+        last = now
 
+    work = out / "work"
+    work.mkdir()
+    if recipe.builder == "debian":
+        specific = debian.build(work, recipe=recipe, arch=arch, label=label, disk_out=out / DISK,
+                                kernel_out=out / KERNEL, initrd_out=out / INITRD, step=step)
+    else:
+        specific = _build_initramfs_guest(out, work, recipe=recipe, arch=arch, label=label, step=step)
+    shutil.rmtree(work)
+    hashes = {}
+    for fname in (DISK, KERNEL, INITRD):
+        path = out / fname
+        hashes[fname] = {"sha256": debs.sha256_file(path), "size": path.stat().st_size}
+    manifest = {
+        "name": recipe.name,
+        "arch": arch,
+        "label": label,
+        "input_hash": input_hash,
+        "builder_format": BUILDER_FORMAT,
+        "source_date_epoch": SOURCE_DATE_EPOCH,
+        **specific,
+        "files": hashes,
+        "ready_marker": recipe.ready_marker,
+        "ready_regex": rf"{recipe.ready_marker} image=(?P<label>\S+) uptime=(?P<uptime>[0-9.]+)",
+        "prompt": recipe.prompt,
+        "build_seconds": round(time.monotonic() - t0, 3),
+        "build_steps": steps,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    for fname in (DISK, KERNEL, INITRD, MANIFEST):
+        os.chmod(out / fname, 0o444)  # the cache is read-only: boots use overlays
+
+
+def _build_initramfs_guest(
+    out: Path, work: Path, *, recipe: Recipe, arch: str, label: str, step: Callable[[str], None]
+) -> dict[str, object]:
+    """The tiny guest: busybox initramfs (+ tools, out-of-tree modules) on the BIOS disk."""
     pins = recipe.arch_pins(arch)
     arch_cfg = recipe.arch_config(arch)
     release = pins.kernel_release
-    work = out / "work"
-    work.mkdir()
+    if pins.busybox is None:
+        raise BuildError(f"{recipe.versions_file} pins no busybox for {arch}")
 
     # 1. pinned packages (cached .debs) -> extracted trees
     kernel_deb = debs.fetch(pins.kernel, pins.deb_arch, versions_file=recipe.versions_file)
@@ -163,14 +225,13 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     fallback_busybox = None
     if pins.deb_arch != debs._host_deb_arch():
         host_pins = next((p for p in recipe.pins.values() if p.deb_arch == debs._host_deb_arch()), None)
-        if host_pins is not None:
+        if host_pins is not None and host_pins.busybox is not None:
             host_bb = debs.fetch(host_pins.busybox, host_pins.deb_arch, versions_file=recipe.versions_file)
             fallback_busybox = debs.extract(host_bb, work / "busybox-host") / "bin" / "busybox"
-    t = step("download", t0)
+    step("download")
     kernel_root = debs.extract(kernel_deb, work / "kernel")
     busybox_root = debs.extract(busybox_deb, work / "busybox")
-    t = step("extract", t)
-
+    step("extract")
     # 2. out-of-tree modules (gpio-virtio), then the initramfs with the guest tools
     oot: list[Path] = []
     oot_sources = list(recipe.config.get("module_build", {}).get("sources", []))
@@ -180,7 +241,7 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
                                      versions_file=recipe.versions_file, work=work, dest=work / "oot",
                                      patches=patches)
         oot = [work / "oot" / f"{n}.ko" for n in names]
-        t = step("modules", t)
+        step("modules")
     stage_dir = work / "initramfs"
     facts = initramfs.stage(
         recipe=recipe,
@@ -202,7 +263,7 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     if not vmlinuz.is_file():
         raise BuildError(f"{pins.kernel.package} has no boot/vmlinuz-{release}; check the kernel pin")
     shutil.copyfile(vmlinuz, out / KERNEL)
-    t = step("initramfs", t)
+    step("initramfs")
 
     # 3. disk: p1 FAT16 (syslinux, kernel, initrd), p2 ext4 (vmdata), MBR, qcow2
     dcfg = recipe.config["disk"]
@@ -241,20 +302,9 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     )
     disk.assemble(raw, layout=layout, boot=boot_img, data=data_img, bootable=bootable)
     disk.to_qcow2(raw, out / DISK, compress=bool(arch_cfg.get("qcow2_compress", False)))
-    t = step("disk", t)
+    step("disk")
 
-    shutil.rmtree(work)
-    hashes = {}
-    for fname in (DISK, KERNEL, INITRD):
-        path = out / fname
-        hashes[fname] = {"sha256": debs.sha256_file(path), "size": path.stat().st_size}
-    manifest = {
-        "name": recipe.name,
-        "arch": arch,
-        "label": label,
-        "input_hash": input_hash,
-        "builder_format": BUILDER_FORMAT,
-        "source_date_epoch": SOURCE_DATE_EPOCH,
+    return {
         "pins": pins.as_dict(),
         "debs": {
             "kernel": {"file": kernel_deb.name, "sha256": debs.sha256_file(kernel_deb)},
@@ -268,16 +318,7 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
             "partitions": _partitions(layout, bootable=bootable, data_label=str(dcfg["data_label"])),
         },
         "guest": facts,
-        "files": hashes,
-        "ready_marker": recipe.ready_marker,
-        "ready_regex": rf"{recipe.ready_marker} image=(?P<label>\S+) uptime=(?P<uptime>[0-9.]+)",
-        "prompt": recipe.prompt,
-        "build_seconds": round(time.monotonic() - t0, 3),
-        "build_steps": steps,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    for fname in (DISK, KERNEL, INITRD, MANIFEST):
-        os.chmod(out / fname, 0o444)  # the cache is read-only: boots use overlays
 
 
 def _partitions(layout: disk.Layout, *, bootable: bool, data_label: str) -> list[dict]:

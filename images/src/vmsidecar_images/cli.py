@@ -8,7 +8,7 @@ import sys
 
 from vmsidecar_contract.errors import VmsidecarError
 
-from .build import build_image, cache_root, list_images
+from .build import build_image, cache_root, list_images, lock_recipe
 from .recipe import available_recipes
 
 
@@ -22,6 +22,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="cache root for this build (default $VMSIDECAR_IMAGE_CACHE or ~/.cache)")
     b.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     b.add_argument("--json", action="store_true", help="print the manifest instead of the directory")
+    lk = sub.add_parser("lock", help="re-resolve a bootstrapped recipe's packages (debian) and rewrite the "
+                        "snapshot in its versions.toml")
+    lk.add_argument("name", help="recipe name (debian)")
+    lk.add_argument("--arch", default="x86_64")
+    lk.add_argument("--out", help="where the temporary bootstrap goes (default: the image cache root)")
     ls = sub.add_parser("list", help="list the cached builds")
     ls.add_argument("--out", help="cache root to list")
     ls.add_argument("--json", action="store_true")
@@ -41,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({**image.manifest, "dir": str(image.dir)}, indent=2, sort_keys=True))
             else:
                 print(image.dir)
+        elif args.command == "lock":
+            changes = lock_recipe(args.name, arch=args.arch)
+            for package, (old, new) in changes.items():
+                print(f"{package}: {old or '-'} -> {new or '-'}")
+            print(f"{len(changes)} package(s) changed", file=sys.stderr)
         elif args.command == "list":
             images = list_images()
             if args.json:

@@ -132,23 +132,50 @@ def fix_fat_root_timestamps(image: Path, epoch: int) -> None:
         f.write(root)
 
 
-def make_data_partition(out: Path, *, layout: Layout, label: str, content: Path, mke2fs_conf: Path) -> None:
-    """ext4 in a file, populated from ``content`` with ``mkfs.ext4 -d`` (no root, no mount)."""
-    for path in [content, *content.rglob("*")]:
-        os.utime(path, (SOURCE_DATE_EPOCH, SOURCE_DATE_EPOCH), follow_symlinks=False)
+def tree_paths(content: Path) -> list[str]:
+    """Every path below ``content`` as ``/rel/path`` (symlinks listed, never followed), sorted."""
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(content):  # os.walk does not descend into dir symlinks
+        base = Path(dirpath)
+        paths += ["/" + (base / n).relative_to(content).as_posix() for n in (*dirnames, *filenames)]
+    return sorted(paths)
+
+
+def make_data_partition(
+    out: Path,
+    *,
+    layout: Layout,
+    label: str,
+    content: Path,
+    mke2fs_conf: Path,
+    uuid: str = EXT4_UUID,
+    hash_seed: str = EXT4_HASH_SEED,
+    inode_fixes: list[str] | None = None,
+) -> None:
+    """ext4 in a file, populated from ``content`` with ``mkfs.ext4 -d`` (no root, no mount).
+
+    Every timestamp becomes ``SOURCE_DATE_EPOCH``. ``inode_fixes`` are extra ``debugfs`` commands
+    run afterwards, e.g. owners and modes an unprivileged build could not give the source files.
+    """
+    paths = tree_paths(content)
+    for rel in [*reversed(paths), "/"]:  # children before their directory (utime of a child is no change)
+        os.utime(content / rel.lstrip("/"), (SOURCE_DATE_EPOCH, SOURCE_DATE_EPOCH), follow_symlinks=False)
     run(
         [
-            "mkfs.ext4", "-q", "-F", "-L", label, "-U", EXT4_UUID,
-            "-E", f"root_owner=0:0,hash_seed={EXT4_HASH_SEED},nodiscard,lazy_itable_init=0",
+            "mkfs.ext4", "-q", "-F", "-L", label, "-U", uuid,
+            "-E", f"root_owner=0:0,hash_seed={hash_seed},nodiscard,lazy_itable_init=0",
             "-d", str(content), str(out), f"{layout.data_mib}M",
         ],
-        what="create the ext4 data file system",
+        what="create the ext4 file system",
         env={**_fixed_env(), "MKE2FS_CONFIG": str(mke2fs_conf)},
     )  # fmt: skip
     # mkfs -d copies each source file's ctime, which utime cannot set: stamp them afterwards
     stamp = time.strftime("%Y%m%d%H%M%S", time.gmtime(SOURCE_DATE_EPOCH))
-    paths = ["/", *sorted("/" + p.relative_to(content).as_posix() for p in content.rglob("*"))]
-    commands = "".join(f'set_inode_field "{p}" ctime {stamp}\n' for p in paths)
+    for rel in ["/", *paths]:
+        if '"' in rel or "\n" in rel:
+            raise BuildError(f"{rel!r}: debugfs cannot address a path with a double quote or a newline")
+    commands = "".join(f'set_inode_field "{p}" ctime {stamp}\n' for p in ["/", *paths])
+    commands += "".join(f"{c}\n" for c in inode_fixes or [])
     run(
         ["debugfs", "-w", "-f", "-", str(out)],
         what="fix the ext4 inode times",

@@ -13,7 +13,7 @@ from pathlib import Path
 from .cpio import Entry, char_device, entries_from_tree, write_cpio
 from .debs import run
 from .errors import BuildError
-from .recipe import SOURCE_DATE_EPOCH, Recipe
+from .recipe import SOURCE_DATE_EPOCH, Recipe, guest_file_mode
 
 #: where the lists end up inside the guest (read by /etc/rcS)
 GUEST_MODULES_BOOT = "etc/vmsidecar/modules.boot"
@@ -156,9 +156,7 @@ def stage(
     (stage_dir / "etc" / "group").write_text("root:x:0:\ntty:x:5:\n")
     for path in stage_dir.rglob("*"):  # deterministic permissions whatever the checkout's umask
         if path.is_file() and not path.is_symlink():
-            head = path.read_bytes()[:4]
-            executable = head[:2] == b"#!" or (head == b"\x7fELF" and not path.name.endswith(".ko"))
-            os.chmod(path, 0o755 if executable else 0o644)
+            os.chmod(path, guest_file_mode(path.read_bytes()[:4], path.name))
     return {
         "kernel_release": release,
         "modules_boot": boot,

@@ -18,8 +18,11 @@ BUILDER_FORMAT = 1
 SOURCE_DATE_EPOCH = 1704067200
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
-#: modules whose source is part of the cache key (the CLI is not: it cannot change the output)
-_BUILDER_MODULES = ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py", "extras.py")
+#: modules whose source is part of the cache key, per builder (the CLI is not: it cannot change the output)
+_BUILDER_MODULES = {
+    "initramfs": ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py", "extras.py"),
+    "debian": ("build.py", "debs.py", "disk.py", "recipe.py", "rootfs.py", "debian.py"),
+}
 
 
 def recipes_root() -> Path:
@@ -56,11 +59,14 @@ class ArchPins:
 
     deb_arch: str
     kernel: Pin
-    busybox: Pin
+    #: the initramfs builder's busybox-static; None for a bootstrapped root file system
+    busybox: Pin | None = None
     #: packages the guest tools (and their libraries) are copied from; empty: no tools
     tools: list[Pin] = field(default_factory=list)
     #: source/headers/headers_common/kbuild for out-of-tree modules; empty: none built
     module_build: dict[str, Pin] = field(default_factory=dict)
+    #: every package of a bootstrapped root file system, as resolved (the "debian" builder's snapshot)
+    packages: dict[str, str] = field(default_factory=dict)
 
     @property
     def kernel_release(self) -> str:
@@ -77,12 +83,15 @@ class ArchPins:
         out: dict[str, object] = {
             "deb_arch": self.deb_arch,
             "kernel": {"package": self.kernel.package, "version": self.kernel.version},
-            "busybox": {"package": self.busybox.package, "version": self.busybox.version},
         }
+        if self.busybox:
+            out["busybox"] = {"package": self.busybox.package, "version": self.busybox.version}
         if self.tools:
             out["tools"] = [{"package": p.package, "version": p.version} for p in self.tools]
         if self.module_build:
             out["module_build"] = {k: {"package": p.package, "version": p.version} for k, p in self.module_build.items()}
+        if self.packages:
+            out["packages"] = dict(sorted(self.packages.items()))
         return out
 
 
@@ -98,6 +107,11 @@ class Recipe:
     @property
     def versions_file(self) -> Path:
         return self.dir / "versions.toml"
+
+    @property
+    def builder(self) -> str:
+        """How the recipe is built: ``initramfs`` (busybox, the default) or ``debian`` (mmdebstrap rootfs)."""
+        return str(self.config["recipe"].get("builder", "initramfs"))
 
     @property
     def default_label(self) -> str:
@@ -159,7 +173,7 @@ class Recipe:
         feed("pins", json.dumps(self.arch_pins(arch).as_dict(), sort_keys=True).encode())
         feed("arch", arch.encode())
         feed("label", label.encode())
-        for module in _BUILDER_MODULES:
+        for module in _BUILDER_MODULES[self.builder]:
             feed(f"builder:{module}", (_PACKAGE_DIR / module).read_bytes())
         return h.hexdigest()
 
@@ -174,19 +188,36 @@ def load_recipe(name: str = "tiny") -> Recipe:
         )
     config = tomllib.loads((rdir / "recipe.toml").read_text())
     versions = tomllib.loads((rdir / "versions.toml").read_text())
+    builder = str(config["recipe"].get("builder", "initramfs"))
+    if builder not in _BUILDER_MODULES:
+        raise BuildError(
+            f"recipe {name!r} names builder {builder!r} in {rdir / 'recipe.toml'}; known: {', '.join(_BUILDER_MODULES)}"
+        )
     pins = {}
     for arch, table in versions.items():
         try:
             pins[normalize_arch(arch)] = ArchPins(
                 deb_arch=table["deb_arch"],
                 kernel=Pin(**table["kernel"]),
-                busybox=Pin(**table["busybox"]),
+                busybox=Pin(**table["busybox"]) if builder == "initramfs" else None,
                 tools=[Pin(**t) for t in table.get("tools", [])],
                 module_build={k: Pin(**v) for k, v in table.get("module_build", {}).items()},
+                packages={str(k): str(v) for k, v in table.get("packages", {}).items()},
             )
         except (KeyError, TypeError) as exc:
+            needs = "kernel/busybox" if builder == "initramfs" else "kernel"
             raise BuildError(
                 f"[{arch}] in {rdir / 'versions.toml'} is incomplete ({exc}); it needs deb_arch and "
-                "kernel/busybox = { package = ..., version = ... }"
+                f"{needs} = {{ package = ..., version = ... }}"
             ) from None
     return Recipe(name=name, dir=rdir, config=config, pins=pins)
+
+
+def guest_file_mode(head: bytes, name: str) -> int:
+    """Mode of a file put into a guest: scripts (``#!``) and ELF programs 0755, anything else 0644.
+
+    Content decides, not the checkout's bits (wheels and umasks differ). Kernel modules are ELF but
+    not programs.
+    """
+    executable = head[:2] == b"#!" or (head[:4] == b"\x7fELF" and not name.endswith(".ko"))
+    return 0o755 if executable else 0o644
