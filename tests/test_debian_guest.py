@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from fixtures.runtime import events_until
 from guestio import Console
-from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_images import disk, rootfs
 from vmsidecar_images.build import BuiltImage, build_image
 from vmsidecar_images.recipe import load_recipe
@@ -187,19 +187,6 @@ async def _open_console(path: Path, timeout: float = 30) -> Console:
             await asyncio.sleep(0.1)
 
 
-async def _events_until(client: RuntimeClient, types: list[str], stop: str, timeout: float) -> list[dict]:
-    seen: list[dict] = []
-
-    async def collect() -> None:
-        async for event in client.events(types):
-            seen.append(event)
-            if event["type"] == stop:
-                return
-
-    await asyncio.wait_for(collect(), timeout)
-    return seen
-
-
 async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, debian_image: BuiltImage) -> None:
     rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G"})
     client = rt.client()
@@ -235,7 +222,7 @@ async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, d
     await hvc0.close()
 
     # graceful off: QMP system_powerdown -> ACPI power button -> logind -> poweroff
-    events = asyncio.create_task(_events_until(client, ["guest.powerdown_requested", "guest.powered_off"],
+    events = asyncio.create_task(events_until(client, ["guest.powerdown_requested", "guest.powered_off"],
                                                "guest.powered_off", timeout=90))
     await asyncio.sleep(0.2)
     t0 = time.monotonic()

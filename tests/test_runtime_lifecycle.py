@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.runtime import BACKENDS
+from fixtures.runtime import BACKENDS, events_until
 from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import GenerationChangedError
@@ -22,19 +22,6 @@ pytestmark = pytest.mark.timeout(600)
 
 def _spec(image: str, **extra: Any) -> dict[str, Any]:
     return {"image": image, "memory": "256M", **extra}
-
-
-async def _events_until(client: RuntimeClient, types: list[str], stop: str, timeout: float = 60) -> list[dict]:
-    seen: list[dict] = []
-
-    async def collect() -> None:
-        async for event in client.events(types):
-            seen.append(event)
-            if event["type"] == stop:
-                return
-
-    await asyncio.wait_for(collect(), timeout)
-    return seen
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -53,7 +40,7 @@ async def test_registry_boot_without_exporter_graceful_and_hard_off(
     await hvc0.expect("VMSIDECAR-READY image=tiny")  # the marker on the second console too
 
     # graceful off: the guest sees the ACPI power button and shuts itself down
-    events = asyncio.create_task(_events_until(client, ["guest.powerdown_requested", "guest.powered_off", "phase"],
+    events = asyncio.create_task(events_until(client, ["guest.powerdown_requested", "guest.powered_off", "phase"],
                                                "guest.powered_off"))
     await asyncio.sleep(0.2)
     state = await client.power("off", graceful=True, timeout=60)
@@ -65,7 +52,7 @@ async def test_registry_boot_without_exporter_graceful_and_hard_off(
     # hard off: no ACPI, QEMU is simply ended
     await client.power("on")
     await client.wait_ready(180)
-    events = asyncio.create_task(_events_until(client, ["guest.powerdown_requested", "phase"], "phase", timeout=60))
+    events = asyncio.create_task(events_until(client, ["guest.powerdown_requested", "phase"], "phase", timeout=60))
     await asyncio.sleep(0.2)
     state = await client.power("off", graceful=False)
     assert state.phase.value == "Stopped"

@@ -13,17 +13,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
-import io
 import os
 import secrets
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
 
 from .image import checks  # a module: this one has its own async check_image
-from .image.decompress import open_decompressed
+from .image.decompress import ChunkStream, open_decompressed
 from .image.limits import DEFAULT_LIMITS, Limits, Origin
 from .image.sniff import DiskFormat
 from .image.write import write_disk
@@ -41,6 +40,8 @@ class DiskImage:
     format: str  # "qcow2" | "raw"
     digest: str  # "sha256:…" of the uncompressed content
     source: str  # the reference or "flash"
+    #: the image's ``io.vmsidecar.*`` annotations (readiness); none for files and flashed streams
+    annotations: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 async def run_tool(*argv: str) -> tuple[int, str, str]:
@@ -96,7 +97,7 @@ class ReceivedImage:
     compression: str | None
 
 
-class _AsyncChunks(io.RawIOBase):
+class _AsyncChunks(ChunkStream):
     """A blocking reader over an async byte stream, for the worker thread that writes the image.
 
     The image pipeline (:mod:`.image`) reads; the request body arrives on the event
@@ -114,13 +115,6 @@ class _AsyncChunks(io.RawIOBase):
         self._abandoned = False
         self.count = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
 
     def read(self, size: int = -1) -> bytes:
         """Up to ``size`` bytes; a whole chunk is handed on as it is (no copy)."""

@@ -29,6 +29,21 @@ _ZSTD_SLICE = 1 * KIB
 _ZSTD_MAX_WINDOW = 1 << 31
 
 
+class ChunkStream(io.RawIOBase):
+    """A raw stream whose subclasses implement ``read`` (handing on whole chunks without a copy);
+    ``readinto``, which the io machinery calls, goes through it."""
+
+    def readable(self) -> bool:
+        """Always: these streams are read-only."""
+        return True
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        """Fill ``buffer`` from ``read``."""
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
 class _Prefixed(io.RawIOBase):
     """``head`` (already read to sniff it) followed by the rest of ``rest``."""
 
@@ -95,7 +110,7 @@ class _ZstdReader(io.RawIOBase):
         return n
 
 
-class _Decoded(io.RawIOBase):
+class _Decoded(ChunkStream):
     """The decompressed stream: counts it against the limit and turns decoder errors into ImageError."""
 
     def __init__(self, inner: BinaryIO, compression: Compression | None, origin: Origin, limits: Limits) -> None:
@@ -106,13 +121,6 @@ class _Decoded(io.RawIOBase):
         self._limits = limits
         self.count = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
 
     def read(self, size: int = -1) -> bytes:
         """Up to ``size`` decompressed bytes (overridden to hand them on without another copy)."""
