@@ -30,13 +30,15 @@ async def test_runtime_down_then_back_and_restarted_mid_session(
     assert "the vmsidecar runtime is not reachable" in result.stderr and "does not exist" in result.stderr
     assert exp.proc.poll() is None  # the exporter keeps running
 
-    rt = await start_runtime(None, name="rt")  # no spec of its own: the driver hands over its spec
+    # no spec of its own: the driver hands over its spec, whose file: image the admin allowed
+    allow = ["--allow-host-paths", str(tiny_image.disk.parent)]
+    rt = await start_runtime(None, name="rt", extra_args=allow)
     result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm power on", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:] + exp.log_text()[-3000:]
     await rt.client().wait_ready(180)
 
     await asyncio.to_thread(rt.stop, signal.SIGTERM, 60)  # the runtime restarts mid-session
-    rt = await start_runtime(None, name="rt")
+    rt = await start_runtime(None, name="rt", extra_args=allow)
     result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm power on\nj vm power read", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:] + exp.log_text()[-3000:]
     assert "voltage=5.0" in result.stdout

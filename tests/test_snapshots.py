@@ -55,7 +55,9 @@ async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
 async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
     start_runtime: Any, tiny_image: Any, backend: str
 ) -> None:
-    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"}, backend=backend)
+    # a channel no other test's spec has: a snapshot key of its own, so this first boot captures
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "isolation"}]}
+    rt = await start_runtime(spec, backend=backend)
     client = rt.client()
     first = await client.wait_ready(240)
     console = rt.shared / "console.sock"
@@ -86,7 +88,7 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
 
 
 async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image: Any) -> None:
-    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "cpus": 1}
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "warm"}]}
     first = await start_runtime(spec, name="first")
     await first.client().wait_ready(240)
     assert (await first.client().state()).snapshot.available
