@@ -242,10 +242,6 @@ class QemuBackend:
         """Hard reset the guest, like a reset button."""
         await self._execute("system_reset")
 
-    async def status(self) -> str:
-        """QEMU's run state (``running``, ``paused``, ``shutdown`` …)."""
-        return str((await self._execute("query-status"))["status"])
-
     @property
     def alive(self) -> bool:
         """Whether the QEMU process is still running."""

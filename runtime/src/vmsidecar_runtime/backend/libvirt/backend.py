@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -221,19 +220,6 @@ class LibvirtBackend:
         except HostError:
             self._own_resets = max(0, self._own_resets - 1)
             raise
-
-    async def qmp(self, command: str, **arguments: Any) -> Any:
-        """A QMP command through libvirt, for what libvirt has no API for."""
-        import libvirt_qemu
-
-        dom = self._require_dom()
-        cmd = json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})})
-        answer = await self._call(f"run {command}", lambda: libvirt_qemu.qemuMonitorCommand(dom, cmd, 0))
-        return json.loads(answer).get("return")
-
-    async def status(self) -> str:
-        """QEMU's run state (``running``, ``paused`` …), as the direct backend reports it."""
-        return str((await self.qmp("query-status"))["status"])
 
     @property
     def alive(self) -> bool:
