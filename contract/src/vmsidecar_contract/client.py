@@ -98,7 +98,7 @@ class RuntimeClient:
 
     async def put_spec(self, spec: VmSpec | dict[str, Any]) -> VmState:
         """``PUT /v1/vm/spec`` (idempotent)."""
-        data = spec.model_dump(mode="json") if isinstance(spec, VmSpec) else spec
+        data = spec.to_json() if isinstance(spec, VmSpec) else spec  # keeps what readiness leaves unset
         return VmState.model_validate(await self._request("PUT", "/v1/vm/spec", json=data))
 
     # ---- power ---------------------------------------------------------------------------

@@ -147,6 +147,7 @@ class ImageError(VmsidecarError):
         "blob_not_found": "a blob the manifest names is missing",
         "manifest_not_found": "no such manifest",
         "unknown_form": "vmsidecar-oci push: a form other than artifact or containerdisk",
+        "bad_readiness": "the image's io.vmsidecar.readiness.* annotations are not valid readiness settings",
     }
 
 

@@ -27,8 +27,20 @@ from pydantic.alias_generators import to_camel
 from .arch import host_arch, normalize_arch
 from .errors import SpecError
 
-#: What the tiny guest prints on ttyS0 and hvc0 once it is up.
-DEFAULT_READY_PATTERN = r"VMSIDECAR-READY"
+#: What vmsidecar's own guests print on ttyS0 and hvc0 once they are up.
+READY_MARKER = "VMSIDECAR-READY"
+#: Readiness when neither the spec nor the image says anything (docs/decisions.md): our marker, a
+#: getty's login prompt ("debian login: ", also with autologin), or a shell prompt ending in "# " or
+#: "$ " as the last thing on the console (busybox's line editing may follow it with a terminal
+#: query, ESC[6n) — except dracut's emergency shell, a failed boot.
+DEFAULT_READY_PATTERN = READY_MARKER + r"|\blogin: |(?m:^(?!dracut)[^\r\n]{0,80}[#$] (?:\x1b\[[0-9;?]*[A-Za-z])*\Z)"
+#: OCI annotations by which an image states its own readiness (manifest or index entry), read at
+#: pull time and used for every field the spec leaves unset.
+READINESS_ANNOTATIONS = {
+    "pattern": "io.vmsidecar.readiness.pattern",
+    "console": "io.vmsidecar.readiness.console",
+    "timeout": "io.vmsidecar.readiness.timeout",
+}
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*(?:([KMGT])(?:i?B)?|(B))?\s*$", re.IGNORECASE)
 _UNIT_SHIFT = {"K": 10, "M": 20, "G": 30, "T": 40}
@@ -100,16 +112,33 @@ class Network(_Model):
 
 
 class Readiness(_Model):
-    """When the guest counts as ready: a regex seen on a console, or as soon as it runs."""
+    """When the guest counts as ready: a regex seen on a console, or as soon as it runs.
 
+    A field the spec leaves out is taken from the image's ``io.vmsidecar.readiness.*`` annotations,
+    else from these defaults; ``pattern: null`` (Ready as soon as the guest runs) is not the same
+    as leaving the pattern out.
+    """
+
+    # "Leaves out" is pydantic's model_fields_set, not a sentinel value: so two settings are equal
+    # only when they also set the same fields, and the wire form keeps unset fields out (to_json).
+
+    #: null or empty: Ready as soon as the guest runs
     pattern: str | None = Field(default=DEFAULT_READY_PATTERN, max_length=1024)
     console: Literal["ttyS0", "hvc0"] = "ttyS0"
     #: Seconds from power-on; generous because TCG guests boot 5-40 s.
     timeout: float = Field(default=300.0, gt=0, le=3600)
 
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and self.model_fields_set == getattr(other, "model_fields_set", None)
+
+    def __hash__(self) -> int:
+        return hash((self.pattern, self.console, self.timeout, frozenset(self.model_fields_set)))
+
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern == "":
+            return None  # an empty regex would match at once: say so plainly
         if pattern is not None:
             try:
                 re.compile(pattern.encode())
@@ -225,6 +254,13 @@ class VmSpec(_Model):
             raise ValueError(f"channel and CAN bus names share one namespace; {sorted(dup)} repeat")
         return self
 
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form for the wire (API, events): every field, but of ``readiness`` only the
+        fields this spec sets, so the receiver still tells "says nothing" from a value."""
+        data = self.model_dump(mode="json")
+        data["readiness"] = self.readiness.model_dump(mode="json", exclude_unset=True)
+        return data
+
 
 def _format_errors(err: ValidationError) -> str:
     parts = []
@@ -266,6 +302,18 @@ def load_spec_text(text: str, source: str = "spec") -> VmSpec:
 
 #: Top-level scalar fields settable as VMSIDECAR_<FIELD> environment variables.
 ENV_FIELDS = ("image", "arch", "machine", "cpus", "memory", "accel", "firmware", "backend", "libvirt_uri")
+#: Readiness fields settable as VMSIDECAR_READY_<FIELD> (and ``--ready-<field>`` flags).
+READY_ENV_FIELDS = ("pattern", "console", "timeout")
+
+
+def _merge(data: dict[str, Any], layer: dict[str, Any]) -> None:
+    """Apply one source's fields over ``data``; ``readiness`` merges field by field, so a layer
+    that sets only the timeout keeps the pattern of the layer below."""
+    for key, value in layer.items():
+        if key == "readiness" and isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
 
 
 def spec_from_sources(
@@ -288,10 +336,18 @@ def spec_from_sources(
         value = env.get(f"VMSIDECAR_{name.upper()}")
         if value:
             data[name] = value
+    # an empty VMSIDECAR_READY_PATTERN is a value (Ready as soon as the guest runs), not "unset"
+    ready = {name: value for name in READY_ENV_FIELDS
+             if (value := env.get(f"VMSIDECAR_READY_{name.upper()}")) is not None and (value or name == "pattern")}
+    if ready:
+        _merge(data, {"readiness": ready})
     if env.get("VMSIDECAR_SPEC_JSON"):
         try:
-            data.update(json.loads(env["VMSIDECAR_SPEC_JSON"]))
+            extra = json.loads(env["VMSIDECAR_SPEC_JSON"])
         except json.JSONDecodeError as e:
             raise SpecError(f"VMSIDECAR_SPEC_JSON is not valid JSON ({e}); fix the variable") from e
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        if not isinstance(extra, dict):
+            raise SpecError("VMSIDECAR_SPEC_JSON must be a JSON object of spec fields")
+        _merge(data, extra)
+    _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
     return load_spec(data)

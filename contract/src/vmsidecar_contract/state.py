@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from .errors import StateError
+from .spec import Readiness
 
 
 class Phase(StrEnum):
@@ -100,3 +101,8 @@ class VmState(BaseModel):
     last_exit: ExitInfo | None = None
     console_tail: str | None = None
     snapshot: SnapshotInfo = SnapshotInfo()
+    #: the readiness the guest is held to: the spec's fields, else the image's annotations, else
+    #: the defaults (None until the spec's image is known, unless the spec sets the pattern)
+    readiness: Readiness | None = None
+    #: where ``readiness.pattern`` came from
+    readiness_source: Literal["spec", "image", "default"] | None = None

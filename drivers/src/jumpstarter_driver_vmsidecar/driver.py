@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from jumpstarter.driver import Driver, export
 from jumpstarter_driver_can.driver import Can
 
 from vmsidecar_contract.canhost import check_native_can
+from vmsidecar_contract.client import RuntimeUnavailableError
 from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec, load_spec
 
@@ -42,6 +45,9 @@ log = logging.getLogger(__name__)
 
 RECYCLE_STRATEGIES = ("ExitAndReplace", "InPlaceReuse")
 RESERVED_NAMES = {"power", "console", "hvc0", "storage", "can", "gpio"}
+#: how long (and how often) a spec the runtime could not take at session start is offered again
+SPEC_RETRY_S = 120.0
+SPEC_RETRY_EVERY_S = 0.5
 
 
 @dataclass(kw_only=True)
@@ -120,8 +126,32 @@ class VirtualMachine(Driver):
                 self.link.run_sync(lambda c: c.put_spec(spec), timeout=30)
             except VmsidecarError as e:
                 log.warning("could not push the spec to the runtime yet (%s); will retry on first use", e.message)
+                if isinstance(e, RuntimeUnavailableError):
+                    self._push_spec_later(self.link, spec)
             except Exception as e:  # runtime not up yet: the exporter keeps running
                 log.warning("runtime not reachable at %s yet (%s); will retry on first use", self.socket, e)
+
+    @staticmethod
+    def _push_spec_later(link: RuntimeLink, spec: VmSpec) -> None:
+        """Keep offering the spec for a while in the background: in a pod the exporter may start
+        before the runtime serves, and a standalone exporter has no "first use" until someone
+        connects — without this the guest would not boot and the pod would never be Ready."""
+
+        def retry() -> None:
+            deadline = time.monotonic() + SPEC_RETRY_S
+            while time.monotonic() < deadline:
+                time.sleep(SPEC_RETRY_EVERY_S)
+                try:
+                    link.run_sync(lambda c: c.put_spec(spec), timeout=30)
+                except RuntimeUnavailableError:
+                    continue  # not serving yet
+                except Exception as e:  # an answer: the first use reports it to the user
+                    log.warning("the runtime did not take the spec (%s)", e)
+                    return
+                log.info("spec handed to the runtime at %s", link.socket)
+                return
+
+        threading.Thread(target=retry, name="vmsidecar-spec", daemon=True).start()
 
     def _on_claim(self) -> None:
         if self.recycle == "ExitAndReplace":

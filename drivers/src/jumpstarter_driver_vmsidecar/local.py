@@ -29,6 +29,11 @@ from jumpstarter.config.exporter import ExporterConfigV1Alpha1
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
 
+#: the largest readiness timeout a spec or image may set (seconds)
+MAX_READY_TIMEOUT = 3600.0
+#: seconds allowed for pulling the image before the readiness timeout starts
+PULL_ALLOWANCE = 600.0
+
 
 def _exporter_config(path: Path, socket: Path, recycle: str) -> Path:
     path.write_text(yaml.safe_dump({
@@ -68,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None)
     p.add_argument("--cpus", type=int, default=None)
     p.add_argument("--recycle", choices=["ExitAndReplace", "InPlaceReuse"], default="ExitAndReplace")
-    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--ready-pattern", metavar="REGEX",
+                   help="regex on the console that makes the guest Ready ('' = as soon as it runs); default: the "
+                        "image's io.vmsidecar.readiness.pattern, else VMSIDECAR-READY, a login or a shell prompt")
+    p.add_argument("--ready-console", choices=["ttyS0", "hvc0"], help="console the pattern appears on")
+    p.add_argument("--ready-timeout", type=float, metavar="SECONDS",
+                   help="seconds from power-on until the guest must be Ready (default: the image's, else 300)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, overlay) afterwards")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND to run in the shell")
     return p
@@ -91,19 +101,23 @@ def main(argv: list[str] | None = None) -> int:
     serve = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--shared-dir", str(shared),
              "--state-dir", str(work / "state")]
     for flag, value in (("--image", args.image), ("--spec", args.spec), ("--memory", args.memory),
-                        ("--cpus", args.cpus)):
+                        ("--cpus", args.cpus), ("--ready-pattern", args.ready_pattern),
+                        ("--ready-console", args.ready_console), ("--ready-timeout", args.ready_timeout)):
         if value is not None:
             serve += [flag, str(value)]
     with open(log, "wb") as fh:
         runtime = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
     try:
         print(f"vmsidecar: booting the guest (log {log}) …", file=sys.stderr)
-        seconds = asyncio.run(_wait_ready(shared / "api.sock", runtime, args.ready_timeout, log))
+        # the runtime enforces the readiness timeout (the guest goes to Error); ours only adds the pull
+        wait = (args.ready_timeout or MAX_READY_TIMEOUT) + PULL_ALLOWANCE
+        seconds = asyncio.run(_wait_ready(shared / "api.sock", runtime, wait, log))
         print(f"vmsidecar: guest ready in {seconds:.1f} s; try `j vm console start-console` "
               "(Ctrl-B three times to leave), `j vm power cycle`, `j vm storage flash FILE`", file=sys.stderr)
         config = ExporterConfigV1Alpha1.load_path(
             _exporter_config(work / "exporter.yaml", shared / "api.sock", args.recycle))
         os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"  # `j` for the shell
+        os.environ["VMSIDECAR_SHARED_DIR"] = str(shared)  # `vmsidecar-runtime status` in the shell finds this VM
         with config.serve_unix() as path:
             return launch_shell(path, "vmsidecar", allow=[], unsafe=True, use_profiles=False,
                                 command=tuple(command) or None)

@@ -47,6 +47,8 @@ def _print_state(state: VmState, as_json: bool) -> None:
         print(f"digest:     {state.image_digest}")
     if state.accel:
         print(f"accel:      {state.accel} ({state.accel_reason})")
+    if state.readiness is not None:
+        print(f"readiness:  {state.readiness.pattern!r} on {state.readiness.console} (from the {state.readiness_source})")
     t = state.timings
     if t.ready is not None:
         print(f"boot:       first console byte {t.first_console_byte} s, ready {t.ready} s")
@@ -147,8 +149,11 @@ async def _client_command(args: argparse.Namespace) -> int:
 
 def _serve_command(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
-    overrides = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
-                 "accel": args.accel, "backend": args.backend}
+    overrides: dict[str, Any] = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
+                                 "accel": args.accel, "backend": args.backend}
+    ready = {k: v for k, v in {"pattern": args.ready_pattern, "console": args.ready_console,
+                               "timeout": args.ready_timeout}.items() if v is not None}
+    overrides["readiness"] = ready or None  # merged field by field over the file's and env's
     spec_given = args.spec or any(v is not None for v in overrides.values()) or any(
         k.startswith("VMSIDECAR_") and k not in _PROCESS_ENV for k in os.environ)
     spec = spec_from_sources(Path(args.spec) if args.spec else None, overrides) if spec_given else None
@@ -175,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory")
     s.add_argument("--accel", choices=["auto", "kvm", "tcg"])
     s.add_argument("--backend", choices=["qemu", "libvirt"])
+    s.add_argument("--ready-pattern", metavar="REGEX",
+                   help="regex on the console that makes the guest Ready ('' = as soon as it runs); default: "
+                        "the image's io.vmsidecar.readiness.pattern, else VMSIDECAR-READY, a login or a shell "
+                        "prompt; also VMSIDECAR_READY_PATTERN")
+    s.add_argument("--ready-console", choices=["ttyS0", "hvc0"], help="console to watch (VMSIDECAR_READY_CONSOLE)")
+    s.add_argument("--ready-timeout", type=float, metavar="SECONDS",
+                   help="seconds from power-on before the guest is in Error (VMSIDECAR_READY_TIMEOUT)")
     s.add_argument("--shared-dir", help=f"sockets for the exporter (default {DEFAULT_SHARED}, VMSIDECAR_SHARED_DIR)")
     s.add_argument("--cache-dir", help="image cache (default /var/lib/vmsidecar/cache, VMSIDECAR_CACHE_DIR)")
     s.add_argument("--state-dir", help="overlay, logs, flashed disks (VMSIDECAR_STATE_DIR)")

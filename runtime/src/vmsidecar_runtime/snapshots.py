@@ -7,8 +7,9 @@ directory and renamed into place, and is never written during a lease: each rest
 fresh overlay on top of the frozen one.
 
 The key covers everything that must match for QEMU to accept the stream and for the guest to
-be the same pristine guest: the image digest, the spec (devices, memory, CPUs, readiness …),
-the QEMU binary's version, the accelerator and the CPU model. A snapshot that QEMU refuses
+be the same pristine guest: the image digest, the spec (devices, memory, CPUs …) with the
+effective readiness (which decides the instant of capture, and may come from the image's
+annotations rather than the spec), the QEMU binary's version, the accelerator and the CPU model. A snapshot that QEMU refuses
 anyway is discarded and the guest boots cold.
 """
 
@@ -26,7 +27,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.spec import Readiness, VmSpec
 
 from .backend.common import qemu_binary
 
@@ -48,12 +49,14 @@ def qemu_version(arch: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else ""
 
 
-def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str) -> str:
-    """The cache key of the snapshot of ``spec`` booted from ``image_digest``."""
+def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readiness: Readiness | None = None) -> str:
+    """The cache key of the snapshot of ``spec`` booted from ``image_digest``, captured when
+    ``readiness`` (default: the spec's) was met."""
     material = {
         "format": FORMAT,
         "image": image_digest,
-        "spec": spec.model_dump(mode="json", exclude={"snapshot", "libvirt_uri"}),
+        "spec": spec.model_dump(mode="json", exclude={"snapshot", "libvirt_uri"})
+        | {"readiness": (readiness or spec.readiness).model_dump(mode="json")},
         "qemu": qemu_version(spec.arch),
         "accel": accel,
         "cpu": cpu,

@@ -124,7 +124,7 @@ async def get_spec(request: web.Request) -> web.Response:
     vm = _vm(request)
     if vm.spec is None:
         return _error_response(404, "not_found", "the runtime has no VM spec yet; PUT /v1/vm/spec first")
-    return web.json_response(vm.spec.model_dump(mode="json"))
+    return web.json_response(vm.spec.to_json())
 
 
 async def put_spec(request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ import shutil
 import time
 from typing import Any
 
-from vmsidecar_contract.errors import HostError, VmsidecarError
+from vmsidecar_contract.errors import HostError, ImageError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import Phase, SnapshotInfo
 
@@ -30,6 +30,7 @@ from ..disk import DiskImage
 from ..snapshots import CONSOLES, Snapshot, SnapshotStore, snapshot_key
 from .disks import Disks
 from .paths import RuntimePaths
+from .readiness import effective_readiness
 from .streams import GuestStreams
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,12 @@ class SnapshotOperations:
             return None
         assert base is not None
         cpu = "host" if accel == "kvm" else TCG_CPU[spec.arch]
-        return snapshot_key(spec, base.digest, accel, cpu)
+        try:  # the image's annotations may set the readiness, i.e. the instant a snapshot is taken
+            readiness = effective_readiness(spec, base).readiness
+        except ImageError as e:  # the boot fails at its readiness watch, with this reason
+            self.snapshot_info = self.snapshot_info.model_copy(update={"reason": e.message})
+            return None
+        return snapshot_key(spec, base.digest, accel, cpu, readiness)
 
     def _plan_snapshot(self, spec: VmSpec, accel: str) -> Snapshot | None:
         """Before a boot: the snapshot to restore, or None (and whether to capture one)."""

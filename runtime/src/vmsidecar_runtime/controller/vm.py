@@ -32,7 +32,7 @@ from .disk_ops import DiskOperations
 from .disks import Disks
 from .lease_ops import LeaseOperations
 from .paths import RuntimePaths
-from .readiness import ReadinessWatch
+from .readiness import ReadinessWatch, readiness_state
 from .snapshot_ops import SnapshotOperations
 from .streams import GuestStreams
 
@@ -135,6 +135,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
             last_exit=self._last_exit,
             console_tail=self.streams.tail() if self.phase in (Phase.ERROR, Phase.CRASHED) else None,
             snapshot=self.snapshot_info,
+            **readiness_state(self.spec, self.disks.current),
         )
 
     # ---- lifecycle of the controller -----------------------------------------------------
@@ -273,7 +274,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
         self._begin_boot("power-on")
         self.snapshot_info = self.snapshot_info.model_copy(update={"boot": "cold"})
         await self._launch(overlay)
-        self._readiness.arm(self._require_spec(), self.streams.hubs)
+        self._readiness.arm(self._require_spec(), self.streams.hubs, self.disks.current)
 
     async def _launch_restored(self, snap: Snapshot, *, new_boot: bool = True) -> None:
         """Run from a memory snapshot: a fresh overlay on its frozen disk; a new boot shows the
@@ -304,7 +305,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
             self._begin_boot("reset")
             await self._backend.reset()
             self._set_phase(Phase.RUNNING, reason="reset")
-            self._readiness.arm(self._require_spec(), self.streams.hubs)
+            self._readiness.arm(self._require_spec(), self.streams.hubs, self.disks.current)
             return self.state()
 
     async def cycle(self, *, graceful: bool = False, timeout: float = 60.0) -> VmState:
@@ -394,7 +395,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
         elif event == BackendEvent.RESET and self.phase in (Phase.RUNNING, Phase.READY) and self._is_new_boot():
             self._begin_boot("guest reboot")
             self._set_phase(Phase.RUNNING, reason="guest reset")
-            self._readiness.arm(self._require_spec(), self.streams.hubs)
+            self._readiness.arm(self._require_spec(), self.streams.hubs, self.disks.current)
         elif event == BackendEvent.EXITED and backend is not None and not self._expect_exit:
             self._spawn(self._backend_crashed(backend))
 

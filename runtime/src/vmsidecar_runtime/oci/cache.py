@@ -38,6 +38,9 @@ class CacheEntry:
     size: int
     manifest_digest: str | None = None
     arch: str | None = None
+    #: the image's ``io.vmsidecar.*`` annotations (``ref:`` keys); None in entries written before
+    #: annotations were kept, which a pull therefore resolves again
+    annotations: dict[str, str] | None = None
 
 
 class DiskCache:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vmsidecar_contract.errors import VmsidecarError
 
+from .pack import readiness_annotations
 from .pull import Progress, inspect, pull
 from .push import push
 
@@ -37,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="talk HTTP instead of HTTPS (default: HTTP only for 127.0.0.0/8, localhost, ::1)",
         )
 
+    def add_readiness(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group("readiness the image carries (annotations io.vmsidecar.readiness.*; used "
+                                 "where the VM spec sets none)")
+        g.add_argument("--readiness-pattern", metavar="REGEX",
+                       help="regex the guest prints once it is up ('' = Ready as soon as it runs)")
+        g.add_argument("--readiness-console", choices=["ttyS0", "hvc0"], help="console the pattern appears on")
+        g.add_argument("--readiness-timeout", type=float, metavar="SECONDS", help="seconds from power-on")
+
     p = sub.add_parser("push", help="push a disk to a registry")
     p.add_argument("disk", type=Path)
     p.add_argument("ref", help="REGISTRY/REPO:TAG")
@@ -46,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compression", choices=["zstd", "gzip", "none"], default="zstd", help="artifact form only"
     )
     add_http(p)
+    add_readiness(p)
 
     p = sub.add_parser("layout", help="write a disk into an OCI image layout directory")
     p.add_argument("disk", type=Path)
@@ -54,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--form", choices=["artifact", "containerdisk"], default="artifact")
     p.add_argument("--arch", default="x86_64")
     p.add_argument("--compression", choices=["zstd", "gzip", "none"], default="zstd")
+    add_readiness(p)
 
     p = sub.add_parser("pull", help="pull a disk into the cache and print where it is")
     p.add_argument("ref", help="REGISTRY/REPO:TAG[@DIGEST], oci-layout:DIR[:TAG] or file:PATH")
@@ -97,6 +108,10 @@ def _compression(name: str) -> str | None:
     return None if name == "none" else name
 
 
+def _annotations(args: argparse.Namespace) -> dict[str, str]:
+    return readiness_annotations(args.readiness_pattern, args.readiness_console, args.readiness_timeout)
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed command; returns the exit code.
 
@@ -111,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             arch=args.arch,
             plain_http=args.plain_http,
             compression=_compression(args.compression),  # type: ignore[arg-type]
+            annotations=_annotations(args),
         )
         print(f"{args.ref}@{digest}" if "@" not in args.ref else digest)
         print(f"pushed in {time.monotonic() - start:.2f} s", file=sys.stderr)
@@ -125,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             form=args.form,
             arch=args.arch,
             compression=_compression(args.compression),  # type: ignore[arg-type]
+            annotations=_annotations(args),
         )
         print(f"oci-layout:{args.dir}:{args.tag} {digest}")
         return 0

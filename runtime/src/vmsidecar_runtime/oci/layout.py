@@ -153,11 +153,12 @@ def write_layout(
     form: Form = "artifact",
     arch: str = "x86_64",
     compression: Compression | None = "zstd",
+    annotations: dict[str, str] | None = None,
 ) -> str:
     """Write ``disk`` into an OCI image layout as ``TAG`` (an index with one entry per arch).
 
     An existing layout is updated: the tag's index keeps the entries of other architectures.
-    Returns the digest of the platform manifest.
+    Returns the digest of the platform manifest. ``annotations`` go on the manifest and its entry.
 
     :raise ImageError: the disk cannot be packed, or ``layout_dir`` is not a layout.
     """
@@ -177,7 +178,7 @@ def write_layout(
                 code="bad_manifest",
             ) from exc
     with tempfile.TemporaryDirectory(dir=layout_dir, prefix=".tmp-") as tmp:
-        packed = pack(Path(disk), Path(tmp), form=form, arch=arch, compression=compression)
+        packed = pack(Path(disk), Path(tmp), form=form, arch=arch, compression=compression, annotations=annotations)
         _store_blobs(blobs, packed, Path(tmp))
     existing = _tag_index(layout_dir, top, tag)
     index_bytes = merged_index(existing, packed.index_entry)

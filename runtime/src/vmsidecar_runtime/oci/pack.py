@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import zstandard
+from pydantic import ValidationError
 
 from vmsidecar_contract.arch import oci_arch
 from vmsidecar_contract.errors import ImageError
+from vmsidecar_contract.spec import READINESS_ANNOTATIONS, Readiness
 from vmsidecar_runtime.image.checks import check_image
 from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.limits import Origin
@@ -168,24 +170,48 @@ def _json(doc: dict) -> bytes:
     return json.dumps(doc, separators=(",", ":"), sort_keys=False).encode()
 
 
+def readiness_annotations(
+    pattern: str | None = None, console: str | None = None, timeout: float | None = None
+) -> dict[str, str]:
+    """The ``io.vmsidecar.readiness.*`` annotations for the given fields (None: not set; an empty
+    pattern: Ready as soon as the guest runs), checked as a spec's readiness would be.
+
+    :raise ImageError: (``bad_readiness``) a value a spec would refuse.
+    """
+    fields = {k: v for k, v in {"pattern": pattern, "console": console, "timeout": timeout}.items() if v is not None}
+    try:
+        Readiness.model_validate(fields)
+    except ValidationError as e:
+        problems = "; ".join(f"{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+        raise ImageError(f"invalid readiness for the image ({problems}); fix the --readiness-* option",
+                         code="bad_readiness") from None
+    return {READINESS_ANNOTATIONS[k]: f"{v:g}" if isinstance(v, float) else str(v) for k, v in fields.items()}
+
+
 def _manifest(
-    config: Blob, layer: Blob, arch: str, artifact: str | None = None
+    config: Blob, layer: Blob, arch: str, artifact: str | None = None, annotations: dict[str, str] | None = None
 ) -> tuple[bytes, str, dict[str, Any]]:
-    """One-layer image manifest, its digest, and its entry for the platform index."""
+    """One-layer image manifest, its digest, and its entry for the platform index (``annotations``
+    on both: the manifest is what a pull trusts, the entry is what tools listing an index show)."""
     body: dict[str, Any] = {"schemaVersion": 2, "mediaType": OCI_MANIFEST}
     if artifact:
         body["artifactType"] = artifact
     body |= {"config": config.descriptor(), "layers": [layer.descriptor()]}
+    if annotations:
+        body["annotations"] = dict(sorted(annotations.items()))
     manifest = _json(body)
     digest = sha256_digest(manifest)
     entry: dict[str, Any] = {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(manifest)}
     if artifact:
         entry["artifactType"] = artifact
     entry["platform"] = platform_of(arch)
+    if annotations:
+        entry["annotations"] = dict(sorted(annotations.items()))
     return manifest, digest, entry
 
 def pack_artifact(
-    disk: Path, workdir: Path, *, arch: str, compression: Compression | None = "zstd"
+    disk: Path, workdir: Path, *, arch: str, compression: Compression | None = "zstd",
+    annotations: dict[str, str] | None = None,
 ) -> Packed:
     """The artifact form: empty config, one (compressed) disk layer, ``artifactType`` set.
 
@@ -224,7 +250,7 @@ def pack_artifact(
         },
     )
     config = Blob(media_type=OCI_EMPTY, digest=EMPTY_DIGEST, size=len(EMPTY_JSON), data=EMPTY_JSON)
-    manifest, digest, entry = _manifest(config, layer, arch, artifact_type(fmt))
+    manifest, digest, entry = _manifest(config, layer, arch, artifact_type(fmt), annotations)
     return Packed(manifest, digest, [config, layer], entry, fmt, disk_digest, disk_size)
 
 
@@ -243,7 +269,7 @@ def _compress(disk: Path, out: Path, compression: Compression) -> tuple[str, int
     return reader.digest, reader.size, blob.digest, blob.size
 
 
-def pack_containerdisk(disk: Path, workdir: Path, *, arch: str) -> Packed:
+def pack_containerdisk(disk: Path, workdir: Path, *, arch: str, annotations: dict[str, str] | None = None) -> Packed:
     """The KubeVirt containerDisk form: an OCI image with ``/disk/<name>`` in one tar+gzip layer.
 
     :raise ImageError: see :func:`inspect_disk`.
@@ -284,7 +310,7 @@ def pack_containerdisk(disk: Path, workdir: Path, *, arch: str) -> Packed:
     config = Blob(
         media_type=OCI_IMAGE_CONFIG, digest=sha256_digest(config_bytes), size=len(config_bytes), data=config_bytes
     )
-    manifest, digest, entry = _manifest(config, layer, arch)
+    manifest, digest, entry = _manifest(config, layer, arch, None, annotations)
     return Packed(manifest, digest, [config, layer], entry, fmt, reader.digest, reader.size)
 
 
@@ -300,16 +326,17 @@ def _tarinfo(name: str, kind: bytes, mode: int, size: int) -> tarfile.TarInfo:
 
 
 def pack(
-    disk: Path, workdir: Path, *, form: Form, arch: str, compression: Compression | None = "zstd"
+    disk: Path, workdir: Path, *, form: Form, arch: str, compression: Compression | None = "zstd",
+    annotations: dict[str, str] | None = None,
 ) -> Packed:
-    """Dispatch on ``form``.
+    """Dispatch on ``form``; ``annotations`` go on the manifest and its index entry.
 
     :raise ImageError: an unknown form, or the packers' errors.
     """
     if form == "artifact":
-        return pack_artifact(disk, workdir, arch=arch, compression=compression)
+        return pack_artifact(disk, workdir, arch=arch, compression=compression, annotations=annotations)
     if form == "containerdisk":
-        return pack_containerdisk(disk, workdir, arch=arch)
+        return pack_containerdisk(disk, workdir, arch=arch, annotations=annotations)
     raise ImageError(f"unknown image form {form!r}; use artifact or containerdisk", code="unknown_form")
 
 

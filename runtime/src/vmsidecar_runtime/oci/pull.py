@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vmsidecar_contract.arch import host_arch, normalize_arch
@@ -17,7 +17,16 @@ from .layout import LayoutSource
 from .mediatypes import DISK_SUFFIXES, title_format
 from .reference import Reference, parse_reference
 from .registry import RegistryClient, RegistrySource
-from .resolve import DiskLayer, Resolved, Source, config_arch_check, is_index, platform_label, resolve
+from .resolve import (
+    DiskLayer,
+    Resolved,
+    Source,
+    carried_annotations,
+    config_arch_check,
+    is_index,
+    platform_label,
+    resolve,
+)
 from .unpack import CHUNK, BlobReader, unpack_blob
 
 Progress = Callable[[int, int | None], None]
@@ -31,7 +40,8 @@ class PulledDisk:
     ``manifest_digest`` is the platform manifest holding the disk (``None`` for ``file:``);
     ``bytes_downloaded`` counts the blob bytes read by this call; ``cached`` says the disk was
     already in the cache (then ``bytes_downloaded`` is 0, or the size of a small image config
-    that had to be read to check the architecture).
+    that had to be read to check the architecture); ``annotations`` are the image's
+    ``io.vmsidecar.*`` annotations (index, index entry, manifest: e.g. its readiness), none for ``file:``.
     """
 
     path: Path
@@ -42,6 +52,7 @@ class PulledDisk:
     size: int
     bytes_downloaded: int
     cached: bool
+    annotations: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-friendly form."""
@@ -118,36 +129,36 @@ def _cached(entry: CacheEntry, cache: DiskCache, reference: Reference, downloade
         size=entry.size,
         bytes_downloaded=downloaded,
         cached=True,
+        annotations=dict(entry.annotations or {}),
     )
+
+
+def _ref_hit(cache: DiskCache, key: str) -> CacheEntry | None:
+    """A ``ref:`` entry that knows the image's annotations (older entries are resolved again)."""
+    hit = cache.lookup(key)
+    return hit if hit is not None and hit.annotations is not None else None
 
 
 def _pull_oci(
     source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None, limits: Limits
 ) -> PulledDisk:
-    if reference.digest and (hit := cache.lookup(f"ref:{reference.digest}@{arch}")):
+    if reference.digest and (hit := _ref_hit(cache, f"ref:{reference.digest}@{arch}")):
         return _cached(hit, cache, reference)
     top = source.top()
     top_key = f"ref:{top.digest}@{arch}"
-    if hit := cache.lookup(top_key):
+    if hit := _ref_hit(cache, top_key):
         return _cached(hit, cache, reference)
     resolved = resolve(source, top, arch)
-    manifest_key = f"ref:{resolved.manifest.digest}@{arch}"
-    if hit := cache.lookup(manifest_key):
-        cache.record([top_key], hit)
-        return _cached(hit, cache, reference)
+    if hit := cache.lookup(f"ref:{resolved.manifest.digest}@{arch}"):
+        return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference)
     downloaded = config_arch_check(source, resolved, arch)
-    keys = [top_key, manifest_key]
     for layer in resolved.layers:
         layer_key = f"layer:{layer.digest}:{layer.kind.format or 'auto'}"
         if hit := cache.lookup(layer_key):
-            entry = CacheEntry(hit.disk, hit.format, hit.size, resolved.manifest.digest, arch)
-            cache.record(keys, entry)
-            return _cached(entry, cache, reference, downloaded)
+            return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference, downloaded)
         with cache.lock(layer_key):
             if hit := cache.lookup(layer_key):
-                entry = CacheEntry(hit.disk, hit.format, hit.size, resolved.manifest.digest, arch)
-                cache.record(keys, entry)
-                return _cached(entry, cache, reference, downloaded)
+                return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference, downloaded)
             try:
                 disk, count = _fetch_layer(source, layer, cache, progress, limits)
             except ImageError as exc:
@@ -157,7 +168,8 @@ def _pull_oci(
                 raise
             downloaded += count
             entry = CacheEntry(disk.digest, disk.format, disk.size, resolved.manifest.digest, arch)
-            cache.record([*keys, layer_key], entry)
+            cache.record([layer_key], entry)  # a layer may be shared: annotations belong to manifests
+            entry = _remember(cache, resolved, top_key, arch, entry)
             return PulledDisk(
                 path=cache.disk_path(disk.digest, disk.format),
                 format=disk.format,
@@ -167,8 +179,22 @@ def _pull_oci(
                 size=disk.size,
                 bytes_downloaded=downloaded,
                 cached=False,
+                annotations=dict(entry.annotations or {}),
             )
     raise _no_disk_error(source, resolved)
+
+
+def _remember(cache: DiskCache, resolved: Resolved, top_key: str, arch: str, found: CacheEntry) -> CacheEntry:
+    """Record the disk under the manifest's key (with the manifest's own annotations) and under
+    the top object's key (with those of the whole chain: index, its entry, manifest); returns the
+    top's entry. The same manifest may be named by indexes that annotate it differently."""
+    manifest_key = f"ref:{resolved.manifest.digest}@{arch}"
+    base = (found.disk, found.format, found.size, resolved.manifest.digest, arch)
+    entry = CacheEntry(*base, resolved.annotations)
+    if manifest_key != top_key:
+        cache.record([manifest_key], CacheEntry(*base, carried_annotations(resolved.doc)))
+    cache.record([top_key], entry)
+    return entry
 
 
 def _no_disk_error(source: Source, resolved: Resolved) -> ImageError:
@@ -350,5 +376,6 @@ def _inspect(source: Source, reference: Reference, wanted: str) -> dict:
         result["error"] = exc.to_dict()
         return result
     result["manifest"] = {"digest": resolved.manifest.digest, "document": resolved.doc}
+    result["annotations"] = resolved.annotations
     result["disk"] = resolved.layers[0].descriptor
     return result

@@ -25,12 +25,14 @@ def push(
     plain_http: bool | None = None,
     compression: Compression | None = "zstd",
     credentials: tuple[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> str:
     """Push ``disk`` to ``ref`` (``REGISTRY/REPO:TAG``) and return the platform manifest digest.
 
     The tag then names an OCI image index; an index already under the tag keeps its entries for
     other architectures (the entry for ``arch`` is replaced). Blobs the registry already has
-    are not uploaded again.
+    are not uploaded again. ``annotations`` (e.g. :func:`.pack.readiness_annotations`) go on the
+    manifest and its index entry.
 
     :raise BadReferenceError: ``ref`` is not a registry tag reference.
     :raise RegistryError: the registry is unreachable or refuses the push.
@@ -51,17 +53,19 @@ def push(
     tag = reference.tag or "latest"
     client = RegistryClient(reference, plain_http=plain_http, credentials=credentials)
     try:
-        return _push(client, Path(disk), tag, form=form, arch=arch, compression=compression)
+        return _push(client, Path(disk), tag, form=form, arch=arch, compression=compression,
+                     annotations=annotations)
     finally:
         client.close()
 
 
 def _push(
-    client: RegistryClient, disk: Path, tag: str, *, form: Form, arch: str, compression: Compression | None
+    client: RegistryClient, disk: Path, tag: str, *, form: Form, arch: str, compression: Compression | None,
+    annotations: dict[str, str] | None = None,
 ) -> str:
     client.get_manifest_or_none(tag)  # fail fast (unreachable, unauthorized) before packing
     with tempfile.TemporaryDirectory(prefix="vmsidecar-push-") as tmp:
-        packed = pack(disk, Path(tmp), form=form, arch=arch, compression=compression)
+        packed = pack(disk, Path(tmp), form=form, arch=arch, compression=compression, annotations=annotations)
         for blob in packed.blobs:
             if blob.data is not None:
                 client.push_blob_bytes(blob.data, blob.media_type, Path(tmp))
@@ -89,6 +93,7 @@ def push_artifact(
     plain_http: bool | None = None,
     compression: Compression | None = "zstd",
     credentials: tuple[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> str:
     """Push ``disk`` as a disk artifact (one ``application/vnd.diskimage.*`` layer); see :func:`push`.
 
@@ -104,6 +109,7 @@ def push_artifact(
         plain_http=plain_http,
         compression=compression,
         credentials=credentials,
+        annotations=annotations,
     )
 
 
@@ -114,6 +120,7 @@ def push_containerdisk(
     arch: str = "x86_64",
     plain_http: bool | None = None,
     credentials: tuple[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> str:
     """Push ``disk`` as a KubeVirt containerDisk (``/disk/<name>`` in a tar+gzip layer); see :func:`push`.
 
@@ -121,4 +128,5 @@ def push_containerdisk(
     :raise RegistryError: the registry is unreachable or refuses the push.
     :raise ImageError: the disk cannot be packed.
     """
-    return push(disk, ref, form="containerdisk", arch=arch, plain_http=plain_http, credentials=credentials)
+    return push(disk, ref, form="containerdisk", arch=arch, plain_http=plain_http, credentials=credentials,
+                annotations=annotations)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from vmsidecar_contract.arch import oci_arch
@@ -28,6 +28,11 @@ from .mediatypes import (
 from .registry import RawManifest
 
 MAX_INDEX_DEPTH = 3
+#: the annotations a pull carries to the runtime (readiness, docs/byo-guest.md); bounded, because
+#: they are kept in the cache index and reported by the API
+CARRIED_PREFIX = "io.vmsidecar."
+MAX_CARRIED = 32
+MAX_CARRIED_VALUE = 4096
 
 
 class Source(Protocol):
@@ -82,6 +87,9 @@ class Resolved:
     doc: dict
     layers: list[DiskLayer]
     from_index: bool
+    #: ``io.vmsidecar.*`` annotations of the index, the chosen index entry and the manifest
+    #: (later ones win: the manifest is the image's own word)
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
 def is_index(raw: RawManifest, doc: dict) -> bool:
@@ -97,12 +105,14 @@ def resolve(source: Source, top: RawManifest, arch: str) -> Resolved:
     :raise ImageError: the manifest has no disk layer, several, or an unsupported one.
     """
     raw, doc, from_index = top, top.json(), False
+    annotations = carried_annotations(doc)
     for _ in range(MAX_INDEX_DEPTH):
         if not is_index(raw, doc):
             break
         descriptor = select_platform(doc, arch, source.where)
         raw = source.manifest(descriptor)
         doc, from_index = raw.json(), True
+        annotations |= carried_annotations(descriptor) | carried_annotations(doc)
     else:
         raise ImageError(
             f"{source.where} nests indexes more than {MAX_INDEX_DEPTH} deep; push a flat image index",
@@ -116,7 +126,18 @@ def resolve(source: Source, top: RawManifest, arch: str) -> Resolved:
             code="bad_manifest",
         )
     layers = find_disk_layers(doc, f"manifest {raw.digest} of {source.where}")
-    return Resolved(manifest=raw, doc=doc, layers=layers, from_index=from_index)
+    return Resolved(manifest=raw, doc=doc, layers=layers, from_index=from_index,
+                    annotations=dict(sorted(annotations.items())[:MAX_CARRIED]))
+
+
+def carried_annotations(obj: dict) -> dict[str, str]:
+    """The ``io.vmsidecar.*`` string annotations of a manifest, index or descriptor (bounded)."""
+    notes = obj.get("annotations")
+    if not isinstance(notes, dict):
+        return {}
+    found = {k: v for k, v in notes.items() if isinstance(k, str) and k.startswith(CARRIED_PREFIX)
+             and isinstance(v, str) and len(v) <= MAX_CARRIED_VALUE}
+    return dict(sorted(found.items())[:MAX_CARRIED])
 
 
 def platform_label(descriptor: dict) -> str:
