@@ -202,7 +202,10 @@ def start_runtime(guest: Guest, work: Path, cache: Path) -> Runtime:
     """Start ``serve`` on its own shared and state dirs under ``work``."""
     work.mkdir(parents=True)
     spec = work / "spec.json"
-    spec.write_text(json.dumps({"image": f"file:{guest.disk}", "memory": guest.memory}))
+    # Ready on the marker itself, as legs 1 and 5 time it (the default pattern also takes a login or
+    # shell prompt, which the Debian guest shows on ttyS0 just before its marker).
+    spec.write_text(json.dumps({"image": f"file:{guest.disk}", "memory": guest.memory,
+                                "readiness": {"pattern": MARKER.decode()}}))
     log = work / "runtime.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
@@ -476,7 +479,7 @@ LEG_NOTES = """\
   overlay, serial on stdout, a virtio console, a user-mode NIC, virtio-rng) until the guest prints
   `VMSIDECAR-READY`. No QMP, no paused start, no sockets: the floor for any cold boot.
 - **vmsidecar cold start → Ready**: `vmsidecar-runtime serve` on a fresh cache dir, from process start
-  to `GET /v1/vm` phase Ready (polled every 20 ms). Includes the pull (a copy into the digest-keyed
+  to `GET /v1/vm` phase Ready (polled every 20 ms; the spec's readiness pattern is the marker). Includes the pull (a copy into the digest-keyed
   cache and `qemu-img check`), the cold boot, and the memory snapshot capture at first Ready (the
   guest is paused, its RAM written, the same boot resumed from the snapshot).
 - **warm start → Ready**: the same spec started again on the cache that now holds the snapshot:
