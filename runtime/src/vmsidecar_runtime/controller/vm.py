@@ -288,10 +288,13 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
     async def power_off(self, *, graceful: bool = True, timeout: float = 60.0) -> VmState:
         """Power the guest off: ACPI first when graceful (bounded by ``timeout``), then quit."""
         async with self._lock:
-            if self.phase in LIVE or self.phase == Phase.ERROR:
-                await self._stop_backend(graceful=graceful, timeout=timeout)
-            self._set_phase(Phase.STOPPED)
+            await self._off_locked(graceful=graceful, timeout=timeout)
             return self.state()
+
+    async def _off_locked(self, *, graceful: bool, timeout: float) -> None:
+        if self.phase in LIVE or self.phase == Phase.ERROR:
+            await self._stop_backend(graceful=graceful, timeout=timeout)
+        self._set_phase(Phase.STOPPED)
 
     async def reset(self) -> VmState:
         """Hard reset, like the reset button; the guest reboots on the same disk.
@@ -311,9 +314,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
     async def cycle(self, *, graceful: bool = False, timeout: float = 60.0) -> VmState:
         """Off then on (hard off by default, like a power strip)."""
         async with self._lock:
-            if self.phase in LIVE or self.phase == Phase.ERROR:
-                await self._stop_backend(graceful=graceful, timeout=timeout)
-            self._set_phase(Phase.STOPPED)
+            await self._off_locked(graceful=graceful, timeout=timeout)
             await self._boot()
             return self.state()
 
