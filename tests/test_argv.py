@@ -27,6 +27,8 @@ def test_defaults_boot_paused_on_overlay_with_both_consoles() -> None:
     assert any("path=/r/ttyS0.sock" in c for c in chardevs)
     assert any("path=/r/hvc0.sock" in c for c in chardevs)
     assert "virtconsole,chardev=hvc0,name=console.0" in _opt(argv, "-device")
+    # seccomp with every optional deny: no exec, fork, setuid or scheduling changes from QEMU
+    assert _opt(argv, "-sandbox") == ["on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
 
 
 def test_kvm_uses_host_cpu() -> None:

@@ -12,6 +12,9 @@ from .common import MACHINE, TCG_CPU, qemu_binary, user_netdev
 #: id of the user-mode NIC's netdev
 NETDEV_ID = "net0"
 
+#: QEMU's seccomp filter with every optional deny set (libvirt's own default is the same)
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
 
 def _chardev(plan: BootPlan, ident: str, stream: str) -> list[str]:
     return ["-chardev", f"socket,id={ident},path={plan.console_socket(stream)},server=on,wait=off"]
@@ -33,6 +36,9 @@ def _base(plan: BootPlan) -> list[str]:
         "-S",
         # A guest power-off leaves QEMU up in state "shutdown" so the runtime sees SHUTDOWN and quits it.
         "-no-shutdown",
+        # seccomp: a guest that escapes into QEMU still cannot exec, fork, setuid or change
+        # scheduling/affinity; the snapshot path needs none of these (migration goes over an fd).
+        "-sandbox", SANDBOX,
         *(["-incoming", "defer"] if plan.incoming else []),
         "-chardev", f"socket,id=qmp,path={plan.qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
