@@ -3,28 +3,53 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import signal
+import functools
+import shutil
 import subprocess
 import sys
 from typing import Any
 
+from vmsidecar_contract.errors import HostError
+
 #: pids started through ``spawn`` and not yet waited for; the reaper leaves these to asyncio
 OWN: set[int] = set()
 
+#: util-linux's setpriv sets PR_SET_PDEATHSIG(SIGKILL) on itself and execs the program: the kernel
+#: kills the child when the runtime dies, however it dies, and no Python code runs between fork and
+#: exec (``preexec_fn`` is not safe in a process with threads: the child may inherit a lock that
+#: another thread held at fork time and deadlock before exec)
+DEATH_SIGNAL = ("--pdeathsig", "KILL", "--")
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # PR_SET_PDEATHSIG(SIGKILL): a QEMU must never outlive the runtime that owns its disk and sockets
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+@functools.cache
+def _setpriv() -> str:
+    path = shutil.which("setpriv")
+    if path is None:
+        raise HostError("setpriv is not installed; apt-get install util-linux (the runtime starts QEMU through "
+                        "`setpriv --pdeathsig KILL` so that no guest outlives the runtime)")
+    return path
+
+
+def die_with_parent_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies."""
+    return (_setpriv(), *DEATH_SIGNAL, *argv)
 
 
 async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asyncio.subprocess.Process:
     """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid.
 
     ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies.
+    PDEATHSIG follows the thread that forked, not the process: ``spawn`` is a coroutine, so the
+    fork happens on the event-loop thread, which lives as long as the runtime does. setpriv execs
+    the program in place, so ``proc.pid`` is the program's pid (QEMU's, libvirt's unshare's).
+
+    :raise HostError: when ``die_with_parent`` is asked for and setpriv is not installed.
+    :raise TypeError: on ``preexec_fn``, which this runtime never uses (see ``DEATH_SIGNAL``).
     """
+    if "preexec_fn" in kwargs:
+        raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
     if die_with_parent and sys.platform == "linux":
-        kwargs["preexec_fn"] = _die_with_parent
+        argv = die_with_parent_argv(argv)
     proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
     OWN.add(proc.pid)
     wait = proc.wait

@@ -38,14 +38,27 @@ DEFAULT_SHARED = Path("/shared/vmsidecar")
 
 
 def data_root() -> Path:
-    """``/var/lib/vmsidecar`` when writable (containers, root), else the user's data dir."""
+    """``/var/lib/vmsidecar`` when writable (containers, root), else the user's data dir.
+
+    :raise HostError: when neither exists: an unprivileged UID without a home (``setpriv --reuid``
+        of a UID with no passwd entry and no ``HOME``).
+    """
     system = Path("/var/lib/vmsidecar")
     with contextlib.suppress(OSError):
         system.mkdir(parents=True, exist_ok=True)
     if os.access(system, os.W_OK):
         return system
-    base = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
-    return base / "vmsidecar"
+    if os.environ.get("XDG_DATA_HOME"):
+        return Path(os.environ["XDG_DATA_HOME"]) / "vmsidecar"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):
+        raise HostError(
+            f"{system} is not writable by uid {os.getuid()} and this uid has no home directory (no HOME, no passwd "
+            "entry) for the image cache and instance state; give --cache-dir and --state-dir (or VMSIDECAR_CACHE_DIR "
+            "and VMSIDECAR_STATE_DIR), or set XDG_DATA_HOME"
+        ) from None
+    return home / ".local" / "share" / "vmsidecar"
 
 
 def default_paths(shared: Path | None = None, cache: Path | None = None, state: Path | None = None) -> RuntimePaths:
@@ -55,13 +68,37 @@ def default_paths(shared: Path | None = None, cache: Path | None = None, state: 
     """
     env = os.environ
     shared = shared or Path(env.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED))
-    root = data_root()
-    cache = cache or Path(env.get("VMSIDECAR_CACHE_DIR", root / "cache"))
+    # the data root only when a directory is left to default (an unprivileged UID may have none)
+    cache = cache or Path(env.get("VMSIDECAR_CACHE_DIR") or data_root() / "cache")
     instance = hashlib.sha256(str(shared.resolve()).encode()).hexdigest()[:12]
-    state = state or Path(env.get("VMSIDECAR_STATE_DIR", root / "instances" / instance))
+    state = state or Path(env.get("VMSIDECAR_STATE_DIR") or data_root() / "instances" / instance)
     # QEMU's private sockets need short paths (108 bytes): a fresh dir under /tmp per process.
     run = Path(tempfile.mkdtemp(prefix="vmsidecar-"))
     return RuntimePaths(shared=shared, cache=cache, state=state, run=run)
+
+
+def prepare_dirs(paths: RuntimePaths) -> None:
+    """Create the shared, cache and state directories, or say which one this UID cannot use.
+
+    Checked before anything else so that an unprivileged runtime (``setpriv --reuid``, a pod's
+    ``runAsUser``) fails at once with the directory and the fix, not with a traceback mid-boot.
+
+    :raise HostError: naming the directory, the uid/gid and what to do.
+    """
+    for what, flag, path in (("shared", "--shared-dir", paths.shared), ("image cache", "--cache-dir", paths.cache),
+                             ("state", "--state-dir", paths.state)):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            problem = "" if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+        except OSError as e:
+            problem = f"cannot be created ({e.strerror})"
+        if problem:
+            uid, gid = os.getuid(), os.getgid()
+            raise HostError(
+                f"the {what} directory {path} {problem} for uid {uid} gid {gid}; make it writable by this user "
+                f"(chown {uid}:{gid} {path}; in a pod: an emptyDir or a volume with fsGroup {gid}) or pass another "
+                f"{flag}"
+            )
 
 
 class JsonFormatter(logging.Formatter):
@@ -144,7 +181,12 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
                 host_paths: HostPathPolicy | None = None, grace: float = 30.0) -> int:
     """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
     lock = SharedDirLock(paths.shared / ".runtime.lock")
-    lock.acquire()
+    try:
+        prepare_dirs(paths)
+        lock.acquire()
+    except HostError:
+        shutil.rmtree(paths.run, ignore_errors=True)  # the private run dir default_paths made
+        raise
     share(paths.shared, 0o2770)
     vm = VmController(spec, paths, allow_extra_args=allow_extra_args, host_paths=host_paths)
     stop = asyncio.Event()

@@ -58,7 +58,7 @@ class DiskCache:
         except OSError as exc:
             raise HostError(
                 f"cannot create the image cache under {self.root} ({exc.strerror}); "
-                "pass a writable --cache directory"
+                "make it writable by the runtime's user or pass another --cache-dir (VMSIDECAR_CACHE_DIR)"
             ) from exc
 
     def disk_path(self, digest: str, fmt: DiskFormat) -> Path:

@@ -1,0 +1,109 @@
+"""Children die with the runtime, with no Python code between fork and exec (issue 13).
+
+``procs.spawn(die_with_parent=True)`` execs the program through ``setpriv --pdeathsig KILL``:
+real processes here, a parent with busy threads SIGKILLed, its child checked in /proc.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vmsidecar_runtime import procs
+
+ROOT = Path(__file__).parents[1]
+
+#: a parent with threads that keep taking locks (the case preexec_fn is unsafe in), which spawns
+#: ``sleep`` from its event loop and prints the child's pid
+PARENT = """
+import asyncio, logging, sys, threading
+from vmsidecar_runtime.procs import spawn
+log = logging.getLogger("busy")
+def busy():
+    while True:
+        log.debug("held and released")
+for _ in range(4):
+    threading.Thread(target=busy, daemon=True).start()
+async def main():
+    proc = await spawn("sleep", "600", die_with_parent=sys.argv[1] == "1")
+    print(proc.pid, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for whatever init adopted it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def _start_parent(die_with_parent: bool) -> tuple[subprocess.Popen[str], int]:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, "1" if die_with_parent else "0"],
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 10
+    while _cmdline(pid)[:1] != ["sleep"] and time.monotonic() < deadline:  # setpriv execs in place
+        time.sleep(0.02)
+    return parent, pid
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux")
+def test_a_killed_parent_takes_its_child_along() -> None:
+    parent, child = _start_parent(die_with_parent=True)
+    # the recorded pid is the program's own: setpriv exec'd into it, no wrapper process is left
+    assert _cmdline(child) == ["sleep", "600"]
+    assert int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent.pid
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the child outlived its SIGKILLed parent"
+
+
+def test_without_die_with_parent_the_child_survives() -> None:
+    """The control: the same parent and kill, without the flag, leaves the child running."""
+    parent, child = _start_parent(die_with_parent=False)
+    try:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        time.sleep(0.5)
+        assert _alive(child)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+async def test_spawn_refuses_preexec_fn() -> None:
+    with pytest.raises(TypeError, match="preexec_fn"):
+        await procs.spawn("true", preexec_fn=lambda: None)
+
+
+def test_no_preexec_fn_anywhere() -> None:
+    """No call in our packages passes preexec_fn (Python code between fork and exec)."""
+    offenders = []
+    for package in ("contract", "runtime", "drivers", "images"):
+        for path in (ROOT / package / "src").rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.keyword) and node.arg == "preexec_fn":
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.value.lineno}")
+                elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                        and node.slice.value == "preexec_fn" and isinstance(node.ctx, ast.Store):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
