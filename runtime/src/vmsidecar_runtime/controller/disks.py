@@ -116,6 +116,18 @@ class Disks:
             raise HostError(f"cannot write the disk dump ({err.strip()}); free space in {out.parent}")
         return out
 
+    async def discard_earlier_process(self) -> None:
+        """At start: remove what an earlier runtime process left in the state directory.
+
+        A runtime that was killed (OOM, SIGKILL, node trouble) and started again cannot tell which
+        lease it is in: its generation and claim start afresh, so the next lease would boot on the
+        earlier lease's overlay, or on a flashed disk this process does not know of. Half-written
+        flash and dump files of the dead process go too; none of them is ever used.
+        """
+        await self.discard_lease()
+        for stale in self.paths.state.glob("dump-*"):
+            stale.unlink(missing_ok=True)
+
     async def discard_lease(self) -> None:
         """Back to the spec's image: overlay, flashed disks and UEFI vars go (off the event loop)."""
         self.flashed = None

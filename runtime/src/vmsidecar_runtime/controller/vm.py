@@ -143,6 +143,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
         """Open the streams; with an image in the spec, pull and boot in the background."""
         for d in (self.paths.cache, self.paths.state, self.paths.run):
             d.mkdir(parents=True, exist_ok=True)
+        await self.disks.discard_earlier_process()
         if self.spec is not None:
             await self.streams.open_for(self.spec)
             if boot and self.spec.image:

@@ -8,7 +8,12 @@ Layout under the cache root::
     locks/                           one flock file per download key, plus index.lock
 
 Keys in ``index.json``: ``layer:<blob digest>``, ``ref:<manifest or index digest>@<arch>`` and
-``file:<realpath>:<dev>:<ino>:<size>:<mtime_ns>``.
+``file:<realpath>:<dev>:<ino>:<size>:<mtime_ns>``; ``seal:<disk file name>`` holds the disk file's
+inode, size, mtime and ctime when its content was last verified against its digest.
+
+A cache entry is trusted only while its file's stat still matches its seal: any write, truncation
+or chmod changes the ctime, and the file is then hashed again; a file that no longer matches its
+digest is removed and pulled again. (Bit rot that changes no metadata is the storage's to catch.)
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import secrets
 import stat
@@ -26,7 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
+from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.sniff import DiskFormat
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,23 +75,54 @@ class DiskCache:
         return self.disks / f"{digest.replace(':', '-')}.{fmt}"
 
     def lookup(self, key: str) -> CacheEntry | None:
-        """The entry for ``key`` if its disk file is still present with the right size."""
+        """The entry for ``key`` if its disk file is still present, with the right size and content
+        (see :meth:`intact`); a corrupted file is removed, so the caller pulls it again."""
         raw = self._read_index().get(key)
         if not raw:
             return None
         try:
             entry = CacheEntry(**raw)
-            st = self.disk_path(entry.disk, entry.format).stat()
+            path = self.disk_path(entry.disk, entry.format)
+            st = path.stat()
         except (TypeError, OSError):
             return None
-        return entry if st.st_size == entry.size else None
+        if st.st_size != entry.size or not self.intact(path, entry.disk):
+            return None
+        return entry
+
+    def intact(self, path: Path, digest: str) -> bool:
+        """Whether the disk file ``path`` still holds the content ``digest`` names.
+
+        Cheap while the file's stat matches its seal; otherwise the file is hashed: a match is
+        sealed again, a mismatch is removed (and logged) so that nothing ever boots from it.
+        """
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        if self._read_index().get(_seal_key(path)) == _fingerprint(st):
+            return True
+        if _hash_file(path) == digest:
+            self._seal(path)
+            return True
+        log.warning("cache entry %s does not match its digest %s (corrupted or altered on disk); removing it "
+                    "and pulling it again", path, digest)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return False
 
     def record(self, keys: list[str], entry: CacheEntry) -> None:
         """Map every key in ``keys`` to ``entry`` (read-modify-write under the index lock)."""
+        self._update_index({key: asdict(entry) for key in keys})
+
+    def _seal(self, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            self._update_index({_seal_key(path): _fingerprint(path.stat())})
+
+    def _update_index(self, updates: dict[str, dict]) -> None:
         with self.lock("index"):
             index = self._read_index()
-            for key in keys:
-                index[key] = asdict(entry)
+            index.update(updates)
             tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
             tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
             os.replace(tmp, self.index_path)
@@ -116,7 +156,7 @@ class DiskCache:
         temporary file is dropped and the existing one kept.
         """
         dest = self.disk_path(digest, fmt)
-        if dest.exists():
+        if dest.exists() and self.intact(dest, digest):  # a damaged one was removed: replace it
             tmp.unlink(missing_ok=True)
             return dest
         fd = os.open(tmp, os.O_RDONLY)
@@ -126,6 +166,7 @@ class DiskCache:
             os.close(fd)
         os.chmod(tmp, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
         os.replace(tmp, dest)
+        self._seal(dest)  # its digest was verified while it was written
         return dest
 
     def clean_stale(self) -> None:
@@ -136,6 +177,23 @@ class DiskCache:
                 continue
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def _seal_key(path: Path) -> str:
+    return f"seal:{path.name}"
+
+
+def _fingerprint(st: os.stat_result) -> dict:
+    """What changes when anything writes to, truncates or chmods a file (ctime cannot be set back)."""
+    return {"ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return sha256_digest(h)
 
 
 def _pid_alive(pid: int) -> bool:

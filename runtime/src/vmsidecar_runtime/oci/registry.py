@@ -248,14 +248,26 @@ class RegistryClient:
 
         :raise RegistryError: when the connection breaks.
         """
+        announced = response.headers.get("Content-Length", "")
+        count = 0
         try:
-            yield from response.iter_content(chunk_size=CHUNK)
+            for chunk in response.iter_content(chunk_size=CHUNK):
+                count += len(chunk)
+                yield chunk
         except requests.RequestException as exc:
             raise RegistryError(
                 f"the connection to {self.host} broke while downloading {digest} ({_short(exc)}); "
                 "retry the pull",
                 code="registry_error",
             ) from None
+        # a server that dies mid-body just closes the connection: urllib3 may end the body
+        # quietly, and a short blob would then read as altered content rather than a broken download
+        if announced.isdigit() and count < int(announced):
+            raise RegistryError(
+                f"the connection to {self.host} ended after {count} of {announced} bytes of {digest} "
+                "(the registry went away mid-download); retry the pull",
+                code="registry_error",
+            )
 
     def push_blob_file(self, path: Path, digest: str, size: int, media_type: str) -> None:
         """Upload a file as a blob unless the registry has it (oras-py: HEAD, then chunked upload).

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Literal
 
-from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
+from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError, RegistryError
 from vmsidecar_runtime.image.checks import check_image
 from vmsidecar_runtime.image.decompress import open_decompressed
 from vmsidecar_runtime.image.digest import sha256_digest
@@ -153,7 +153,7 @@ def unpack_blob(
             declared = format_hint or (title_format(title)[0] if title else None)
             disk = write_disk(stream, out, declared=declared, origin=origin, limits=limits, guess_raw=True)
         reader.drain()
-    except (DigestMismatchError, HostError):
+    except (DigestMismatchError, HostError, RegistryError):  # a broken download is not bad content
         raise
     except ImageError:
         # the content looked wrong: make sure it is the content the digest names before saying so

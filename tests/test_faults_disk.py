@@ -1,0 +1,216 @@
+"""Faults on the disk path, for real (issue 13): a registry killed mid-pull, a full disk (tmpfs with
+``size=``) during a pull and during a flash, the runtime SIGKILLed mid-flash, a corrupted cache
+entry. Each ends in a clear error or a recovery; the old disk stays, no partial file is kept or used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.faults import ThrottleProxy, tmpfs
+from fixtures.registry import start_registry
+from guestio import Console
+from vmsidecar_contract.errors import HostError, RegistryError, VmsidecarError
+from vmsidecar_runtime.oci import pull, push_artifact
+
+pytestmark = pytest.mark.timeout(600)
+
+MiB = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(MiB):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _cache_files(cache: Path) -> tuple[list[str], list[str]]:
+    """(disks, temp files) in a runtime's image cache."""
+    disks = sorted(p.name for p in (cache / "disks").iterdir()) if (cache / "disks").exists() else []
+    tmp = sorted(p.name for p in (cache / "tmp").iterdir()) if (cache / "tmp").exists() else []
+    return disks, tmp
+
+
+async def _marker(rt: Any, label: str) -> None:
+    """The boot on the console is the guest ``label`` (``VMSIDECAR-READY image=<label> ``)."""
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.expect(f"VMSIDECAR-READY image={label} ", 120)
+    finally:
+        await con.close()
+
+
+async def test_registry_killed_mid_pull_then_a_retry_works(start_runtime: Any, tiny_image: Any,
+                                                             tmp_path: Path) -> None:
+    # 48 MiB of random data: a download that takes seconds through the proxy and cannot compress
+    raw = tmp_path / "big.raw"
+    raw.write_bytes(os.urandom(48 * MiB))
+    big = tmp_path / "big.qcow2"
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(big)], check=True, timeout=60)
+    raw.unlink()
+    cache = tmp_path / "cache"
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
+                             extra_args=["--cache-dir", str(cache)])
+    client = rt.client()
+    ready = await client.wait_ready(240)
+    before, _ = _cache_files(cache)
+
+    with start_registry(tmp_path / "registry") as first:
+        push_artifact(big, f"{first.host}/vm/big:1", compression=None)
+        port = int(first.host.rsplit(":", 1)[1])
+        async with ThrottleProxy(("127.0.0.1", port), rate=8 * MiB) as proxy:
+            ref = f"{proxy.host}/vm/big:1"
+            pull = asyncio.create_task(client.flash_reference(ref, power_off=True))
+            for _ in range(600):
+                if proxy.forwarded > 6 * MiB or pull.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert not pull.done(), "the pull ended before the registry could be killed"
+            first.process.kill()  # SIGKILL: the registry dies with the blob half sent
+            with pytest.raises(RegistryError) as exc:
+                await asyncio.wait_for(pull, 60)  # an error, never a hang
+            assert "retry the pull" in exc.value.message or "truncated" in exc.value.message, exc.value.message
+            print(f"registry killed after {proxy.forwarded / MiB:.1f} MiB: {exc.value.code}: {exc.value.message}")
+
+            disks, tmp = _cache_files(cache)
+            assert disks == before and tmp == [], "a partial download was kept in the cache"
+            state = await client.state()
+            assert state.phase.value == "Ready" and state.image_digest == ready.image_digest  # nothing changed
+
+            with start_registry(tmp_path / "registry") as second:  # same storage, new process and port
+                proxy.target = ("127.0.0.1", int(second.host.rsplit(":", 1)[1]))
+                proxy.rate = 1 << 30
+                state = await asyncio.wait_for(client.flash_reference(ref, power_off=True), 120)
+    assert state.phase.value == "Stopped" and state.image_digest == _sha256(big)
+    disks, tmp = _cache_files(cache)
+    assert len(disks) == len(before) + 1 and tmp == []
+    assert _sha256(cache / "disks" / f"{state.image_digest.replace(':', '-')}.qcow2") == state.image_digest
+
+
+async def test_enospc_during_a_pull_and_during_a_flash_keeps_the_old_disk(
+    start_runtime: Any, tiny_image: Any, tiny_b_image: Any, tmp_path: Path
+) -> None:
+    # the cache holds the tiny guest (13 MiB) but not a second one; the state dir no flashed disk
+    with tmpfs(tmp_path / "cache", "20m") as cache, tmpfs(tmp_path / "state", "8m") as state_dir:
+        rt = await start_runtime(
+            {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
+            extra_args=["--cache-dir", str(cache), "--state-dir", str(state_dir),
+                        "--allow-host-paths", str(tiny_b_image.disk.parent)])
+        client = rt.client()
+        ready = await client.wait_ready(240)
+        disks_before, _ = _cache_files(cache)
+
+        # ENOSPC while pulling into the cache
+        with pytest.raises(HostError) as exc:
+            await asyncio.wait_for(client.flash_reference(f"file:{tiny_b_image.disk}", power_off=True), 120)
+        assert exc.value.code == "cache_write_failed" and "free space" in exc.value.message, exc.value.message
+        disks, tmp = _cache_files(cache)
+        assert disks == disks_before and tmp == [], "a partial cache entry was kept"
+        state = await client.state()
+        assert state.phase.value == "Ready" and state.image_digest == ready.image_digest
+
+        # ENOSPC while receiving a flashed image
+        await client.power("off", graceful=False)
+        with pytest.raises(HostError) as exc:
+            await asyncio.wait_for(client.flash(tiny_b_image.disk), 120)
+        assert "no space left" in exc.value.message and "free space" in exc.value.message, exc.value.message
+        assert list((state_dir / "flashed").glob("*")) == [], "a half-written flash was kept"
+        state = await client.state()
+        assert state.image_digest == ready.image_digest
+
+        # the old disk boots
+        await client.power("on")
+        await client.wait_ready(240)
+        await _marker(rt, "tiny")
+        await asyncio.to_thread(rt.stop)
+
+
+async def _slow(path: Path, sent: list[int], chunk: int = 256 << 10) -> AsyncIterator[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            sent[0] += len(data)
+            yield data
+            await asyncio.sleep(0.1)
+
+
+async def test_runtime_killed_mid_flash_restarts_on_the_previous_disk(
+    start_runtime: Any, tiny_image: Any, tiny_b_image: Any
+) -> None:
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M"}
+    rt = await start_runtime(spec, name="rt")
+    client = rt.client()
+    ready = await client.wait_ready(240)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    await con.run("echo lease-before-the-kill > /data/marker; sync")
+    await con.close()
+    await client.power("off", graceful=False)
+
+    sent = [0]
+    size = tiny_b_image.disk.stat().st_size
+    flash = asyncio.create_task(client.flash(_slow(tiny_b_image.disk, sent), size=size))
+    flashed = rt.state / "flashed"
+    for _ in range(600):
+        if sent[0] > 4 * MiB and list(flashed.glob(".incoming-*")):
+            break
+        await asyncio.sleep(0.05)
+    assert list(flashed.glob(".incoming-*")), "the flash never started writing its temp file"
+    rt.proc.kill()  # SIGKILL: no cleanup code runs
+    rt.proc.wait(10)
+    with pytest.raises((VmsidecarError, OSError)):
+        await asyncio.wait_for(flash, 30)
+    left = list(flashed.glob(".incoming-*"))
+    assert left, "expected the dead runtime's half-written temp file"
+
+    rt2 = await start_runtime(spec, name="rt")  # same shared and state directories
+    client2 = rt2.client()
+    state = await client2.wait_ready(240)
+    assert state.image_digest == ready.image_digest  # the previous disk, not the half-flashed one
+    await _marker(rt2, "tiny")
+    assert not any(p.exists() for p in left), "the dead runtime's temp file is still there"
+    assert list(flashed.glob(".incoming-*")) == []
+    # a restarted runtime cannot tell which lease it is in: nothing of the earlier one survives
+    con = await Console.open(rt2.shared / "console.sock")
+    await con.wake()
+    assert "lease-before-the-kill" not in await con.run("cat /data/marker 2>&1")
+    await con.close()
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+async def test_a_corrupted_cache_entry_is_detected_and_pulled_again(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path, damage: str
+) -> None:
+    cache = tmp_path / "cache"
+    good = await asyncio.to_thread(pull, f"file:{tiny_image.disk}", cache)  # what a runtime's pull leaves
+    disk = good.path
+    assert _sha256(disk) == good.digest
+
+    os.chmod(disk, 0o644)  # what a stray writer (or a failing disk) would do to the read-only entry
+    if damage == "flipped":  # same size: only the content tells
+        with open(disk, "r+b") as f:
+            f.seek(disk.stat().st_size // 2)
+            block = f.read(4096)
+            f.seek(-len(block), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in block))
+    else:
+        os.truncate(disk, disk.stat().st_size // 2)
+    os.chmod(disk, 0o444)
+    assert _sha256(disk) != good.digest
+
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}
+    rt = await start_runtime(spec, extra_args=["--cache-dir", str(cache)])
+    state = await rt.client().wait_ready(240)
+    assert state.image_digest == good.digest
+    assert _sha256(disk) == good.digest, "the corrupted entry is still in the cache"
+    assert "pulling it again" in rt.log_text(), rt.log_text()[-2000:]
+    await _marker(rt, "tiny")
