@@ -9,6 +9,7 @@ UID cannot write is refused at start with the directory and the fix.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -179,3 +180,14 @@ def test_no_home_and_no_directories_says_what_to_pass(layout: dict[str, Path]) -
     result = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "no home directory" in result.stderr and "--cache-dir and --state-dir" in result.stderr, result.stderr
+
+
+def test_the_umask_is_set_once_at_start() -> None:
+    """The umask is per process: changed around a bind, it also applied to a worker thread's mkdir at
+    that instant (the image cache came out 0660, untraversable for a UID without root's override)."""
+    calls = []
+    for path in (ROOT / "runtime" / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "umask":
+                calls.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert calls and all(c.startswith("runtime/src/vmsidecar_runtime/perms.py:") for c in calls), calls

@@ -95,11 +95,9 @@ class ConsoleHub:
         self.listen_path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.listen_path.unlink()
-        old = os.umask(0o117)
-        try:
-            self._server = await asyncio.start_unix_server(self._serve_client, path=str(self.listen_path))
-        finally:
-            os.umask(old)
+        # no umask juggling (it is per process: a worker thread's mkdir would lose its x bits); the
+        # process umask keeps others from connecting until share() sets 0660 (perms.restrict_umask)
+        self._server = await asyncio.start_unix_server(self._serve_client, path=str(self.listen_path))
         share(self.listen_path, 0o660)
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

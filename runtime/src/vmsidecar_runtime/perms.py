@@ -36,3 +36,17 @@ def share(path: Path, mode: int) -> None:
     owner = socket_owner()
     if owner is not None and os.geteuid() == 0:
         os.chown(path, *owner)
+
+
+def restrict_umask() -> int:
+    """Take write permission for others out of the process umask; returns the new umask.
+
+    Called once at start, before any thread exists. A socket's mode at ``bind`` is 0777 minus the
+    umask and ``connect`` needs write permission, so no one outside the owner and group can
+    connect before ``share`` sets 0660. This replaces a temporary ``umask(0o117)`` around each
+    bind: the umask is per process, and a directory a worker thread created in that instant (the
+    image cache, during the API socket's bind) came out 0660, unusable by a runtime that is not root.
+    """
+    current = os.umask(0o077)
+    os.umask(current | 0o002)
+    return current | 0o002

@@ -30,7 +30,7 @@ from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
 from .hostpaths import HostPathPolicy
-from .perms import share
+from .perms import restrict_umask, share
 
 log = logging.getLogger("vmsidecar_runtime")
 
@@ -180,6 +180,7 @@ async def _reap_orphans(stop: asyncio.Event) -> None:
 async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
                 host_paths: HostPathPolicy | None = None, grace: float = 30.0) -> int:
     """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
+    restrict_umask()
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     try:
         prepare_dirs(paths)
@@ -187,7 +188,14 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     except HostError:
         shutil.rmtree(paths.run, ignore_errors=True)  # the private run dir default_paths made
         raise
-    share(paths.shared, 0o2770)
+    try:
+        share(paths.shared, 0o2770)
+    except PermissionError:
+        # a volume mounted as the shared dir itself and owned by someone else (a Kubernetes emptyDir
+        # is root's, 0777): its mode stays the volume's; the sockets in it are 0660 all the same
+        log.warning("cannot set mode 2770 on %s (owned by uid %d, not by this uid %d); mount the volume one "
+                    "level up (/shared) so the runtime creates the directory itself", paths.shared,
+                    paths.shared.stat().st_uid, os.geteuid())
     vm = VmController(spec, paths, allow_extra_args=allow_extra_args, host_paths=host_paths)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -317,11 +316,8 @@ async def serve_api(vm: VmController, socket_path: Path) -> web.AppRunner:
     await runner.setup()
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
-    old = os.umask(0o117)
-    try:
-        site = web.UnixSite(runner, str(socket_path))
-        await site.start()
-    finally:
-        os.umask(old)
+    # no umask juggling: the process umask keeps others out until share() (perms.restrict_umask)
+    site = web.UnixSite(runner, str(socket_path))
+    await site.start()
     share(socket_path, 0o660)
     return runner

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,11 +65,8 @@ class GpioControlServer:
         """Serve ``path``, mode 0660, handed to the socket owner like every shared socket."""
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
-        old = os.umask(0o117)  # never world-accessible, not even between bind and chmod
-        try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(path))
-        finally:
-            os.umask(old)
+        # never world-connectable, not even between bind and chmod: the process umask (perms.restrict_umask)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
         share(path, 0o660)
         self._path = path
 
