@@ -4,6 +4,7 @@ reach the guest side, a stalled reader is dropped instead of stalling the guest.
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 from pathlib import Path
 
@@ -98,6 +99,47 @@ async def test_stalled_reader_is_dropped_and_guest_keeps_flowing(tmp_path: Path)
             break
         await asyncio.sleep(0.05)
     assert hub.bytes_seen == total  # every byte drained although one reader never read
+    await hub.close()
+
+
+def _rss_mib() -> float:
+    for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_readers_that_never_read_hold_a_bounded_backlog_from_a_fast_guest(tmp_path: Path) -> None:
+    """A guest under KVM hands the hub 64 KiB chunks: the chunk bound alone would let each reader
+    that never reads pin 64 MiB (issue 13 fault suite; under TCG the guest is too slow to show it)."""
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("hvc0", tmp_path / "hvc0.sock", scrollback=4096)
+    await hub.listen()
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    stalled = [await asyncio.open_unix_connection(str(hub.listen_path)) for _ in range(16)]
+    await asyncio.sleep(0.05)
+    before = peak = _rss_mib()
+    chunk = os.urandom(65536)
+    total = 0
+    for _ in range(256):  # 16 MiB
+        chardev.emit(chunk)
+        await chardev.writer.drain()  # type: ignore[union-attr]
+        total += len(chunk)
+        peak = max(peak, _rss_mib())
+    for _ in range(100):
+        if hub.bytes_seen == total:
+            break
+        await asyncio.sleep(0.05)
+    peak = max(peak, _rss_mib())
+    assert hub.bytes_seen == total
+    assert peak - before < 48, f"RSS {before:.0f} -> {peak:.0f} MiB"  # 16 readers x 1 MiB + slack
+    for reader, _ in stalled:  # each was dropped: what it can still read ends in EOF
+        got = 0
+        while data := await asyncio.wait_for(reader.read(1 << 20), 5):
+            got += len(data)
+        assert got < total
     await hub.close()
 
 

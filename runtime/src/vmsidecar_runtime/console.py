@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 #: chunks a slow client may fall behind before it is disconnected
 CLIENT_QUEUE_CHUNKS = 1024
+#: bytes a slow client may fall behind before it is disconnected: chunks are up to 64 KiB, so the
+#: chunk bound alone would let each client that never reads hold 64 MiB of the runtime's memory
+CLIENT_QUEUE_BYTES = 1 << 20
 
 
 class RotatingByteLog:
@@ -50,6 +53,23 @@ class RotatingByteLog:
     def close(self) -> None:
         """Close the file."""
         self._fh.close()
+
+
+class _ClientQueue(asyncio.Queue[bytes | None]):
+    """One client's backlog, bounded in chunks and in bytes (:meth:`offer` raises ``QueueFull``)."""
+
+    def __init__(self) -> None:
+        super().__init__(CLIENT_QUEUE_CHUNKS)
+        self.pending = 0
+
+    def offer(self, data: bytes) -> None:
+        if self.pending + len(data) > CLIENT_QUEUE_BYTES:
+            raise asyncio.QueueFull
+        self.put_nowait(data)
+        self.pending += len(data)
+
+    def taken(self, data: bytes) -> None:
+        self.pending -= len(data)
 
 
 def _end_queue(queue: asyncio.Queue[bytes | None]) -> None:
@@ -81,7 +101,7 @@ class ConsoleHub:
         #: log bytes not yet on disk; one task at a time writes them in a thread, in order
         self._log_pending: list[bytes] = []
         self._log_task: asyncio.Task[None] | None = None
-        self._clients: set[asyncio.Queue[bytes | None]] = set()
+        self._clients: set[_ClientQueue] = set()
         self._watchers: set[Callable[[bytes], None]] = set()
         self._server: asyncio.Server | None = None
         self._upstream: asyncio.StreamWriter | None = None
@@ -101,9 +121,9 @@ class ConsoleHub:
         share(self.listen_path, 0o660)
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue(CLIENT_QUEUE_CHUNKS)
+        queue = _ClientQueue()
         if self.replay and self._buffer:
-            queue.put_nowait(bytes(self._buffer))
+            queue.offer(bytes(self._buffer[-CLIENT_QUEUE_BYTES:]))
         self._clients.add(queue)
         pump = asyncio.create_task(self._pump_to_client(queue, writer))
         try:
@@ -123,9 +143,10 @@ class ConsoleHub:
                 await pump
             writer.close()
 
-    async def _pump_to_client(self, queue: asyncio.Queue[bytes | None], writer: asyncio.StreamWriter) -> None:
+    async def _pump_to_client(self, queue: _ClientQueue, writer: asyncio.StreamWriter) -> None:
         try:
             while (chunk := await queue.get()) is not None:
+                queue.taken(chunk)
                 writer.write(chunk)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -175,7 +196,7 @@ class ConsoleHub:
             watcher(data)
         for queue in list(self._clients):
             try:
-                queue.put_nowait(data)
+                queue.offer(data)
             except asyncio.QueueFull:
                 log.warning("console %s: dropping a client that stopped reading", self.name)
                 self._clients.discard(queue)

@@ -1,0 +1,231 @@
+"""Faults of the processes around a guest, for real (issue 13): the exporter SIGKILLed mid-lease, the
+guest kernel panicking, console readers that never read, 50 API clients at once.
+
+QEMU SIGKILLed is tests/test_runtime_lifecycle.py::test_qemu_killed_is_crashed_then_power_on_recovers
+(both backends); the runtime SIGKILLed is ::test_runtime_killed_takes_its_qemu_along and
+tests/test_faults_disk.py::test_runtime_killed_mid_flash_restarts_on_the_previous_disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.faults import qemu_pids, rss_kb, wait_phase
+from fixtures.jmp import PIPE_UNTIL, exporter_config, run_shell
+from fixtures.runtime import events_until
+from guestio import Console
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import PROTOCOL_CODES, VmsidecarError, registry
+
+pytestmark = pytest.mark.timeout(600)
+
+MiB = 1 << 20
+
+LEASE_ONE = PIPE_UNTIL + r"""
+j vm power on
+pipe_until 'secret-2-written' work1.txt '\necho lease1-secret > /data/secret; sync; (sleep 7777 &); echo secret-$((1+1))-written\n'
+kill -KILL {pid}
+sleep 300
+"""
+
+LEASE_TWO = PIPE_UNTIL + r"""
+j vm power on
+pipe_until 'check-4-done' check2.txt '\nls /data/secret; ps | grep -c "[s]leep 7777"; echo check-$((2+2))-done\n'
+"""
+
+
+async def test_exporter_killed_mid_lease_the_guest_runs_on_and_the_next_lease_gets_a_fresh_one(
+    start_runtime: Any, tiny_image: Any, standalone_exporter: Any, tmp_path: Path
+) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+    client = rt.client()
+    await client.wait_ready(240)
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket), "recycle": "InPlaceReuse"})
+    first = await asyncio.to_thread(standalone_exporter, cfg)
+    [qemu] = qemu_pids(str(rt.state))
+
+    # lease 1 writes a secret, then its exporter is SIGKILLed: no close(), so no recycle from it
+    with pytest.raises(subprocess.TimeoutExpired):
+        await asyncio.to_thread(run_shell, first.shell_args, LEASE_ONE.replace("{pid}", str(first.proc.pid)),
+                                cwd=tmp_path, timeout=60)
+    assert "secret-2-written" in (tmp_path / "work1.txt").read_text(errors="replace")
+    assert first.proc.wait(10) == -9
+    state = await client.state()
+    assert state.phase.value == "Ready" and state.generation == 0 and state.claimed
+    assert qemu_pids(str(rt.state)) == [qemu]  # the guest kept running, untouched
+
+    # the next exporter's lease claims the VM: the runtime recycles the claimed generation first
+    second = await asyncio.to_thread(standalone_exporter, cfg)
+    result = await asyncio.to_thread(run_shell, second.shell_args, LEASE_TWO, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:] + second.log_text()[-3000:]
+    check = (tmp_path / "check2.txt").read_text(errors="replace")
+    assert "lease1-secret" not in check and "No such file or directory" in check
+    lines = [line.strip() for line in check.replace("\r", "").splitlines()]
+    assert "0" in lines and "1" not in lines  # lease 1's process is gone too
+    state = await client.state()
+    assert state.generation >= 1
+
+
+async def test_guest_kernel_panic_reboots_clearly_and_a_power_cycle_recovers(
+    start_runtime: Any, tiny_image: Any
+) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+    client = rt.client()
+    before = await client.wait_ready(240)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    events = asyncio.create_task(events_until(client, ["boot", "phase", "guest.reset", "guest.panicked"],
+                                              "boot", timeout=120))
+    await asyncio.sleep(0.3)
+    con.writer.write(b"echo c > /proc/sysrq-trigger\n")
+    await con.writer.drain()
+    await con.expect("Kernel panic", 60)  # the panic is on the console, for whoever watches
+    seen = await events
+    kinds = [(e["type"], e["data"].get("reason")) for e in seen]
+    assert ("boot", "guest reboot") in kinds, kinds  # the kernel reboots (panic=-1): a new boot, stated
+    state = await client.wait_ready(240)
+    assert state.boot == before.boot + 1 and state.generation == before.generation
+    await con.expect("VMSIDECAR-READY image=tiny ", 60)
+    await con.close()
+
+    # the owner's power cycle after a panic: Ready again
+    await client.power("cycle")
+    state = await client.wait_ready(240)
+    assert state.phase.value == "Ready" and len(qemu_pids(str(rt.state))) == 1
+
+
+async def test_console_readers_that_never_read_neither_grow_the_runtime_nor_stall_the_guest(
+    start_runtime: Any, tiny_image: Any
+) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+    client = rt.client()
+    await client.wait_ready(240)
+    pid = rt.proc.pid
+    # clients that connect and never read a byte: 24 on the flooded console, 4 on the other
+    stalled = []
+    for path in [rt.shared / "hvc0.sock"] * 24 + [rt.shared / "console.sock"] * 4:
+        s = socket.socket(socket.AF_UNIX)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(str(path))
+        stalled.append(s)
+    cmd = await Console.open(rt.shared / "console.sock")
+    await cmd.wake()
+    reader = await Console.open(rt.shared / "hvc0.sock")  # the fast console (virtio): the big flood
+    await reader.drain_replay()
+    base = rss_kb(pid)
+    peak = base
+    seconds = 20
+    flood = (f"timeout {seconds} yes {'flood-0123456789abcdef' * 8} > /dev/hvc0; "
+             "echo flood-$((6*7))-done\n")
+    cmd.writer.write(flood.encode())
+    await cmd.writer.drain()
+    ended = asyncio.create_task(cmd.expect("flood-42-done", seconds + 120))
+    received = 0
+    started = time.monotonic()
+    while not ended.done():
+        try:
+            chunk = await asyncio.wait_for(reader.reader.read(1 << 16), 5)
+        except TimeoutError:
+            if ended.done():
+                break
+            raise AssertionError("the reading client got nothing for 5 s: the guest or the hub stalled") from None
+        assert chunk, "the runtime closed the reading client"
+        received += len(chunk)
+        peak = max(peak, rss_kb(pid))
+    await ended  # the guest finished: it was never stalled
+    took = time.monotonic() - started
+    grew = (peak - base) / 1024
+    print(f"flood: {received / MiB:.1f} MiB to the reading client in {took:.1f} s; runtime RSS "
+          f"{base / 1024:.1f} -> peak {peak / 1024:.1f} MiB (+{grew:.1f}) with 28 clients not reading")
+    assert received > 3 * MiB, "the flood was too small to fill the stalled clients' buffers"
+    assert grew < 64, f"the runtime grew by {grew:.1f} MiB"
+    assert "dropping a client that stopped reading" in rt.log_text()
+    await cmd.wake()
+    assert "still-here" in await cmd.run("echo still-$((0))here | tr -d 0")
+    for s in stalled:
+        s.close()
+    await reader.close()
+    await cmd.close()
+    assert (await client.state()).phase.value == "Ready"
+
+
+#: what each of the 50 clients may do, weighted
+ACTIONS = ["state"] * 3 + ["on", "off", "cycle", "flash", "dump", "recycle", "claim"]
+
+
+@pytest.mark.slow
+async def test_fifty_concurrent_clients_power_flash_dump_recycle(
+    start_runtime: Any, tiny_image: Any, tiny_b_image: Any, tmp_path: Path
+) -> None:
+    images = tiny_image.disk.parent.parent
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"},
+                             extra_args=["--allow-host-paths", str(images)])
+    admin = rt.client()
+    ready = await admin.wait_ready(240)
+    flashed = {ready.image_digest}
+    known = set(registry()) | set(PROTOCOL_CODES)
+    outcomes: dict[str, int] = {}
+    failures: list[str] = []
+    rng = random.Random(13)
+    plans = [[rng.choice(ACTIONS) for _ in range(3)] for _ in range(50)]
+    most_qemus = 0
+
+    async def one(n: int, plan: list[str]) -> None:
+        async with RuntimeClient(rt.socket, timeout=300) as c:
+            for i, action in enumerate(plan):
+                try:
+                    if action == "state":
+                        await c.state()
+                    elif action in ("on", "off", "cycle"):
+                        await c.power(action, graceful=False)
+                    elif action == "flash":
+                        disk = rng.choice([tiny_image.disk, tiny_b_image.disk])
+                        state = await c.flash_reference(f"file:{disk}", power_off=True)
+                        flashed.add(state.image_digest)
+                    elif action == "dump":
+                        size = await c.dump(tmp_path / f"dump-{n}-{i}.qcow2")
+                        assert size > 0
+                        (tmp_path / f"dump-{n}-{i}.qcow2").unlink()
+                    elif action == "recycle":
+                        await c.recycle(boot=rng.random() < 0.5)
+                    elif action == "claim":
+                        await c.claim()
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+                except VmsidecarError as e:
+                    outcomes[e.code] = outcomes.get(e.code, 0) + 1
+                    if e.code not in known or e.code == "internal_error":
+                        failures.append(f"{action}: {e.code}: {e.message}")
+                except Exception as e:  # anything else is a failure of the runtime
+                    failures.append(f"{action}: {type(e).__name__}: {e}")
+
+    async def count_qemus() -> None:
+        nonlocal most_qemus
+        while True:
+            most_qemus = max(most_qemus, len(qemu_pids(str(rt.state))))
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(count_qemus())
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*(one(n, p) for n, p in enumerate(plans))), 420)
+    watcher.cancel()
+    print(f"50 clients, {sum(len(p) for p in plans)} requests in {time.monotonic() - started:.1f} s: {outcomes}")
+    assert not failures, failures
+    assert most_qemus <= 1, f"{most_qemus} QEMUs at once"
+    assert rt.proc.poll() is None and await admin.healthy()
+
+    # whatever the mix left, one recycle gives a pristine guest on the spec's image, never a mix
+    state = await admin.recycle()
+    state = await admin.wait_ready(240)
+    assert state.image_digest == ready.image_digest and state.image_digest in flashed
+    con = await Console.open(rt.shared / "console.sock")
+    await con.expect("VMSIDECAR-READY image=tiny ", 60)
+    await con.close()
+    await wait_phase(admin, "Ready")
