@@ -20,9 +20,31 @@ def run(*argv: str, timeout: float = 900) -> str:
     return result.stdout
 
 
+#: run in a container (``python3 -c``): who each process runs as and how it is confined
+PROCESSES = """
+import json, os
+found = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+        argv0 = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")[0].decode()
+    except OSError:
+        continue
+    status = {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    keys = ("Uid", "Gid", "Groups", "CapEff", "NoNewPrivs", "Seccomp", "Seccomp_filters")
+    found.append({"argv0": os.path.basename(argv0), **{k: status.get(k, "") for k in keys}})
+print(json.dumps(found))
+"""
+
+
 class Pod:
     def __init__(self, name: str) -> None:
         self.name = name
+
+    def processes(self, container: str) -> list[dict[str, str]]:
+        """Every process in a container with its /proc status: Uid, Gid, Groups, CapEff, NoNewPrivs,
+        Seccomp, Seccomp_filters."""
+        return json.loads(run("podman", "exec", f"{self.name}-{container}", "python3", "-c", PROCESSES))
 
     def up(self, *args: str) -> float:
         started = time.monotonic()

@@ -13,7 +13,7 @@ import pytest
 
 from fixtures.jmp import PIPE_UNTIL, free_port, jmp_env
 
-from .podman import VM_TYPE, Pod
+from .podman import ENV, VM_TYPE, Pod, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -23,6 +23,7 @@ def test_standalone_pod_from_the_host(images: Any, published: dict[str, str], po
     started = pod.up("--image", published["tiny"], "--port", str(port), "--memory", "256M")
     pod.wait_ready()
     print(f"\nkube play -> Ready: {time.monotonic() - started:.1f} s")
+    _check_least_privilege(pod)
     script = PIPE_UNTIL + f"""
 j vm power on
 pipe_until 'VMSIDECAR-READY image=tiny ' boot.txt
@@ -40,6 +41,27 @@ j vm power read
     assert "voltage=0.0" in result.stdout
     pod.down()  # kube down leaves nothing running
     assert subprocess.run(["pgrep", "-f", f"/tmp/vmsidecar-.*{pod.name}"], capture_output=True).returncode != 0
+
+
+def _check_least_privilege(pod: Pod) -> None:
+    """pod.yaml's securityContext holds for every process, QEMU adds its own seccomp filter, the
+    root filesystem is read-only, and the sockets are the runtime user's 0660 (docs/security.md)."""
+    least = {"Uid": "\t".join(["65532"] * 4), "Gid": "\t".join(["65532"] * 4), "CapEff": "0" * 16,
+             "NoNewPrivs": "1", "Seccomp": "2"}
+    for container in ("runtime", "exporter"):
+        processes = pod.processes(container)
+        assert processes and all(p | least == p for p in processes), processes
+    runtime = pod.processes("runtime")
+    [qemu] = [p for p in runtime if p["argv0"].startswith("qemu-system")]
+    container_filters = min(int(p["Seccomp_filters"]) for p in runtime if p is not qemu)  # the runtime's own
+    assert int(qemu["Seccomp_filters"]) > container_filters, runtime  # QEMU's -sandbox on top of the pod's
+    for container in ("runtime", "exporter"):
+        touched = subprocess.run(["podman", "exec", f"{pod.name}-{container}", "touch", "/probe"], env=ENV,
+                                 capture_output=True, text=True)
+        assert touched.returncode != 0 and "Read-only file system" in touched.stderr, touched.stderr
+    sockets = run("podman", "exec", f"{pod.name}-exporter", "stat", "-c", "%a %u %n", "/shared/vmsidecar",
+                  "/shared/vmsidecar/api.sock", "/shared/vmsidecar/console.sock").splitlines()
+    assert [s.split()[:2] for s in sockets] == [["2770", "65532"], ["660", "65532"], ["660", "65532"]], sockets
 
 
 def _controller_config(jmpctl: Any, published: dict[str, str], recycle: str, tmp_path: Path) -> Path:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -65,3 +66,53 @@ def test_a_bad_manifest_is_caught() -> None:
     bad = _docs(MANIFESTS[0])[0] | {"spec": {"recycleStrategy": "Sometimes"}}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, _crd_schema(bad["kind"]))
+
+
+#: every container we ship runs like this (docs/security.md); upstream's pool pods are the provisioner's
+LEAST_PRIVILEGE = {
+    "runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": True, "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"},
+}
+#: what each container writes, so each must be a volume under a read-only root filesystem
+WRITABLE = {"runtime": {"/shared", "/var/lib/vmsidecar/cache", "/var/lib/vmsidecar/state", "/tmp"},
+            "exporter": {"/shared", "/tmp"}}
+
+
+def _pod_specs() -> dict[str, dict]:
+    """Every Pod we ship: container/pod.yaml as scripts/pod renders it, and the Kubernetes samples."""
+    rendered = subprocess.run([str(ROOT / "scripts" / "pod"), "render", "--image", "127.0.0.1:5000/vm/tiny:1"],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    pods = {"pod.yaml": next(d for d in yaml.safe_load_all(rendered) if d["kind"] == "Pod")}
+    pods |= {path.name: doc for path in MANIFESTS for doc in _docs(path) if doc["kind"] == "Pod"}
+    assert set(pods) == {"pod.yaml", "pod-sidecar.yaml"}
+    return {name: doc["spec"] for name, doc in pods.items()}
+
+
+def _covered(path: str, mounts: list[dict]) -> bool:
+    return any(path == m["mountPath"] or m["mountPath"].startswith(path + "/") for m in mounts if not m.get("readOnly"))
+
+
+@pytest.mark.parametrize("name", ["pod.yaml", "pod-sidecar.yaml"])
+def test_every_container_runs_with_least_privilege(name: str) -> None:
+    spec = _pod_specs()[name]
+    containers = spec.get("initContainers", []) + spec["containers"]
+    assert {c["name"] for c in containers} == {"runtime", "exporter"}
+    for c in containers:
+        assert c["securityContext"] == LEAST_PRIVILEGE, c["name"]
+        missing = {p for p in WRITABLE[c["name"]] if not _covered(p, c["volumeMounts"])}
+        assert not missing, f"{name}: {c['name']} writes {missing} on a read-only root filesystem"
+    assert spec["securityContext"]["fsGroup"] == 65532  # Kubernetes: the cache volume is the runtime's group's
+    assert not spec.get("hostNetwork") and not spec.get("hostPID")
+
+
+def test_rendered_pod_validates() -> None:
+    for doc in _pod_specs().values():
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": doc},
+                                     K8S_VERSION, strict=True)
+
+
+def test_the_pool_pods_security_is_the_provisioners() -> None:
+    """The pool samples cannot set a securityContext: upstream's CRDs have no such field and its
+    provisioner renders the pods (runtime as UID 0). If a newer CRD adds one, set it in the samples."""
+    for crd in CRDS.glob("*.yaml"):
+        assert "securityContext" not in crd.read_text(), crd.name
