@@ -21,7 +21,7 @@ def test_defaults_boot_paused_on_overlay_with_both_consoles() -> None:
     argv = build_argv(_plan({}))
     assert argv[0] == "qemu-system-x86_64"
     assert "-S" in argv and "-no-shutdown" in argv
-    assert _opt(argv, "-accel") == ["tcg"] and _opt(argv, "-cpu") == ["max"]
+    assert _opt(argv, "-accel") == ["tcg,tb-size=64"] and _opt(argv, "-cpu") == ["max"]
     assert "driver=file,filename=/s/overlay.qcow2,node-name=disk0-file" in _opt(argv, "-blockdev")
     chardevs = _opt(argv, "-chardev")
     assert any("path=/r/ttyS0.sock" in c for c in chardevs)

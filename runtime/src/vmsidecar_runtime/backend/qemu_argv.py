@@ -7,7 +7,7 @@ validated spec or from paths and ports the runtime resolved itself.
 from __future__ import annotations
 
 from ..plan import SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
-from .common import MACHINE, TCG_CPU, qemu_binary, user_netdev
+from .common import MACHINE, TCG_CPU, accel_option, qemu_binary, user_netdev
 
 #: id of the user-mode NIC's netdev
 NETDEV_ID = "net0"
@@ -28,7 +28,7 @@ def _base(plan: BootPlan) -> list[str]:
         "-name", "vmsidecar,debug-threads=on",
         "-nodefaults", "-no-user-config", "-display", "none",
         "-machine", machine,
-        "-accel", plan.accel,
+        "-accel", accel_option(plan.accel),
         "-cpu", "host" if plan.accel == "kvm" else TCG_CPU[spec.arch],
         "-smp", str(spec.cpus),
         "-m", f"{spec.memory}M",
