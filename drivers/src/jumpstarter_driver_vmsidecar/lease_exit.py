@@ -33,9 +33,9 @@ def _argv_option(argv: list[str], name: str) -> str | None:
 def controller_mode(argv: list[str] | None = None) -> bool:
     """True inside ``jmp run`` talking to a controller (not standalone TCP, not ``jmp shell``)."""
     argv = sys.argv if argv is None else argv
-    return len(argv) > 1 and Path(argv[0]).name in ("jmp", "jumpstarter") and argv[1] == "run" and not any(
-        a.startswith("--tls-grpc-listener") for a in argv
-    )
+    # vmsidecar-exporter: exporter_run.py, `jmp run` without its supervising fork (the exporter image)
+    runner = len(argv) > 1 and Path(argv[0]).name in ("jmp", "jumpstarter", "vmsidecar-exporter") and argv[1] == "run"
+    return runner and not any(a.startswith("--tls-grpc-listener") for a in argv)
 
 
 def config_exits_on_lease_end(argv: list[str] | None = None) -> bool:

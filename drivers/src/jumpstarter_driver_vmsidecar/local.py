@@ -48,6 +48,30 @@ def _exporter_config(path: Path, socket: Path, recycle: str) -> Path:
     return path
 
 
+def _in_container() -> bool:
+    return Path("/run/.containerenv").exists() or Path("/.dockerenv").exists()
+
+
+def tcg_notice(reason: str | None, in_container: bool) -> str:
+    """The one line that says the guest runs without KVM, and how to get KVM."""
+    how = ("pass the device: podman run --device /dev/kvm … (docker run --device /dev/kvm …)" if in_container
+           else "use a host with working KVM (/dev/kvm, CPU flag vmx or svm; your user in group kvm)")
+    return f"vmsidecar: the guest runs on TCG, without KVM, so it is slower ({reason or 'no KVM'}); for KVM {how}"
+
+
+async def _say_accel(client: RuntimeClient, deadline: float) -> None:
+    """Once the runtime has chosen the accelerator: one line on stderr when it is TCG."""
+    while time.monotonic() < deadline:
+        state = await client.state()
+        if state.accel is not None:
+            if state.accel == "tcg":
+                print(tcg_notice(state.accel_reason, _in_container()), file=sys.stderr)
+            return
+        if state.phase.value in ("Ready", "Error", "Crashed"):
+            return
+        await asyncio.sleep(0.2)
+
+
 async def _wait_ready(socket: Path, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> float:
     started = time.monotonic()
     while not socket.exists():
@@ -58,6 +82,7 @@ async def _wait_ready(socket: Path, proc: subprocess.Popen[bytes], timeout: floa
         await asyncio.sleep(0.1)
     async with RuntimeClient(socket) as client:
         try:
+            await _say_accel(client, started + timeout)
             await client.wait_ready(timeout)
         except VmsidecarError as e:
             raise SystemExit(f"error: {e.message}") from None
