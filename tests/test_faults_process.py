@@ -9,6 +9,7 @@ tests/test_faults_disk.py::test_runtime_killed_mid_flash_restarts_on_the_previou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import subprocess
@@ -33,7 +34,6 @@ LEASE_ONE = PIPE_UNTIL + r"""
 j vm power on
 pipe_until 'secret-2-written' work1.txt '\necho lease1-secret > /data/secret; sync; (sleep 7777 &); echo secret-$((1+1))-written\n'
 kill -KILL {pid}
-sleep 300
 """
 
 LEASE_TWO = PIPE_UNTIL + r"""
@@ -53,9 +53,9 @@ async def test_exporter_killed_mid_lease_the_guest_runs_on_and_the_next_lease_ge
     [qemu] = qemu_pids(str(rt.state))
 
     # lease 1 writes a secret, then its exporter is SIGKILLed: no close(), so no recycle from it
-    with pytest.raises(subprocess.TimeoutExpired):
+    with contextlib.suppress(subprocess.TimeoutExpired):  # jmp shell may or may not notice at once
         await asyncio.to_thread(run_shell, first.shell_args, LEASE_ONE.replace("{pid}", str(first.proc.pid)),
-                                cwd=tmp_path, timeout=60)
+                                cwd=tmp_path, timeout=30)
     assert "secret-2-written" in (tmp_path / "work1.txt").read_text(errors="replace")
     assert first.proc.wait(10) == -9
     state = await client.state()
@@ -175,7 +175,7 @@ async def test_fifty_concurrent_clients_power_flash_dump_recycle(
     outcomes: dict[str, int] = {}
     failures: list[str] = []
     rng = random.Random(13)
-    plans = [[rng.choice(ACTIONS) for _ in range(3)] for _ in range(50)]
+    plans = [[rng.choice(ACTIONS) for _ in range(4)] for _ in range(50)]
     most_qemus = 0
 
     async def one(n: int, plan: list[str]) -> None:

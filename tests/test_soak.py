@@ -1,0 +1,52 @@
+"""Soak (issue 13): 200 recycles of one runtime, sampling every 20 its open fds, RSS, and the files
+and disk usage of its state, run and cache temp directories. All must stay flat; the figures are
+printed (docs/reliability.md records them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from fixtures.faults import qemu_pids, run_dir_of, sample
+
+pytestmark = pytest.mark.timeout(900)
+
+RECYCLES = 200
+EVERY = 20
+
+
+@pytest.mark.slow
+async def test_two_hundred_recycles_leave_fds_rss_files_and_disk_flat(
+    start_runtime: Any, tiny_image: Any, image_cache: Any
+) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+    client = rt.client()
+    await client.wait_ready(240)
+    await client.recycle()  # the first Ready may capture the snapshot: start counting from a restore
+    state = await client.wait_ready(240, poll=0.05)
+    assert state.snapshot and state.snapshot.boot == "restored", state.snapshot
+    pid = rt.proc.pid
+
+    def dirs() -> list[Any]:
+        return [rt.state, run_dir_of(pid), image_cache / "tmp"]
+
+    samples = [sample(0, pid, dirs())]
+    started = time.monotonic()
+    for n in range(1, RECYCLES + 1):
+        await client.recycle()
+        state = await client.wait_ready(120, poll=0.05)
+        assert state.generation == n + 1 and state.snapshot and state.snapshot.boot == "restored"
+        if n % EVERY == 0:
+            assert len(qemu_pids(str(rt.state))) == 1
+            samples.append(sample(n, pid, dirs()))
+    took = time.monotonic() - started
+    print(f"\n{RECYCLES} recycles in {took:.1f} s ({took / RECYCLES:.2f} s each, recycle -> Ready)")
+    for s in samples:
+        print(s.line())
+    ref, last = samples[1], samples[-1]  # the 20th: caches and pools have warmed up by then
+    assert last.fds - ref.fds <= 4, f"fds {ref.fds} -> {last.fds}"
+    assert last.rss_kb - ref.rss_kb <= 24 * 1024, f"RSS {ref.rss_kb} -> {last.rss_kb} KiB"
+    assert last.files - ref.files <= 2, f"files {ref.files} -> {last.files}"
+    assert last.disk_kb - ref.disk_kb <= 16 * 1024, f"disk {ref.disk_kb} -> {last.disk_kb} KiB"
