@@ -44,7 +44,33 @@ def test_forwards_use_the_resolved_ports() -> None:
 
 def test_no_network_and_no_virtio_console() -> None:
     argv = build_argv(_plan({"network": {"enabled": False}, "virtio_console": False}))
-    assert _opt(argv, "-nic") == ["none"] and "virtio-serial-pci,id=vser0,max_ports=31" not in argv
+    assert _opt(argv, "-nic") == ["none"]
+    assert not [d for d in _opt(argv, "-device") if d.startswith("virtconsole")]
+
+
+def test_every_boot_has_the_guest_agent_port_on_a_private_socket() -> None:
+    for spec in ({}, {"virtio_console": False, "network": {"enabled": False}}, {"channels": [{"name": "a"}]}):
+        argv = build_argv(_plan(spec))
+        devices = _opt(argv, "-device")
+        assert devices.count("virtio-serial-pci,id=vser0,max_ports=48") == 1, spec
+        assert "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0" in devices, spec
+        # in the runtime's private run dir (/r), never the shared dir the lease holder reaches
+        assert "socket,id=qga0,path=/r/qga.sock,server=on,wait=off" in _opt(argv, "-chardev"), spec
+
+
+def test_a_restore_runs_the_argv_of_the_capture_plus_incoming() -> None:
+    spec = {"channels": [{"name": "a"}], "can": [{"name": "can0"}]}
+    booted = build_argv(_plan(spec))
+    restored = build_argv(_plan(spec, incoming=Path("/c/memory")))
+    i = restored.index("-incoming")
+    assert restored[i: i + 2] == ["-incoming", "defer"] and restored[:i] + restored[i + 2:] == booted
+
+
+def test_the_most_ports_a_spec_may_ask_for_fit_next_to_the_agent() -> None:
+    spec = {"channels": [{"name": f"c{i}"} for i in range(30)], "can": [{"name": f"can{i}"} for i in range(16)]}
+    devices = _opt(build_argv(_plan(spec)), "-device")
+    ports = [d for d in devices if d.startswith(("virtconsole", "virtserialport"))]
+    assert len(ports) == 48 and "virtio-serial-pci,id=vser0,max_ports=48" in devices
 
 
 def test_uefi_direct_kernel_channels_and_can() -> None:

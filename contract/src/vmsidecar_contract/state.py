@@ -67,6 +67,11 @@ class SnapshotInfo(BaseModel):
     size: int | None = None
     capture_seconds: float | None = None
     restore_seconds: float | None = None
+    #: the guest's wall clock after this boot's restore (a restored guest resumes at the capture
+    #: instant; a capture also restores, to go on): "corrected" (set to the host's through the
+    #: guest agent before Ready), "no guest agent" (none answered at capture; the clock stays
+    #: behind), "failed: <why>"; None when the boot neither restored nor captured
+    clock: str | None = None
 
 
 class ExitInfo(BaseModel):

@@ -13,6 +13,8 @@ from vmsidecar_contract.spec import VmSpec
 #: the guest's serial console and its virtio console, as stream (and private socket) names
 SERIAL = "ttyS0"
 VIRTIO_CONSOLE = "hvc0"
+#: the virtio-serial port name qemu-guest-agent looks for in the guest
+GUEST_AGENT_PORT = "org.qemu.guest_agent.0"
 
 
 def channel_stream(name: str) -> str:
@@ -56,6 +58,12 @@ class BootPlan:
     def console_socket(self, name: str) -> Path:
         """Socket QEMU serves a console or channel on; the runtime re-serves it on the shared dir."""
         return self.run_dir / f"{name}.sock"
+
+    @property
+    def guest_agent_socket(self) -> Path:
+        """Socket of the guest agent's port: private to the runtime (never in the shared dir, so a
+        lease holder cannot reach the agent, which can set the clock, read files or run commands)."""
+        return self.run_dir / "qga.sock"
 
     @property
     def gpio_socket(self) -> Path:

@@ -1,7 +1,8 @@
 """Memory snapshots of a pristine, Ready guest: what a recycle restores instead of booting.
 
 A snapshot is the guest's RAM and device state (a QEMU migration stream), the disk overlay
-frozen at the same instant, and the consoles' scrollback of the boot that led to it. It lives
+frozen at the same instant, the consoles' scrollback of the boot that led to it, and what was
+found out about the guest at capture (``meta.json``: whether a guest agent answered). It lives
 in the image cache (``<cache>/snapshots/<key>/``), read-only, written once into a temp
 directory and renamed into place, and is never written during a lease: each restore boots a
 fresh overlay on top of the frozen one.
@@ -24,7 +25,7 @@ import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vmsidecar_contract.spec import Readiness, VmSpec
@@ -34,7 +35,8 @@ from .backend.common import qemu_binary
 log = logging.getLogger(__name__)
 
 #: bump when the layout or the meaning of a snapshot changes: older ones are then never matched
-FORMAT = 1
+#: (2: every QEMU has the guest agent's port; the snapshot has meta.json)
+FORMAT = 2
 #: consoles whose scrollback a restored guest shows
 CONSOLES = ("ttyS0", "hvc0")
 
@@ -65,6 +67,14 @@ def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readines
 
 
 @dataclass(frozen=True)
+class SnapshotMeta:
+    """What the capture found out about the guest."""
+
+    #: a guest agent answered at capture: a restore sets the guest's clock through it
+    guest_agent: bool = False
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One snapshot directory."""
 
@@ -79,6 +89,19 @@ class Snapshot:
     def disk(self) -> Path:
         """The overlay frozen at capture time (its backing file is the base image)."""
         return self.path / "disk.qcow2"
+
+    @property
+    def meta_file(self) -> Path:
+        """``meta.json``: a ``SnapshotMeta``."""
+        return self.path / "meta.json"
+
+    def meta(self) -> SnapshotMeta | None:
+        """The capture's findings; None when the file is missing or unreadable."""
+        try:
+            data = json.loads(self.meta_file.read_text())
+            return SnapshotMeta(guest_agent=bool(data["guest_agent"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def console(self, name: str) -> bytes:
         """The scrollback ``name`` showed at capture time."""
@@ -100,9 +123,11 @@ class SnapshotStore:
         self.root = cache / "snapshots"
 
     def find(self, key: str) -> Snapshot | None:
-        """The complete snapshot for ``key``, if the cache has one."""
+        """The complete snapshot for ``key``, if the cache has one (an incomplete one is
+        captured again at the next cold boot's Ready: ``commit`` replaces it)."""
         snap = Snapshot(self.root / key)
-        return snap if snap.memory.is_file() and snap.disk.is_file() else None
+        complete = snap.memory.is_file() and snap.disk.is_file() and snap.meta() is not None
+        return snap if complete else None
 
     def staging(self, key: str) -> Snapshot:
         """A fresh, empty directory to capture into (renamed into place by ``commit``)."""
@@ -112,10 +137,11 @@ class SnapshotStore:
         path.mkdir()
         return Snapshot(path)
 
-    def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes]) -> Snapshot:
+    def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes], meta: SnapshotMeta) -> Snapshot:
         """Make a captured snapshot visible: read-only files, one atomic rename."""
         for name, data in consoles.items():
             (staged.path / f"{name}.console").write_bytes(data)
+        staged.meta_file.write_text(json.dumps(asdict(meta)))
         for item in staged.path.iterdir():
             os.chmod(item, 0o444)
         final = self.root / key

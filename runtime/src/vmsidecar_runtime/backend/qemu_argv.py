@@ -6,11 +6,16 @@ validated spec or from paths and ports the runtime resolved itself.
 
 from __future__ import annotations
 
-from ..plan import SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
+from ..plan import GUEST_AGENT_PORT, SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
 from .common import MACHINE, TCG_CPU, accel_option, qemu_binary, user_netdev
 
 #: id of the user-mode NIC's netdev
 NETDEV_ID = "net0"
+
+#: chardev id of the guest agent's port
+GUEST_AGENT_CHARDEV = "qga0"
+#: virtio-serial ports: hvc0, up to 30 channels, up to 16 SLCAN buses, the guest agent
+VIRTIO_SERIAL_PORTS = 48
 
 #: QEMU's seccomp filter with every optional deny set (libvirt's own default is the same)
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
@@ -82,12 +87,21 @@ def _streams(plan: BootPlan) -> list[str]:
     # The port name tells the guest the bus (= interface name) and bitrate: can.<bus>.<bitrate>.
     virtio_ports += [("virtconsole", can_stream(c.name), f"can.{c.name}.{c.bitrate}") for c in spec.can if c.mode == "slcan"]
     virtio_ports += [("virtserialport", channel_stream(c.name), c.name) for c in spec.channels]
-    if virtio_ports:
-        argv += ["-device", "virtio-serial-pci,id=vser0,max_ports=31"]
+    # Always present, whatever the spec: the guest agent's port needs it, and a snapshot restores
+    # only into the argv it was captured with.
+    argv += ["-device", f"virtio-serial-pci,id=vser0,max_ports={VIRTIO_SERIAL_PORTS}"]
     for kind, stream, port_name in virtio_ports:
         ident = stream.replace("-", "_")
         argv += [*_chardev(plan, ident, stream), "-device", f"{kind},chardev={ident},name={port_name}"]
     return argv
+
+
+def _guest_agent(plan: BootPlan) -> list[str]:
+    # The runtime talks to qemu-guest-agent (if the guest runs one) to set the clock after a
+    # restore. Its socket is in the private run dir, never the shared one: the lease holder must
+    # not reach an agent that can set the clock, read files or run commands as root.
+    return ["-chardev", f"socket,id={GUEST_AGENT_CHARDEV},path={plan.guest_agent_socket},server=on,wait=off",
+            "-device", f"virtserialport,chardev={GUEST_AGENT_CHARDEV},name={GUEST_AGENT_PORT}"]
 
 
 def _network(plan: BootPlan) -> list[str]:
@@ -128,6 +142,7 @@ def build_argv(plan: BootPlan) -> list[str]:
         *_base(plan),
         *_boot(plan),
         *_streams(plan),
+        *_guest_agent(plan),
         *_network(plan),
         *_can_native(plan),
         *_gpio(plan),

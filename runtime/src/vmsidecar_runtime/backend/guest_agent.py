@@ -1,0 +1,167 @@
+"""A small qemu-guest-agent (QGA) client: is there an agent, and set the guest's clock.
+
+QGA speaks QMP's JSON, one object per line, but with no greeting and no capabilities
+negotiation; qemu.qmp's ``QMPClient`` waits for a greeting first, so it does not fit and the
+lines are written and read here. The channel can hold stale replies (a previous client's, or one
+the guest wrote just before a snapshot was taken), so every session starts with
+``guest-sync-delimited`` and a random id: the agent answers with a 0xFF byte and the id, and
+everything before that answer is dropped. The 0xFF the client sends first resets the agent's
+parser after a half-written request of an earlier client.
+
+Every call is bounded; a guest with no agent (nothing reads the port) is a ``NoGuestAgent``
+after the bound, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: how often an unanswered ``guest-sync-delimited`` is sent again (an agent that opens the port
+#: late reads the requests queued before it; a fresh one is answered at once)
+RESEND_S = 0.5
+#: QGA replies are small; a longer line is not a reply of ours
+LINE_LIMIT = 1 << 20
+
+
+class GuestAgentError(Exception):
+    """The agent answered with an error, or the exchange failed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NoGuestAgent(GuestAgentError):
+    """No agent answered within the bound (none installed, not started, or the port is missing)."""
+
+
+class GuestAgent:
+    """One session on the agent's socket (QEMU serves one client at a time: close it soon)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def connect(cls, path: Path, timeout: float = 1.0) -> GuestAgent:
+        """Open a session.
+
+        :raise GuestAgentError: when QEMU's agent socket cannot be reached.
+        """
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path, limit=LINE_LIMIT), timeout)
+        except (OSError, TimeoutError) as e:
+            raise GuestAgentError(f"cannot reach the guest agent's socket {path} ({e or 'timeout'})") from e
+        return cls(reader, writer)
+
+    async def close(self) -> None:
+        """End the session."""
+        self._writer.close()
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._writer.wait_closed(), 1)
+
+    async def __aenter__(self) -> GuestAgent:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _send(self, message: dict[str, Any], *, reset: bool = False) -> None:
+        self._writer.write((b"\xff" if reset else b"") + json.dumps(message).encode() + b"\n")
+
+    async def _reply(self, match: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        """The next reply ``match`` accepts; stale and foreign replies are skipped."""
+        async with asyncio.timeout(timeout):
+            await self._writer.drain()
+            while True:
+                try:
+                    line = await self._reader.readline()
+                except ValueError:  # an over-long line: not ours (the reader dropped it)
+                    continue
+                if not line:
+                    raise GuestAgentError("QEMU closed the guest agent's socket")
+                # a delimited answer starts after the agent's 0xFF, whatever junk came before it
+                text = line.rsplit(b"\xff", 1)[-1].strip()
+                try:
+                    message = json.loads(text)
+                except ValueError:
+                    continue
+                if isinstance(message, dict) and match(message):
+                    return message
+
+    async def sync(self, timeout: float) -> None:
+        """Flush stale replies and check that an agent answers.
+
+        :raise NoGuestAgent: when no answer comes within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        ids: set[int] = set()
+
+        def ours(message: dict[str, Any]) -> bool:
+            answer = message.get("return")
+            return isinstance(answer, int) and answer in ids
+
+        while True:
+            ident = secrets.randbelow(2**31 - 1) + 1
+            ids.add(ident)
+            self._send({"execute": "guest-sync-delimited", "arguments": {"id": ident}}, reset=True)
+            wait = min(RESEND_S, deadline - time.monotonic())
+            try:
+                await self._reply(ours, max(wait, 0.0))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise NoGuestAgent(f"no guest agent answered within {timeout:g} s") from None
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float) -> Any:
+        """Run ``command`` and return its ``return`` value (call ``sync`` first).
+
+        :raise GuestAgentError: the agent's error, or no answer within ``timeout``.
+        """
+        ident = f"vmsidecar-{secrets.token_hex(4)}"  # QGA echoes "id": a late answer is never taken for this one
+        message: dict[str, Any] = {"execute": command, "id": ident}
+        if arguments:
+            message["arguments"] = arguments
+        self._send(message)
+        try:
+            reply = await self._reply(lambda m: m.get("id") == ident, timeout)
+        except TimeoutError:
+            raise GuestAgentError(f"{command}: no answer within {timeout:g} s") from None
+        if "error" in reply:
+            error = reply["error"]
+            desc = error.get("desc", error) if isinstance(error, dict) else error
+            raise GuestAgentError(f"{command}: {desc}")
+        return reply.get("return")
+
+
+async def probe(path: Path, window: float) -> bool:
+    """Whether an agent answers on ``path`` within ``window`` seconds."""
+    try:
+        agent = await GuestAgent.connect(path, timeout=min(window, 1.0))
+    except GuestAgentError:
+        return False
+    async with agent:
+        try:
+            await agent.sync(window)
+            return True
+        except GuestAgentError:
+            return False
+
+
+async def set_time(path: Path, timeout: float) -> None:
+    """Set the guest's clock to the host's (``guest-set-time``; the agent also writes the RTC).
+
+    :raise GuestAgentError: naming what failed (no answer, the agent's error, the bound).
+    """
+    deadline = time.monotonic() + timeout
+    agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
+    async with agent:
+        await agent.sync(max(deadline - time.monotonic(), 0.0))
+        await agent.execute("guest-set-time", {"time": time.time_ns()}, timeout=max(deadline - time.monotonic(), 0.0))
