@@ -28,7 +28,7 @@ from pathlib import Path
 
 from vmsidecar_contract.arch import normalize_arch
 
-from . import debian, debs, disk, extras, initramfs
+from . import debian, debs, disk, extras, initramfs, uefi
 from .errors import BuildError
 from .recipe import BUILDER_FORMAT, SOURCE_DATE_EPOCH, Recipe, load_recipe
 
@@ -147,6 +147,11 @@ def lock_recipe(name: str, arch: str = "x86_64") -> dict[str, tuple[str | None, 
     """
     arch = normalize_arch(arch)
     recipe = load_recipe(name)
+    if recipe.base:
+        raise BuildError(
+            f"recipe {name!r} takes its packages from the {recipe.base!r} build; run "
+            f"`vmsidecar-image lock {recipe.base}` (its next build follows)"
+        )
     if recipe.builder != "debian":
         raise BuildError(
             f"recipe {name!r} pins each package by hand in {recipe.versions_file}; only bootstrapped "
@@ -182,6 +187,8 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     if recipe.builder == "debian":
         specific = debian.build(work, recipe=recipe, arch=arch, label=label, disk_out=out / DISK,
                                 kernel_out=out / KERNEL, initrd_out=out / INITRD, step=step)
+    elif recipe.builder == "uefi":
+        specific = _build_from_base(out, work, recipe=recipe, arch=arch, label=label, step=step)
     else:
         specific = _build_initramfs_guest(out, work, recipe=recipe, arch=arch, label=label, step=step)
     shutil.rmtree(work)
@@ -207,6 +214,28 @@ def _build_into(out: Path, *, recipe: Recipe, arch: str, label: str, input_hash:
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     for fname in (DISK, KERNEL, INITRD, MANIFEST):
         os.chmod(out / fname, 0o444)  # the cache is read-only: boots use overlays
+
+
+def _build_from_base(
+    out: Path, work: Path, *, recipe: Recipe, arch: str, label: str, step: Callable[[str], None]
+) -> dict[str, object]:
+    """A recipe built from another's build (``base``): the base comes from the cache (or is built
+    first), its kernel and initramfs are copied, the builder makes the disk."""
+    assert recipe.base is not None
+    base = build_image(recipe.base, arch=arch, label=label)
+    step("base_build")
+    shutil.copyfile(base.kernel, out / KERNEL)
+    shutil.copyfile(base.initrd, out / INITRD)
+    specific = uefi.build(work, recipe=recipe, arch=arch, base_disk=base.disk, kernel=base.kernel,
+                          initrd=base.initrd, cmdline=base.cmdline, disk_out=out / DISK, step=step)
+    return {
+        "pins": recipe.arch_pins(arch).as_dict(),
+        "base": {"name": base.manifest["name"], "input_hash": base.manifest["input_hash"], "dir": base.dir.name,
+                 "disk_sha256": base.manifest["files"][DISK]["sha256"]},
+        "cmdline": base.cmdline,
+        **specific,
+        "guest": base.manifest.get("guest", {}),
+    }
 
 
 def _build_initramfs_guest(

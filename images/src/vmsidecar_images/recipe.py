@@ -22,6 +22,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 _BUILDER_MODULES = {
     "initramfs": ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py", "extras.py"),
     "debian": ("build.py", "debs.py", "disk.py", "recipe.py", "rootfs.py", "debian.py"),
+    "uefi": ("build.py", "debs.py", "disk.py", "recipe.py", "uefi.py"),
 }
 
 
@@ -114,6 +115,12 @@ class Recipe:
         return str(self.config["recipe"].get("builder", "initramfs"))
 
     @property
+    def base(self) -> str | None:
+        """The recipe whose build this one starts from (``uefi`` builder: repartitions its disk)."""
+        base = self.config["recipe"].get("base")
+        return str(base) if base else None
+
+    @property
     def default_label(self) -> str:
         return str(self.config["recipe"].get("default_label", self.name))
 
@@ -173,6 +180,8 @@ class Recipe:
         feed("pins", json.dumps(self.arch_pins(arch).as_dict(), sort_keys=True).encode())
         feed("arch", arch.encode())
         feed("label", label.encode())
+        if self.base:  # the base build is an input: a change to its recipe is a new build of this one
+            feed("base", load_recipe(self.base).input_hash(arch=arch, label=label).encode())
         for module in _BUILDER_MODULES[self.builder]:
             feed(f"builder:{module}", (_PACKAGE_DIR / module).read_bytes())
         return h.hexdigest()
@@ -193,12 +202,14 @@ def load_recipe(name: str = "tiny") -> Recipe:
         raise BuildError(
             f"recipe {name!r} names builder {builder!r} in {rdir / 'recipe.toml'}; known: {', '.join(_BUILDER_MODULES)}"
         )
+    base = config["recipe"].get("base")
     pins = {}
     for arch, table in versions.items():
         try:
+            kernel = Pin(**table["kernel"]) if "kernel" in table or not base else _base_kernel(str(base), arch)
             pins[normalize_arch(arch)] = ArchPins(
                 deb_arch=table["deb_arch"],
-                kernel=Pin(**table["kernel"]),
+                kernel=kernel,
                 busybox=Pin(**table["busybox"]) if builder == "initramfs" else None,
                 tools=[Pin(**t) for t in table.get("tools", [])],
                 module_build={k: Pin(**v) for k, v in table.get("module_build", {}).items()},
@@ -211,6 +222,11 @@ def load_recipe(name: str = "tiny") -> Recipe:
                 f"{needs} = {{ package = ..., version = ... }}"
             ) from None
     return Recipe(name=name, dir=rdir, config=config, pins=pins)
+
+
+def _base_kernel(base: str, arch: str) -> Pin:
+    """The kernel pin of ``base`` for ``arch``: a derived recipe boots its base's kernel, pinned once."""
+    return load_recipe(base).arch_pins(normalize_arch(arch)).kernel
 
 
 def guest_file_mode(head: bytes, name: str) -> int:

@@ -25,8 +25,13 @@ CANDIDATES: dict[str, list[tuple[str, str]]] = {
 PACKAGE = {"x86_64": "ovmf", "aarch64": "qemu-efi-aarch64"}
 
 
-def prepare_firmware(spec: VmSpec, state_dir: Path) -> Firmware | None:
-    """Firmware for a UEFI boot (None for BIOS); the vars copy lives until the next recycle.
+def prepare_firmware(spec: VmSpec, state_dir: Path, *, fresh: bool = True) -> Firmware | None:
+    """Firmware for a UEFI boot (None for BIOS).
+
+    ``fresh``: the vars are a new copy of the distribution's template (never written itself), so
+    no variable of an earlier boot survives (a disk booting the removable-media path needs none). A
+    launch that continues a running boot (a snapshot hand-over) wants ``fresh=False``: the copy the
+    firmware in the guest's RAM has been writing to.
 
     :raise HostError: when no UEFI firmware is installed.
     """
@@ -35,8 +40,9 @@ def prepare_firmware(spec: VmSpec, state_dir: Path) -> Firmware | None:
     for code, vars_template in CANDIDATES[spec.arch]:
         if Path(code).exists() and Path(vars_template).exists():
             vars_copy = state_dir / "firmware" / Path(vars_template).name
-            if not vars_copy.exists():
+            if fresh or not vars_copy.exists():
                 vars_copy.parent.mkdir(parents=True, exist_ok=True)
+                vars_copy.unlink(missing_ok=True)  # a new file: a QEMU still exiting keeps the old one
                 shutil.copyfile(vars_template, vars_copy)
                 vars_copy.chmod(0o600)
             return Firmware(Path(code), vars_copy)
