@@ -13,13 +13,17 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fixtures.openapi_check import VALIDATOR
+from vmsidecar_runtime.api.server import MAX_JSON_BODY
+
 pytestmark = pytest.mark.timeout(300)
 
 SECRET = b"vmsidecar-host-secret-0123456789\n" * 64
 
 
 class Raw:
-    """Raw HTTP over the runtime's Unix socket (no client-side validation in the way)."""
+    """Raw HTTP over the runtime's Unix socket: requests go as they are (invalid on purpose), every
+    answer is checked against the document (``fixtures.openapi_check``)."""
 
     def __init__(self, socket: Path) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket)),
@@ -28,6 +32,7 @@ class Raw:
     async def call(self, method: str, path: str, **kw: Any) -> tuple[int, Any]:
         async with self.session.request(method, path, **kw) as resp:
             raw = await resp.read()
+            VALIDATOR.response(method, path, resp.status, resp.headers, raw)
             try:
                 return resp.status, json.loads(raw)
             except ValueError:
@@ -149,7 +154,7 @@ async def test_spec_bounds_and_empty_spec(live: Any) -> None:
 async def test_a_left_event_stream_does_not_hold_up_the_exit(start_runtime: Any) -> None:
     rt = await start_runtime(None)
     raw = Raw(rt.socket)
-    async with raw.session.get("/v1/events", params={"types": "never-published"}) as resp:
+    async with raw.session.get("/v1/events", params={"types": "guest.panicked"}) as resp:
         assert resp.status == 200
         assert b'"hello"' in await resp.content.readline()
     await raw.session.close()  # the client leaves; no event will ever match its filter
@@ -157,3 +162,85 @@ async def test_a_left_event_stream_does_not_hold_up_the_exit(start_runtime: Any)
     started = time.monotonic()
     assert rt.stop(timeout=30) == 0
     assert time.monotonic() - started < 10, "SIGTERM waited for an event stream whose client had left"
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+async def test_bodies_must_be_declared_json_and_small(live: Any) -> None:
+    """415 for a body that does not say it is JSON (found by the fuzzer: such bodies were parsed),
+    413 naming the limit for one over it; none of them reaches the guest."""
+    rt, raw, spec, _ = live
+    await rt.client().wait_ready(180)
+    for kw in ({"data": b'{"action": "off"}'},  # aiohttp sends no Content-Type for bytes
+               {"data": b'{"action": "off"}', "headers": {"Content-Type": "text/plain"}},
+               {"data": b"action=off", "headers": {"Content-Type": "application/x-www-form-urlencoded"}}):
+        status, answer = await raw.call("POST", "/v1/vm/power", **kw)
+        assert status == 415 and answer["error"] == "http_error", (kw, answer)
+        assert "Content-Type: application/json" in answer["message"], answer
+    status, answer = await raw.call("PUT", "/v1/vm/spec", data=b" " * (MAX_JSON_BODY + 1), headers=JSON)
+    assert status == 413 and answer["error"] == "http_error" and str(MAX_JSON_BODY) in answer["message"], answer
+    status, answer = await raw.call("PUT", "/v1/vm/disk", params={"power_off": "true"}, data=b"{}", headers=JSON)
+    assert status == 415 and "application/octet-stream" in answer["message"], answer
+    await _unchanged(rt, raw, spec)
+
+
+async def test_json_types_are_strict(live: Any) -> None:
+    """0/1/"true" are not booleans, true is not a number, NaN is not JSON, a name ends at its last
+    character (found by the fuzzer: each was accepted); none of them reaches the guest."""
+    rt, raw, spec, _ = live
+    await rt.client().wait_ready(180)
+    for path, body, words in [
+        ("/v1/vm/power", {"action": "off", "graceful": 0}, "graceful"),
+        ("/v1/vm/power", {"action": "cycle", "graceful": "true"}, "graceful"),
+        ("/v1/vm/power", {"action": "off", "timeout": True}, "timeout"),
+        ("/v1/vm/recycle", {"boot": 0}, "boot"),
+        ("/v1/vm/recycle", {"if_generation": True}, "if_generation"),
+        ("/v1/vm/recycle", {"if_generation": "0"}, "if_generation"),
+        ("/v1/vm/disk/pull", {"reference": "127.0.0.1:1/x:1", "power_off": 1}, "power_off"),
+        ("/v1/vm/spec", {**spec, "virtio_console": 0}, "virtio_console"),
+        ("/v1/vm/spec", {**spec, "network": {"enabled": "false"}}, "network.enabled"),
+        ("/v1/vm/spec", {**spec, "channels": [{"name": "ab\n"}]}, "not a valid name"),
+    ]:
+        method = "PUT" if path == "/v1/vm/spec" else "POST"
+        status, answer = await raw.call(method, path, json=body)
+        assert status == 400 and words in answer["message"], (body, answer)
+    status, answer = await raw.call("POST", "/v1/vm/power", data=b'{"action": "off", "timeout": NaN}', headers=JSON)
+    assert status == 400 and "NaN is not a JSON number" in answer["message"], answer
+    # 2.0 is a JSON integer (and what Jumpstarter's JSON makes of 2): accepted
+    status, answer = await raw.call("POST", "/v1/vm/recycle", json={"if_generation": 99.0})
+    assert status == 409 and answer["error"] == "generation_changed", answer
+    await _unchanged(rt, raw, spec)
+
+
+async def test_query_parameters_are_checked(live: Any) -> None:
+    """An unknown or repeated query parameter is a 400 (found by the fuzzer: ignored, or the first
+    one won), booleans are true/false only, a bad digest is refused before anything happens."""
+    rt, raw, spec, _ = live
+    await rt.client().wait_ready(180)
+    for method, path, params, words in [
+        ("GET", "/v1/vm", {"x-typo": "1"}, "takes no query parameters"),
+        ("GET", "/v1/vm/disk", [("format", "raw"), ("format", "qcow2")], "given 2 times"),
+        ("GET", "/v1/vm/disk", {"fromat": "raw"}, "it takes format"),
+        ("PUT", "/v1/vm/disk", {"power_off": "1"}, "not a boolean"),
+        ("PUT", "/v1/vm/disk", {"power_off": "true", "digest": "sha256:nope"}, "not a sha256 digest"),
+        ("GET", "/v1/events", {"timeout": "0"}, "timeout"),
+        ("GET", "/v1/events", {"timeout": "nan"}, "timeout"),
+        ("POST", "/v1/shutdown", {"now": "1"}, "takes no query parameters"),
+    ]:
+        kw: dict[str, Any] = {"params": params}
+        if method == "PUT":
+            kw.update(data=b"not a disk", headers={"Content-Type": "application/octet-stream"})
+        status, answer = await raw.call(method, path, **kw)
+        assert status == 400 and answer["error"] == "bad_request" and words in answer["message"], (params, answer)
+    await _unchanged(rt, raw, spec)  # the refused shutdown and power_off=true flash left it running
+
+
+async def test_event_stream_with_timeout_ends_by_itself(start_runtime: Any) -> None:
+    rt = await start_runtime(None)
+    raw = Raw(rt.socket)
+    started = time.monotonic()
+    status, body = await raw.call("GET", "/v1/events", params={"timeout": "0.5"})
+    assert status == 200 and isinstance(body, dict) and body["type"] == "hello"
+    assert 0.4 < time.monotonic() - started < 10
+    await raw.session.close()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -20,6 +20,30 @@ from .state import VmState
 
 #: how long a Stopped VM is given to start booting before ``wait_ready`` gives up
 STOPPED_GRACE_S = 5.0
+
+
+class Observer(Protocol):
+    """Test mode: sees every request and answer of every ``RuntimeClient`` (the tests install one
+    that checks them against docs/api/openapi.json; see ``observe``)."""
+
+    def request(self, method: str, path: str, body: Any) -> None:
+        """Before sending: the JSON body (None without one, or for a byte stream)."""
+
+    def response(self, method: str, path: str, status: int, headers: Mapping[str, str], body: bytes | None) -> None:
+        """The answer: the whole body, or None for a stream (its NDJSON lines follow as ``line``)."""
+
+    def line(self, method: str, path: str, status: int, line: bytes) -> None:
+        """One line of an NDJSON stream."""
+
+
+_observer: Observer | None = None
+
+
+def observe(observer: Observer | None) -> Observer | None:
+    """Install (or with None remove) the test-mode observer; returns the one it replaces."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
 
 
 class RuntimeUnavailableError(errors.VmsidecarError):
@@ -73,14 +97,32 @@ class RuntimeClient:
         )
 
     async def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+        if _observer:
+            _observer.request(method, path, kwargs.get("json"))
         try:
             async with self._http().request(method, path, **kwargs) as resp:
-                body = await resp.json(content_type=None) if resp.content_length != 0 else {}
+                raw = await resp.read()
+                if _observer:
+                    _observer.response(method, path, resp.status, resp.headers, raw)
+                body = json.loads(raw) if raw.strip() else {}
                 if resp.status not in ok:
                     raise error_from_body(body if isinstance(body, dict) else {}, resp.status)
                 return body
         except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError) as e:
             raise self._unavailable(e) from e
+
+    @staticmethod
+    async def _check_stream(method: str, path: str, resp: aiohttp.ClientResponse, body: Any = None) -> None:
+        """The head of a streamed answer; an error answer is read whole and raised."""
+        if _observer:
+            _observer.request(method, path, body)
+        if resp.status != 200:
+            raw = await resp.read()
+            if _observer:
+                _observer.response(method, path, resp.status, resp.headers, raw)
+            raise error_from_body(json.loads(raw) if raw.strip() else {}, resp.status)
+        if _observer:
+            _observer.response(method, path, resp.status, resp.headers, None)
 
     # ---- state and spec ------------------------------------------------------------------
     async def state(self) -> VmState:
@@ -152,13 +194,13 @@ class RuntimeClient:
         self, reference: str, *, power_off: bool = False, progress: Callable[[int, int | None], None] | None = None
     ) -> VmState:
         """``POST /v1/vm/disk/pull``: the runtime pulls and flashes; progress lines feed ``progress``."""
+        body = {"reference": reference, "power_off": power_off}
         try:
-            async with self._http().post(
-                "/v1/vm/disk/pull", json={"reference": reference, "power_off": power_off}
-            ) as resp:
-                if resp.status != 200:
-                    raise error_from_body(await resp.json(content_type=None), resp.status)
+            async with self._http().post("/v1/vm/disk/pull", json=body) as resp:
+                await self._check_stream("POST", "/v1/vm/disk/pull", resp, body)
                 async for raw in resp.content:
+                    if _observer:
+                        _observer.line("POST", "/v1/vm/disk/pull", resp.status, raw)
                     line = json.loads(raw)
                     if line["type"] == "progress" and progress:
                         progress(int(line["done"]), line.get("total"))
@@ -174,8 +216,7 @@ class RuntimeClient:
         """``GET /v1/vm/disk`` into ``dest``; returns the byte count."""
         try:
             async with self._http().get("/v1/vm/disk", params={"format": fmt}) as resp:
-                if resp.status != 200:
-                    raise error_from_body(await resp.json(content_type=None), resp.status)
+                await self._check_stream("GET", "/v1/vm/disk", resp)
                 return await _save(resp.content.iter_chunked(1 << 20), dest)
         except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
             raise self._unavailable(e) from e
@@ -183,8 +224,7 @@ class RuntimeClient:
     async def dump_chunks(self, *, fmt: str = "qcow2") -> AsyncIterator[bytes]:
         """``GET /v1/vm/disk`` as a byte stream."""
         async with self._http().get("/v1/vm/disk", params={"format": fmt}) as resp:
-            if resp.status != 200:
-                raise error_from_body(await resp.json(content_type=None), resp.status)
+            await self._check_stream("GET", "/v1/vm/disk", resp)
             async for chunk in resp.content.iter_chunked(1 << 20):
                 yield chunk
 
@@ -195,7 +235,10 @@ class RuntimeClient:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         try:
             async with self._http().get("/v1/events", params=params, timeout=timeout) as resp:
+                await self._check_stream("GET", "/v1/events", resp)
                 async for raw in resp.content:
+                    if _observer:
+                        _observer.line("GET", "/v1/events", resp.status, raw)
                     yield json.loads(raw)
         except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
             raise self._unavailable(e) from e

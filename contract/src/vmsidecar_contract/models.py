@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt
+
+
+def _whole_number(value: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer, and JSON through Jumpstarter turns ints into floats
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: a JSON number: never true or "2" (the API takes JSON types as the document states them)
+JsonNumber = Annotated[float, Field(strict=True)]
 
 
 class _Request(BaseModel):
@@ -16,18 +25,19 @@ class PowerRequest(_Request):
 
     action: Literal["on", "off", "reset", "cycle"]
     #: off/cycle: ACPI power button first (off defaults to graceful, cycle to hard)
-    graceful: bool | None = None
+    graceful: StrictBool | None = None
     #: seconds to wait for a graceful power-off before forcing it
-    timeout: float = Field(default=60.0, gt=0, le=3600)
+    timeout: JsonNumber = Field(default=60.0, gt=0, le=3600)
 
 
 class RecycleRequest(_Request):
     """``POST /v1/vm/recycle``."""
 
     #: boot the fresh guest right away (the next lease finds it Ready)
-    boot: bool = True
-    #: only recycle if this is still the current generation (409 generation_changed otherwise)
-    if_generation: int | None = Field(default=None, ge=0)
+    boot: StrictBool = True
+    #: only recycle if this is still the current generation (409 generation_changed otherwise); a
+    #: JSON integer, 2 or 2.0, never true or "2" (the validator goes after the bound: the bound stays in the schema)
+    if_generation: Annotated[StrictInt, Field(ge=0), BeforeValidator(_whole_number)] | None = None
 
 
 class PullRequest(_Request):
@@ -35,7 +45,7 @@ class PullRequest(_Request):
 
     reference: str = Field(min_length=1)
     #: power the VM off first when it runs; otherwise a running VM makes the request fail with 409
-    power_off: bool = False
+    power_off: StrictBool = False
 
 
 class ErrorBody(BaseModel):

@@ -18,7 +18,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -71,14 +74,34 @@ def parse_size_mib(value: str | int) -> int:
 
 
 def _check_name(value: str) -> str:
-    if not _NAME_RE.match(value):
+    if not _NAME_RE.fullmatch(value):  # not match(): "$" also matches before a trailing newline
         raise ValueError(
             f"{value!r} is not a valid name; use 1-31 lowercase letters, digits and '-', starting with a letter"
         )
     return value
 
 
-Name = Annotated[str, AfterValidator(_check_name)]
+#: the pattern is also in the document (the validator's own message names the fix)
+Name = Annotated[str, AfterValidator(_check_name), Field(json_schema_extra={"pattern": _NAME_RE.pattern})]
+#: what the document says of memory: MiB as a number, or a size text (bounds checked on the value)
+_MEMORY_SCHEMA = {"anyOf": [
+    {"type": "integer", "minimum": 16, "maximum": MAX_MEMORY_MIB},
+    {"type": "string", "pattern": r"^\s*\d+\s*(?:[KMGTkmgt](?:[iI]?[bB])?|[bB])?\s*$"},
+]}
+#: architecture spellings the spec takes (normalized to the first two)
+_ARCH_SCHEMA = {"type": "string", "enum": ["x86_64", "aarch64", "amd64", "arm64"]}
+
+
+#: ``load_spec(data, wire=True)``: the data is the API's JSON, held to the document's types
+WIRE = {"wire": True}
+
+
+def _wire_number(value: Any, info: ValidationInfo) -> Any:
+    """Over the API a number is a JSON number: true is not 1 and "2" is not 2 (text sources, such
+    as environment variables and image annotations, go through pydantic's usual conversion)."""
+    if info.context == WIRE and isinstance(value, bool | str):
+        raise ValueError(f"{json.dumps(value)} is not a number; send a JSON number (no quotes, not true/false)")
+    return value
 
 
 class _Model(BaseModel):
@@ -94,11 +117,13 @@ class PortForward(_Model):
     host_port: int = Field(default=0, ge=0, le=65535)
     host_address: Literal["127.0.0.1", "0.0.0.0"] = "127.0.0.1"
 
+    _ports = field_validator("guest_port", "host_port", mode="before")(_wire_number)
+
 
 class Network(_Model):
     """User-mode (slirp) networking: needs no privilege and no host bridge."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     forwards: list[PortForward] = Field(default=[], max_length=64)
 
     @field_validator("forwards")
@@ -127,6 +152,8 @@ class Readiness(_Model):
     console: Literal["ttyS0", "hvc0"] = "ttyS0"
     #: Seconds from power-on; generous because TCG guests boot 5-40 s.
     timeout: float = Field(default=300.0, gt=0, le=3600)
+
+    _timeout = field_validator("timeout", mode="before")(_wire_number)
 
     def __eq__(self, other: object) -> bool:
         return super().__eq__(other) and self.model_fields_set == getattr(other, "model_fields_set", None)
@@ -162,6 +189,8 @@ class CanBus(_Model):
     #: host SocketCAN interface for mode "native"
     host_interface: str | None = Field(default=None, max_length=15)  # IFNAMSIZ - 1
 
+    _bitrate = field_validator("bitrate", mode="before")(_wire_number)
+
     @model_validator(mode="after")
     def _mode_fits(self) -> CanBus:
         if self.mode == "slcan":
@@ -187,22 +216,26 @@ class GpioLine(_Model):
     direction: Literal["in", "out"] = "in"
     initial: Literal[0, 1] = 0
 
+    _initial = field_validator("initial", mode="before")(_wire_number)
+
 
 class VmSpec(_Model):
     """Everything needed to run one VM. Validated once; backends consume it as is."""
 
     image: str | None = Field(default=None, max_length=MAX_TEXT,
                               description="OCI reference, oci-layout:DIR[:TAG] or file:PATH")
-    arch: str = Field(default_factory=host_arch)
+    arch: Annotated[str, WithJsonSchema(_ARCH_SCHEMA)] = Field(
+        default_factory=host_arch, description="x86_64 (or amd64) or aarch64 (or arm64); default: the host's")
     machine: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # a type name, no options
     cpus: int = Field(default=1, ge=1, le=64)
-    memory: int = Field(default=512, description="MiB; accepts '512M', '1G'; 16 MiB to 1 TiB")
+    memory: Annotated[int, WithJsonSchema(_MEMORY_SCHEMA)] = Field(
+        default=512, description="MiB; accepts '512M', '1G'; 16 MiB to 1 TiB")
     accel: Literal["auto", "kvm", "tcg"] = "auto"
     firmware: Literal["bios", "uefi"] = "bios"
     kernel: Path | None = None
     initrd: Path | None = None
     cmdline: str | None = Field(default=None, max_length=MAX_TEXT)
-    virtio_console: bool = True
+    virtio_console: StrictBool = True
     channels: list[Channel] = Field(default=[], max_length=30)  # virtio-serial has 31 ports, hvc0 is one
     network: Network = Network()
     can: list[CanBus] = Field(default=[], max_length=16)
@@ -237,7 +270,8 @@ class VmSpec(_Model):
 
     @field_validator("cpus", mode="before")
     @classmethod
-    def _cpus(cls, value: Any) -> Any:
+    def _cpus(cls, value: Any, info: ValidationInfo) -> Any:
+        value = _wire_number(value, info)
         return int(value) if isinstance(value, float) and value.is_integer() else value
 
     @model_validator(mode="after")
@@ -275,13 +309,13 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid VM spec: " + "; ".join(parts)
 
 
-def load_spec(data: dict[str, Any] | None) -> VmSpec:
-    """Validate a spec from a mapping.
+def load_spec(data: dict[str, Any] | None, *, wire: bool = False) -> VmSpec:
+    """Validate a spec from a mapping (``wire``: the API's JSON, whose numbers must be JSON numbers).
 
     :raise SpecError: with one line per bad field, naming the field and the fix.
     """
     try:
-        return VmSpec.model_validate(data or {})
+        return VmSpec.model_validate(data or {}, context=WIRE if wire else None)
     except ValidationError as e:
         raise SpecError(_format_errors(e)) from e
 

@@ -26,6 +26,7 @@ from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import VmState
 
 from ..events import Event
+from .server import MAX_EVENTS_TIMEOUT, MAX_JSON_BODY
 
 _MODELS: list[type[BaseModel]] = [
     VmSpec, VmState, PowerRequest, RecycleRequest, PullRequest, ErrorBody, Health, Accepted, ProgressLine, Event,
@@ -41,48 +42,63 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    names = {400: "Malformed request or invalid spec", 404: "Not found", 409: "Wrong phase for this operation",
+    names = {400: "Malformed request (body, query parameter) or invalid spec", 404: "Not found",
+             409: "Wrong phase for this operation", 413: f"JSON body larger than {MAX_JSON_BODY} bytes",
+             415: "Body without the Content-Type this operation takes (code http_error)",
              422: "Image cannot be used", 500: "Host or guest failure", 502: "Registry failure",
              503: "Not ready"}
     return {str(c): {"description": names[c], "content": _json(ErrorBody)} for c in codes}
 
 
+def _json_body(model: type[BaseModel], *, required: bool = True, **extra: Any) -> dict[str, Any]:
+    """A JSON request body: Content-Type application/json (else 415), at most MAX_JSON_BODY bytes (else 413)."""
+    schema = {"allOf": [_ref(model)], **extra} if extra else _ref(model)
+    return {"required": required, "description": f"application/json (UTF-8), at most {MAX_JSON_BODY} bytes",
+            "content": {"application/json": {"schema": schema}}}
+
+
 _STATE_OK = {"200": {"description": "The VM state after the operation", "content": _json(VmState)}}
 _BOOL_QUERY = {"type": "boolean", "default": False}
+#: a JSON body: 400 when malformed, 413 when too large, 415 when not declared as JSON
+_BODY_ERRORS = (400, 413, 415)
 
-#: path -> method -> operation (summary names the phases each operation accepts)
+#: path -> method -> operation (summary names the phases each operation accepts). Every operation
+#: may answer 400 for a query parameter it does not have (or one given twice).
 PATHS: dict[str, dict[str, dict[str, Any]]] = {
     "/v1/vm": {"get": {"summary": "State: phase, image digest, accel, generation, timings, last error. Any phase.",
-                       "responses": _STATE_OK}},
+                       "responses": {**_STATE_OK, **_errors(400)}}},
     "/v1/vm/spec": {
         "get": {"summary": "The current spec. Any phase.",
-                "responses": {"200": {"description": "spec", "content": _json(VmSpec)}, **_errors(404)}},
-        "put": {"summary": "Replace the spec (idempotent). Stopped|Crashed|Error, or any phase when unchanged.",
-                "requestBody": {"required": True, "content": _json(VmSpec)},
-                "responses": {**_STATE_OK, **_errors(400, 409)}},
+                "responses": {"200": {"description": "spec", "content": _json(VmSpec)}, **_errors(400, 404)}},
+        "put": {"summary": "Replace the spec (idempotent) with the whole spec, at least one field (an empty spec "
+                           "is a 400). Stopped|Crashed|Error, or any phase when unchanged. Host paths (file:, "
+                           "oci-layout:, kernel, initrd) only under the runtime's --allow-host-paths, extra_args "
+                           "only with --allow-extra-args (else 400).",
+                "requestBody": _json_body(VmSpec, minProperties=1),
+                "responses": {**_STATE_OK, **_errors(*_BODY_ERRORS, 409)}},
     },
     "/v1/vm/power": {"post": {
         "summary": "on (Stopped|Crashed|Error; idempotent when on), off (any), reset (Starting|Running|Ready), cycle (any).",
-        "requestBody": {"required": True, "content": _json(PowerRequest)},
-        "responses": {**_STATE_OK, **_errors(400, 409, 422, 500, 502)}}},
+        "requestBody": _json_body(PowerRequest),
+        "responses": {**_STATE_OK, **_errors(*_BODY_ERRORS, 409, 422, 500, 502)}}},
     "/v1/vm/recycle": {"post": {
         "summary": "Back to pristine (overlay, flashed disk, scrollback discarded; generation bumped), then boot. Any phase.",
-        "requestBody": {"required": False, "content": _json(RecycleRequest)},
-        "responses": {**_STATE_OK, **_errors(400, 409, 500)}}},
+        "requestBody": _json_body(RecycleRequest, required=False),
+        "responses": {**_STATE_OK, **_errors(*_BODY_ERRORS, 409, 500)}}},
     "/v1/vm/lease": {"post": {
         "summary": "Claim the VM for a new lease: when an earlier lease used this generation it is recycled first "
                    "(the answer then comes after the fresh boot has started). Any phase.",
-        "responses": {**_STATE_OK, **_errors(500)}}},
+        "responses": {**_STATE_OK, **_errors(400, 500)}}},
     "/v1/vm/disk": {
-        "put": {"summary": "Flash: the body is the image (qcow2/raw, optionally zstd/gzip/xz). Stopped|Crashed|Error, "
-                           "or any phase with power_off=true.",
+        "put": {"summary": "Flash: the body is the image (qcow2/raw, optionally zstd/gzip/xz), streamed (no size limit "
+                           "but the image limits). Stopped|Crashed|Error, or any phase with power_off=true.",
                 "parameters": [
                     {"name": "power_off", "in": "query", "schema": _BOOL_QUERY},
                     {"name": "digest", "in": "query", "schema": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}},
                 ],
-                "requestBody": {"required": True,
+                "requestBody": {"required": True, "description": "Content-Type application/octet-stream, or none",
                                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                "responses": {**_STATE_OK, **_errors(400, 409, 422, 500)}},
+                "responses": {**_STATE_OK, **_errors(400, 409, 415, 422, 500)}},
         "get": {"summary": "Dump the disk (base + changes) as one image. Stopped|Crashed|Error.",
                 "parameters": [{"name": "format", "in": "query",
                                 "schema": {"type": "string", "enum": ["qcow2", "raw"], "default": "qcow2"}}],
@@ -94,24 +110,41 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
     "/v1/vm/disk/pull": {"post": {
         "summary": "Flash from a reference; answers an NDJSON stream of ProgressLine (progress…, then result or error). "
                    "Stopped|Crashed|Error, or any phase with power_off.",
-        "requestBody": {"required": True, "content": _json(PullRequest)},
+        "requestBody": _json_body(PullRequest),
         "responses": {"200": {"description": "progress stream",
                               "content": {"application/x-ndjson": {"schema": _ref(ProgressLine)}}},
-                      **_errors(400, 409)}}},
+                      **_errors(*_BODY_ERRORS, 409)}}},
     "/v1/events": {"get": {
-        "summary": "Event stream (NDJSON of Event) until the client disconnects. Any phase.",
+        "summary": "Event stream (NDJSON of Event; a hello event first) until the client disconnects, or until "
+                   "timeout seconds have passed. Any phase.",
         "parameters": [{"name": "types", "in": "query", "schema": {"type": "string"},
                         "description": "comma-separated event types, exact names (phase, spec, pulled, flashed, recycled, "
                                        "guest.powered_off, guest.reset, guest.paused, guest.resumed, guest.panicked, "
-                                       "guest.powerdown_requested, backend.exited)"}],
-        "responses": {"200": {"description": "events", "content": {"application/x-ndjson": {"schema": _ref(Event)}}}}}},
+                                       "guest.powerdown_requested, backend.exited)"},
+                       {"name": "timeout", "in": "query",
+                        "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_EVENTS_TIMEOUT},
+                        "description": "end the stream after this many seconds (default: stream until the client leaves)"}],
+        "responses": {"200": {"description": "events", "content": {"application/x-ndjson": {"schema": _ref(Event)}}},
+                      **_errors(400)}}},
     "/v1/shutdown": {"post": {"summary": "Stop the guest and exit the runtime with 0 (ExitAndReplace). Any phase.",
-                              "responses": {"202": {"description": "accepted", "content": _json(Accepted)}}}},
+                              "responses": {"202": {"description": "accepted", "content": _json(Accepted)},
+                                            **_errors(400)}}},
     "/healthz": {"get": {"summary": "Liveness: the runtime answers. Any phase.",
-                         "responses": {"200": {"description": "alive", "content": _json(Health)}}}},
+                         "responses": {"200": {"description": "alive", "content": _json(Health)}, **_errors(400)}}},
     "/readyz": {"get": {"summary": "Readiness: 200 when Ready, else 503. Any phase.",
                         "responses": {"200": {"description": "ready", "content": _json(Health)},
-                                      "503": {"description": "not ready", "content": _json(Health)}}}},
+                                      "503": {"description": "not ready", "content": _json(Health)},
+                                      **_errors(400)}}},
+}
+
+#: answers of any path, not tied to one operation
+_RESPONSES = {
+    "MethodNotAllowed": {
+        "description": "405 (code method_not_allowed) for a method a path does not have; the Allow header lists "
+                       "the methods it has.",
+        "headers": {"Allow": {"schema": {"type": "string"}, "description": "comma-separated methods, e.g. GET, PUT"}},
+        "content": _json(ErrorBody)},
+    "NotFound": {"description": "404 (code not_found) for a path the API does not have.", "content": _json(ErrorBody)},
 }
 
 
@@ -134,11 +167,16 @@ def build_document() -> dict[str, Any]:
             "title": "vmsidecar runtime API",
             "version": "1",
             "description": "REST/JSON over the Unix socket api.sock in the shared directory. Errors are "
-                           '{"error": code, "message": sentence naming the cause and the fix}.',
+                           '{"error": code, "message": sentence naming the cause and the fix}. Requests are '
+                           "held to this document: a JSON body needs Content-Type: application/json (else 415) "
+                           f"and at most {MAX_JSON_BODY} bytes (else 413); booleans are JSON true/false (query: "
+                           "true/false); a query parameter an operation does not list, or one given twice, is a "
+                           "400; a method a path does not have is a 405 with an Allow header "
+                           "(components/responses/MethodNotAllowed), a path the API does not have a 404.",
         },
         "servers": [{"url": "http://localhost", "description": "over the Unix socket (curl --unix-socket)"}],
         "paths": PATHS,
-        "components": {"schemas": schemas},
+        "components": {"schemas": schemas, "responses": _RESPONSES},
     }
 
 

@@ -1,7 +1,11 @@
 """The aiohttp application: routes map one-to-one onto controller operations.
 
 Errors are rendered in one place (``error_middleware``): every failure is
-``{"error": code, "message": sentence}`` with 400/404/405/409/4xx/5xx.
+``{"error": code, "message": sentence}`` with 400/404/405/409/413/415/4xx/5xx.
+
+Requests are held to what ``docs/api/openapi.json`` says, no looser: JSON bodies need
+``Content-Type: application/json`` and at most ``MAX_JSON_BODY`` bytes, booleans are JSON
+booleans, and a query parameter the operation does not have (or one given twice) is an error.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +34,18 @@ log = logging.getLogger(__name__)
 CONTROLLER = web.AppKey("controller", VmController)
 #: how often an idle event stream checks that its client is still there
 EVENTS_IDLE_CHECK_S = 1.0
+#: the largest JSON request body (a spec at every list's maximum fits); larger is a 413. Disk
+#: images are not JSON: PUT /v1/vm/disk streams them and has no such limit.
+MAX_JSON_BODY = 1 << 20
+#: the longest ``GET /v1/events?timeout=`` (seconds), like the other timeouts of the API
+MAX_EVENTS_TIMEOUT = 3600.0
+#: query parameters per (method, path); any other is a 400 (a typo must not pass silently)
+QUERY_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("PUT", "/v1/vm/disk"): ("power_off", "digest"),
+    ("GET", "/v1/vm/disk"): ("format",),
+    ("GET", "/v1/events"): ("types", "timeout"),
+}
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -45,6 +62,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except VmsidecarError as e:
         log.info("%s %s -> %d %s: %s", request.method, request.path, e.http_status, e.code, e.message)
         return web.json_response(e.to_dict(), status=e.http_status)
+    except HttpRefusal as e:
+        log.info("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
+        return _error_response(e.status, "http_error", e.message)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
         response = _error_response(405, "method_not_allowed",
@@ -53,6 +73,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return response
     except web.HTTPNotFound:
         return _error_response(404, "not_found", f"no such endpoint {request.path}; see docs/api/openapi.json")
+    except web.HTTPRequestEntityTooLarge:
+        return _error_response(413, "http_error",
+                               f"the request body is larger than {MAX_JSON_BODY} bytes, the limit of a JSON request; "
+                               "send a smaller body (disk images go to PUT /v1/vm/disk, which streams)")
     except web.HTTPException as e:
         return _error_response(e.status, "http_error", e.reason)
     except (ConnectionResetError, asyncio.CancelledError):
@@ -66,8 +90,55 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 _JSON_CHARSETS = {None, "utf-8", "utf8", "us-ascii"}
 
 
+def _check_query(request: web.Request) -> None:
+    """Refuse a query parameter the operation does not have, or one given twice (which would win?)."""
+    resource = request.match_info.route.resource
+    known = QUERY_PARAMS.get((request.method, resource.canonical if resource else ""), ())
+    for name in request.query:
+        if name not in known:
+            use = f"it takes {', '.join(known)}" if known else "it takes no query parameters"
+            raise RequestError(f"{request.method} {request.path} has no query parameter {name!r}; {use} "
+                               "(see docs/api/openapi.json)")
+        if len(request.query.getall(name)) > 1:
+            raise RequestError(f"query parameter {name!r} is given {len(request.query.getall(name))} times; give it once")
+
+
+@web.middleware
+async def query_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Check the query string of every routed request before its handler runs."""
+    if request.match_info.http_exception is None:
+        _check_query(request)
+    return await handler(request)
+
+
+class HttpRefusal(Exception):
+    """A refusal at the HTTP level (415 here; 413 comes from aiohttp), sent as code ``http_error``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _unsupported_media_type(message: str) -> HttpRefusal:
+    return HttpRefusal(415, message)
+
+
+def _require_json_type(request: web.Request) -> None:
+    """A non-empty JSON body must say so: a form or a file sent by mistake is a 415, not parsed."""
+    if not request.body_exists:
+        return
+    ctype = request.headers.get("Content-Type")
+    if ctype is None or request.content_type != "application/json":
+        sent = f"Content-Type {ctype!r}" if ctype else "no Content-Type"
+        raise _unsupported_media_type(f"the request body has {sent}; send JSON with Content-Type: application/json "
+                                      "(curl: -H 'Content-Type: application/json')")
+
+
 async def _json_body(request: web.Request) -> Any:
-    """The body as JSON (``{}`` when empty); every way it can be malformed is a 400."""
+    """The body as JSON (``{}`` when empty); every way it can be malformed is a 400 (415: not
+    declared as JSON, 413: too large)."""
+    _require_json_type(request)
     charset = request.charset.lower() if request.charset else None
     if charset not in _JSON_CHARSETS:
         raise RequestError(f"the request declares charset={request.charset!r}; send the JSON body as UTF-8 "
@@ -81,12 +152,17 @@ async def _json_body(request: web.Request) -> Any:
     if not text.strip():
         return {}
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as e:
         raise RequestError(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                            "send a JSON object") from e
     except RecursionError as e:
         raise RequestError("request body nests too deeply to be a request; send a flat JSON object") from e
+
+
+def _not_json(name: str) -> Any:
+    # Python's json reads NaN and Infinity; JSON (RFC 8259) has neither
+    raise RequestError(f"request body is not valid JSON ({name} is not a JSON number); send a finite number")
 
 
 async def _model(request: web.Request, model: type[M]) -> M:
@@ -99,10 +175,11 @@ async def _model(request: web.Request, model: type[M]) -> M:
 
 
 def _bool_query(request: web.Request, name: str) -> bool:
-    value = request.query.get(name, "false").lower()
-    if value not in ("true", "false", "1", "0", "yes", "no"):
+    """A boolean query parameter: exactly ``true`` or ``false``, as the document's boolean (no 1/yes)."""
+    value = request.query.get(name, "false")
+    if value not in ("true", "false"):
         raise RequestError(f"query parameter {name}={value!r} is not a boolean; use true or false")
-    return value in ("true", "1", "yes")
+    return value == "true"
 
 
 def _vm(request: web.Request) -> VmController:
@@ -134,7 +211,7 @@ async def put_spec(request: web.Request) -> web.Response:
         raise RequestError("the spec must be a JSON object of spec fields")
     if not data:  # PUT replaces: an empty body would silently reset every field, image included
         raise RequestError("the spec is empty; send the whole spec (at least image), as GET /v1/vm/spec returns it")
-    await vm.set_spec(load_spec(data))
+    await vm.set_spec(load_spec(data, wire=True))
     return _state(vm)
 
 
@@ -171,6 +248,15 @@ async def post_lease(request: web.Request) -> web.Response:
 async def put_disk(request: web.Request) -> web.Response:
     """Flash: the body is the image stream."""
     vm = _vm(request)
+    power_off = _bool_query(request, "power_off")
+    digest = request.query.get("digest")
+    if digest is not None and not _DIGEST_RE.fullmatch(digest):
+        # checked before anything happens: a bad parameter must not power the guest off
+        raise RequestError(f"digest={digest!r} is not a sha256 digest; use sha256: and 64 lowercase hex digits")
+    ctype = request.headers.get("Content-Type")
+    if ctype is not None and request.content_type != "application/octet-stream":
+        raise _unsupported_media_type(f"the disk image was sent with Content-Type {ctype!r}; send it as "
+                                      "application/octet-stream (curl: -T FILE -H 'Content-Type: application/octet-stream')")
 
     async def chunks() -> AsyncIterator[bytes]:
         async for chunk in request.content.iter_chunked(1 << 20):
@@ -178,9 +264,9 @@ async def put_disk(request: web.Request) -> web.Response:
 
     await vm.flash(
         chunks(),
-        power_off=_bool_query(request, "power_off"),
+        power_off=power_off,
         expected_size=request.content_length,
-        expected_digest=request.query.get("digest"),
+        expected_digest=digest,
     )
     return _state(vm)
 
@@ -246,14 +332,20 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     """NDJSON event stream until the client goes away."""
     vm = _vm(request)
     types = set(request.query["types"].split(",")) if request.query.get("types") else None
+    until = _events_deadline(request)
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
+    loop = asyncio.get_running_loop()
     async with vm.events.listen(types) as queue:
         first = {"type": "hello", "time": 0, "generation": vm.generation, "data": {"phase": vm.phase.value}}
         await response.write(json.dumps(first).encode() + b"\n")
         while True:
+            wait = EVENTS_IDLE_CHECK_S if until is None else min(EVENTS_IDLE_CHECK_S, until - loop.time())
+            if wait <= 0:
+                await response.write_eof()
+                return response
             try:
-                event = await asyncio.wait_for(queue.get(), EVENTS_IDLE_CHECK_S)
+                event = await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
                 # aiohttp does not cancel an idle handler whose client left; without this check a
                 # filter that never matches keeps the stream (and the runtime's exit) waiting forever
@@ -261,6 +353,21 @@ async def get_events(request: web.Request) -> web.StreamResponse:
                     return response
                 continue
             await response.write(event.model_dump_json().encode() + b"\n")
+
+
+def _events_deadline(request: web.Request) -> float | None:
+    """``?timeout=`` seconds: when the event stream ends by itself (None: when the client leaves)."""
+    text = request.query.get("timeout")
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= MAX_EVENTS_TIMEOUT:  # also refuses nan and inf
+        raise RequestError(f"timeout={text!r} is not a number of seconds in (0, {MAX_EVENTS_TIMEOUT:.0f}]; "
+                           "leave it out to stream until you disconnect")
+    return asyncio.get_running_loop().time() + seconds
 
 
 async def post_shutdown(request: web.Request) -> web.Response:
@@ -303,7 +410,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
 
 def make_app(vm: VmController) -> web.Application:
     """The API application for one controller."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=1 << 20)
+    app = web.Application(middlewares=[error_middleware, query_middleware], client_max_size=MAX_JSON_BODY)
     app[CONTROLLER] = vm
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
