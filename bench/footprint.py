@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -94,9 +95,11 @@ def _exporter_config(inst: Instance) -> Path:
     return path
 
 
-def _start(inst: Instance, image: str, memory: str, cache: Path, exporter: str) -> None:
+def _start(inst: Instance, image: str, memory: str, cache: Path, exporter: str, snapshot: str) -> None:
     (inst.root / "shared").mkdir(parents=True)
-    serve = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--image", image, "--memory", memory,
+    spec = inst.root / "spec.json"
+    spec.write_text(json.dumps({"image": image, "memory": memory, "snapshot": snapshot}))
+    serve = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(spec),
              "--shared-dir", str(inst.root / "shared"), "--state-dir", str(inst.root / "state"),
              "--cache-dir", str(cache)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_") or k == "VMSIDECAR_TCG_TB_SIZE"}
@@ -168,7 +171,7 @@ async def main_async(args: argparse.Namespace) -> int:
         for inst in instances:
             # a cache each, as each pod has its own volume (and concurrent snapshot captures of
             # one key into a shared cache are not what we measure here)
-            _start(inst, image, args.memory, inst.root / "cache", args.exporter)
+            _start(inst, image, args.memory, inst.root / "cache", args.exporter, args.snapshot)
         await asyncio.gather(*(_ready(i, started, args.ready_timeout) for i in instances))
         all_ready = time.monotonic() - started
         for inst in instances:
@@ -182,7 +185,8 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"failed; logs in {work}", file=sys.stderr)
         _stop(instances)
     tb = os.environ.get("VMSIDECAR_TCG_TB_SIZE", "64 (default)")
-    print(f"{args.n} instances ({args.exporter} exporter, guest {args.memory}, TCG tb-size {tb} MiB), "
+    print(f"{args.n} instances ({args.exporter} exporter, guest {args.memory}, snapshot {args.snapshot}, "
+          f"TCG tb-size {tb} MiB), "
           f"all Ready after {all_ready:.1f} s; ready times median {statistics.median(i.ready_s for i in instances):.1f} s")
     print(f"{'process':<20}{'RSS median MB':>15}{'PSS median MB':>15}{'RSS total MB':>14}")
     for key in ("runtime", "exporter", "qemu"):
@@ -211,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="single: exporter_run.py (the exporter image's entrypoint); jmp: `jmp run`")
     p.add_argument("--image", help="guest image reference (default: the tiny guest)")
     p.add_argument("--memory", default="256M")
+    p.add_argument("--snapshot", choices=["auto", "off"], default="auto",
+                   help="auto: guests are restored from their memory snapshot after the first Ready (the "
+                        "default in a spec); off: every guest stays the one that booted (TCG's cache as filled by a boot)")
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--settle", type=float, default=3, help="seconds after the sessions before measuring")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")

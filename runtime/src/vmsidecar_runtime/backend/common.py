@@ -16,9 +16,10 @@ from ..plan import BootPlan
 MACHINE = {"x86_64": "q35", "aarch64": "virt"}
 #: the CPU model under TCG (KVM passes the host CPU through); "max" enables everything TCG can emulate
 TCG_CPU = {"x86_64": "max", "aarch64": "cortex-a57"}
-#: TCG's translation-block cache (MiB). QEMU 7.2 sizes it at 1 GiB for system emulation and the
-#: guest's code fills it as it runs: bounded, a tiny guest's QEMU is ~100 MB smaller with no
-#: measurable boot-time cost (bench/footprint.py). VMSIDECAR_TCG_TB_SIZE overrides it (0: QEMU's).
+#: TCG's translation-block cache (MiB). QEMU 7.2 reserves 1 GiB for system emulation and pages
+#: it in as the guest's code fills it: the bound caps what a busy, long-running guest can add to
+#: QEMU's RSS. The tiny guest fills far less (bench/footprint.py: same RSS and boot time with 64
+#: and with QEMU's default). VMSIDECAR_TCG_TB_SIZE overrides it (0: QEMU's default).
 TCG_TB_SIZE_MIB = 64
 #: the Debian package that ships each architecture's emulator
 EMULATOR_PACKAGE = {"x86_64": "qemu-system-x86", "aarch64": "qemu-system-arm"}
