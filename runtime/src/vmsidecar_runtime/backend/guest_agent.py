@@ -42,6 +42,10 @@ class NoGuestAgent(GuestAgentError):
     """No agent answered within the bound (none installed, not started, or the port is missing)."""
 
 
+class NoAnswer(GuestAgentError):
+    """The agent took the command but did not answer within the bound."""
+
+
 class GuestAgent:
     """One session on the agent's socket (QEMU serves one client at a time: close it soon)."""
 
@@ -133,7 +137,7 @@ class GuestAgent:
         try:
             reply = await self._reply(lambda m: m.get("id") == ident, timeout)
         except TimeoutError:
-            raise GuestAgentError(f"{command}: no answer within {timeout:g} s") from None
+            raise NoAnswer(f"{command}: no answer within {timeout:g} s") from None
         if "error" in reply:
             error = reply["error"]
             desc = error.get("desc", error) if isinstance(error, dict) else error
@@ -155,13 +159,22 @@ async def probe(path: Path, window: float) -> bool:
             return False
 
 
-async def set_time(path: Path, timeout: float) -> None:
+async def set_time(path: Path, timeout: float, answer_wait: float) -> bool:
     """Set the guest's clock to the host's (``guest-set-time``; the agent also writes the RTC).
 
-    :raise GuestAgentError: naming what failed (no answer, the agent's error, the bound).
+    QGA calls ``settimeofday`` as soon as it reads the command and only then runs
+    ``hwclock -w``, which waits for the RTC's next second (0.6-2.6 s measured under TCG); the
+    answer comes after both. So the answer is awaited ``answer_wait`` seconds at most: a
+    restored guest must not wait a second for its RTC. True when the agent answered.
+
+    :raise GuestAgentError: naming what failed (no sync within ``timeout``, the agent's error).
     """
     deadline = time.monotonic() + timeout
     agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
     async with agent:
         await agent.sync(max(deadline - time.monotonic(), 0.0))
-        await agent.execute("guest-set-time", {"time": time.time_ns()}, timeout=max(deadline - time.monotonic(), 0.0))
+        try:
+            await agent.execute("guest-set-time", {"time": time.time_ns()}, timeout=answer_wait)
+        except NoAnswer:
+            return False
+        return True
