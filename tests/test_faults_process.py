@@ -9,7 +9,6 @@ tests/test_faults_disk.py::test_runtime_killed_mid_flash_restarts_on_the_previou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import socket
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from fixtures.faults import qemu_pids, rss_kb, wait_phase
-from fixtures.jmp import PIPE_UNTIL, exporter_config, run_shell
+from fixtures.jmp import PIPE_UNTIL, exporter_config, jmp_env, run_shell
 from fixtures.runtime import events_until
 from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
@@ -53,9 +52,14 @@ async def test_exporter_killed_mid_lease_the_guest_runs_on_and_the_next_lease_ge
     [qemu] = qemu_pids(str(rt.state))
 
     # lease 1 writes a secret, then its exporter is SIGKILLed: no close(), so no recycle from it
-    with contextlib.suppress(subprocess.TimeoutExpired):  # jmp shell may or may not notice at once
-        await asyncio.to_thread(run_shell, first.shell_args, LEASE_ONE.replace("{pid}", str(first.proc.pid)),
-                                cwd=tmp_path, timeout=30)
+    script = "set -euo pipefail\n" + LEASE_ONE.replace("{pid}", str(first.proc.pid))
+    shell = subprocess.Popen(["jmp", "shell", *first.shell_args, "--", "bash", "-c", script], cwd=tmp_path,
+                             env=jmp_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(first.proc.wait, 180)  # the lease's own script SIGKILLs its exporter
+    finally:
+        shell.kill()  # the lease's client cannot end cleanly without its exporter: no need to wait for it
+        shell.wait(10)
     assert "secret-2-written" in (tmp_path / "work1.txt").read_text(errors="replace")
     assert first.proc.wait(10) == -9
     state = await client.state()
@@ -145,7 +149,8 @@ async def test_console_readers_that_never_read_neither_grow_the_runtime_nor_stal
     grew = (peak - base) / 1024
     print(f"flood: {received / MiB:.1f} MiB to the reading client in {took:.1f} s; runtime RSS "
           f"{base / 1024:.1f} -> peak {peak / 1024:.1f} MiB (+{grew:.1f}) with 28 clients not reading")
-    assert received > 3 * MiB, "the flood was too small to fill the stalled clients' buffers"
+    # more than a stalled client may hold (1 MiB + socket buffers): each must have been dropped
+    assert received > 1.5 * MiB, "the flood was too small to fill the stalled clients' buffers"
     assert grew < 64, f"the runtime grew by {grew:.1f} MiB"
     assert "dropping a client that stopped reading" in rt.log_text()
     await cmd.wake()
