@@ -104,6 +104,23 @@ async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image
     assert "VMSIDECAR-READY" in replay
 
 
+async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runtime: Any, tiny_image: Any,
+                                                                     image_cache: Path) -> None:
+    # pods of one node sharing a cache volume: both cold boot and capture the same key together;
+    # the first complete snapshot wins, the other runtime restores from it, both reach Ready
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "shared-cache"}]}
+    one, two = await asyncio.gather(start_runtime(spec, name="one"), start_runtime(spec, name="two"))
+    states = await asyncio.gather(one.client().wait_ready(240), two.client().wait_ready(240))
+    assert all(s.snapshot.available for s in states), [s.snapshot for s in states]
+    root = image_cache / "snapshots"
+    assert not list(root.glob(".incoming-*")) and not list(root.glob(".trash-*")), list(root.iterdir())
+    for rt in (one, two):  # and each guest answers, from the snapshot now in the cache
+        state, _ = await _recycle(rt.client())
+        assert state.snapshot.boot == "restored", state.snapshot
+        replay, _ = await _probe(rt.shared / "console.sock")
+        assert "VMSIDECAR-READY" in replay
+
+
 async def test_snapshot_off_and_a_corrupt_snapshot_boot_cold(start_runtime: Any, tiny_image: Any,
                                                               image_cache: Path) -> None:
     off = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}, name="off")

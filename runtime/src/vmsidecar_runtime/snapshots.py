@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -25,9 +26,11 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import Readiness, VmSpec
 
 from .backend.common import qemu_binary
@@ -130,24 +133,47 @@ class SnapshotStore:
         return snap if complete else None
 
     def staging(self, key: str) -> Snapshot:
-        """A fresh, empty directory to capture into (renamed into place by ``commit``)."""
+        """A fresh, empty directory to capture into (renamed into place by ``commit``).
+
+        Unique per capture, not per pid: runtimes in two pods sharing one cache volume are both
+        pid 1.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f".incoming-{key}-{os.getpid()}"
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir()
-        return Snapshot(path)
+        return Snapshot(Path(tempfile.mkdtemp(prefix=f".incoming-{key}-", dir=self.root)))
 
     def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes], meta: SnapshotMeta) -> Snapshot:
-        """Make a captured snapshot visible: read-only files, one atomic rename."""
+        """Make a captured snapshot visible: read-only files, one atomic rename.
+
+        Runtimes sharing a cache may capture the same key at once: the first complete snapshot
+        wins and is never replaced under a runtime restoring from it (same key, same pristine
+        guest); a later capture is dropped and the winner returned.
+        """
         for name, data in consoles.items():
             (staged.path / f"{name}.console").write_bytes(data)
         staged.meta_file.write_text(json.dumps(asdict(meta)))
         for item in staged.path.iterdir():
             os.chmod(item, 0o444)
         final = self.root / key
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(staged.path, final)
-        return Snapshot(final)
+        if (existing := self.find(key)) is None and final.exists():
+            # an incomplete or outdated entry: moved aside first, so the rename below is atomic
+            with contextlib.suppress(FileNotFoundError):
+                trash = Path(tempfile.mkdtemp(prefix=f".trash-{key}-", dir=self.root))
+                os.rename(final, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+        if existing is None:
+            try:
+                os.rename(staged.path, final)
+                return Snapshot(final)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            existing = self.find(key)
+            if existing is None:
+                raise HostError(f"another runtime is writing the snapshot {final} at this instant; "
+                                "the next boot takes it")
+        log.info("snapshot %s was captured by another runtime sharing the cache first; keeping it", key)
+        shutil.rmtree(staged.path, ignore_errors=True)
+        return existing
 
     async def discard(self, snap: Snapshot) -> None:
         """Remove a snapshot QEMU refused (or a half-written one)."""

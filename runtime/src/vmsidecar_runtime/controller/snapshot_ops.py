@@ -208,7 +208,14 @@ class SnapshotOperations:
             consoles = {name: self.streams.hubs[name].boot_output() for name in CONSOLES if name in self.streams.hubs}
             await self._quiet_stop()
             await asyncio.to_thread(shutil.move, self.paths.overlay, staged.disk)
-            snap = self._store.commit(staged, key, consoles, SnapshotMeta(guest_agent=agent))
+            try:
+                snap = self._store.commit(staged, key, consoles, SnapshotMeta(guest_agent=agent))
+            except HostError as e:
+                await self._store.discard(staged)
+                self.snapshot_info = self.snapshot_info.model_copy(update={"reason": e.message})
+                log.warning("no memory snapshot: %s", e.message)
+                await self._cold_boot()
+                return
             captured = round(time.monotonic() - started, 3)
             log.info("memory snapshot %s captured in %.2f s (%d MB)", key, captured, snap.size >> 20)
             if await self._restore_or_fall_back(snap, new_boot=False):
