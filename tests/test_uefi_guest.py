@@ -49,7 +49,7 @@ def _ovmf_template() -> Path:
     for code, vars_template in CANDIDATES["x86_64"]:
         if Path(code).exists() and Path(vars_template).exists():
             return Path(vars_template)
-    pytest.skip("no OVMF installed (apt-get install ovmf)")
+    pytest.fail("no OVMF installed: apt-get install ovmf (scripts/setup installs it)", pytrace=False)
 
 
 def _raw_disk(image: BuiltImage, tmp_path: Path) -> Path:
