@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: how often an unanswered ``guest-sync-delimited`` is sent again (an agent that opens the port
 #: late reads the requests queued before it; a fresh one is answered at once)
@@ -159,22 +162,51 @@ async def probe(path: Path, window: float) -> bool:
             return False
 
 
+#: answers still being read after ``set_time`` returned (a reference keeps each task alive)
+_DRAINING: set[asyncio.Task[None]] = set()
+
+
+async def _set_time(path: Path, timeout: float, sent: asyncio.Event) -> None:
+    deadline = time.monotonic() + timeout
+    agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
+    async with agent:
+        await agent.sync(max(deadline - time.monotonic(), 0.0))
+        command = agent.execute("guest-set-time", {"time": time.time_ns()},
+                                timeout=max(deadline - time.monotonic(), 0.0))
+        task = asyncio.ensure_future(command)
+        await asyncio.sleep(0)  # the request is written before ``sent`` is announced
+        sent.set()
+        await task
+
+
 async def set_time(path: Path, timeout: float, answer_wait: float) -> bool:
     """Set the guest's clock to the host's (``guest-set-time``; the agent also writes the RTC).
 
     QGA calls ``settimeofday`` as soon as it reads the command and only then runs
     ``hwclock -w``, which waits for the RTC's next second (0.6-2.6 s measured under TCG); the
-    answer comes after both. So the answer is awaited ``answer_wait`` seconds at most: a
-    restored guest must not wait a second for its RTC. True when the agent answered.
+    answer comes after both. So the caller waits for the answer ``answer_wait`` seconds at most;
+    the session stays open in the background until the answer is read, because an agent whose
+    answer nobody reads blocks writing it to the port (and then holds up the guest's shutdown).
+    True when the agent answered in time.
 
     :raise GuestAgentError: naming what failed (no sync within ``timeout``, the agent's error).
     """
-    deadline = time.monotonic() + timeout
-    agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
-    async with agent:
-        await agent.sync(max(deadline - time.monotonic(), 0.0))
-        try:
-            await agent.execute("guest-set-time", {"time": time.time_ns()}, timeout=answer_wait)
-        except NoAnswer:
-            return False
+    sent = asyncio.Event()
+    task = asyncio.create_task(_set_time(path, timeout, sent))
+    waiter = asyncio.create_task(sent.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not task.done():
+        await asyncio.wait({task}, timeout=answer_wait)
+    if task.done():
+        task.result()  # the agent's error, if any
         return True
+    _DRAINING.add(task)
+
+    def finished(t: asyncio.Task[None]) -> None:
+        _DRAINING.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("guest-set-time's late answer: %s", t.exception())
+
+    task.add_done_callback(finished)
+    return False
