@@ -22,6 +22,18 @@ class Console:
         reader, writer = await asyncio.open_unix_connection(str(path))
         return cls(reader, writer)
 
+    @classmethod
+    async def open_when_served(cls, path: Path, timeout: float = 30) -> Console:
+        """Connect as soon as the runtime has created the socket (before the guest prints anything)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                return await cls.open(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
     async def expect(self, pattern: bytes | str, timeout: float = 60) -> re.Match[bytes]:
         """Read until ``pattern`` (regex) appears in what this connection received."""
         regex = re.compile(pattern.encode() if isinstance(pattern, str) else pattern)

@@ -175,23 +175,12 @@ def test_unprivileged_unpack_gives_the_ext4_the_tarball_owners_and_modes(tmp_pat
     assert su["inode"] == again["inode"] and su["links"] == "2", "a hard link stays one inode"
 
 
-async def _open_console(path: Path, timeout: float = 30) -> Console:
-    """Connect as soon as the runtime has created the socket (before the guest prints anything)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await Console.open(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-
 
 async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, debian_image: BuiltImage) -> None:
     rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G"})
     client = rt.client()
-    ttys0 = await _open_console(rt.shared / "console.sock")
-    hvc0 = await _open_console(rt.shared / "hvc0.sock")
+    ttys0 = await Console.open_when_served(rt.shared / "console.sock")
+    hvc0 = await Console.open_when_served(rt.shared / "hvc0.sock")
     t0 = time.monotonic()
     marker = asyncio.create_task(ttys0.expect(MARKER, 600))
     ready = asyncio.create_task(client.wait_ready(600))  # fails fast if the runtime gives up

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from fixtures.faults import qemu_pids, run_dir_of, sample
+from fixtures.faults import run_dir_of, sample
+from fixtures.runtime import qemu_pids
 
 pytestmark = pytest.mark.timeout(900)
 

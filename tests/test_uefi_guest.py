@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.runtime import qemu_pids
 from guestio import Console
 from vmsidecar_contract.errors import GuestError
 from vmsidecar_images import uefi
@@ -169,16 +170,6 @@ def test_unified_kernel_image_is_reproducible(tmp_path: Path) -> None:
     assert int.from_bytes(got[coff + 4:coff + 8], "little") == SOURCE_DATE_EPOCH
 
 
-async def _open_console(path: Path, timeout: float = 30) -> Console:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await Console.open(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-
 
 async def _ready(rt: Any, console: Console, timeout: float = 600) -> bytes:
     """Wait for this boot's marker and Ready; returns the guest's boot id."""
@@ -197,22 +188,6 @@ def _vars_file(rt: Any, template: Path) -> Path:
     return rt.state / "firmware" / template.name
 
 
-def _qemu_pids(needle: str) -> set[int]:
-    """The live QEMU processes whose argv mentions ``needle`` (here: the runtime's vars file)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and Path(argv[0].decode(errors="replace")).name.startswith("qemu-system") and \
-                any(needle.encode() in a for a in argv):
-            pids.add(int(entry.name))
-    return pids
-
-
 async def _until(check: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -228,7 +203,7 @@ async def test_uefi_guest_boots_and_gets_fresh_vars_each_boot(start_runtime: Any
     # snapshot off: every power on is a cold boot of a new QEMU (no memory snapshot restored)
     rt = await start_runtime({"image": f"file:{debian_uefi_image.disk}", "memory": "1G", "firmware": "uefi",
                               "snapshot": "off"})
-    con = await _open_console(rt.shared / "console.sock")
+    con = await Console.open_when_served(rt.shared / "console.sock")
     t0 = time.monotonic()
     boot_id = await _ready(rt, con)
     print(f"\ndebian-uefi guest: marker and Ready {time.monotonic() - t0:.1f} s after the runtime served")
@@ -251,17 +226,17 @@ async def test_uefi_guest_boots_and_gets_fresh_vars_each_boot(start_runtime: Any
     name = "VmsidecarTest".encode("utf-16-le")
     await _until(lambda: token.encode() in vars_file.read_bytes() and name in vars_file.read_bytes(), 30,
                  "the variable reached the vars file")
-    qemu_before = _qemu_pids(str(vars_file))
+    qemu_before = set(qemu_pids(str(vars_file)))
     assert len(qemu_before) == 1, qemu_before
     await con.close()
 
     # power cycle: the old QEMU goes, a new one starts on a new copy of the template
     state = await rt.client().power("cycle", timeout=60)
     assert state.phase.value in ("Starting", "Running", "Ready"), state.phase
-    con = await _open_console(rt.shared / "console.sock")
+    con = await Console.open_when_served(rt.shared / "console.sock")
     new_boot_id = await _ready(rt, con)
     assert new_boot_id != boot_id, "a new boot"
-    qemu_after = _qemu_pids(str(vars_file))
+    qemu_after = set(qemu_pids(str(vars_file)))
     assert len(qemu_after) == 1 and qemu_after.isdisjoint(qemu_before), "a power cycle starts a new QEMU"
     await con.wake()
     assert (await con.run("test -d /sys/firmware/efi && echo efi")).strip() == "efi"
@@ -281,7 +256,7 @@ async def test_uefi_disk_under_bios_says_why_and_never_becomes_ready(start_runti
     rt = await start_runtime({"image": f"file:{debian_uefi_image.disk}", "firmware": "bios", "snapshot": "off",
                               "network": {"enabled": False}, "readiness": {"timeout": 45},
                               "extra_args": ["-machine", "graphics=off"]})
-    con = await _open_console(rt.shared / "console.sock")
+    con = await Console.open_when_served(rt.shared / "console.sock")
     await con.expect(re.escape(load_recipe("debian-uefi").config["disk"]["bios_message"]), 120)
     await con.expect(rb"No bootable device", 120)
     with pytest.raises(GuestError) as failed:
