@@ -119,8 +119,11 @@ def test_sniffing(images: dict[str, Path]) -> None:
 
 def test_format_decision() -> None:
     qcow2_head = b"QFI\xfb" + b"\0" * 100
-    # declared raw stays raw even with a qcow2 header: never probe a raw disk
-    assert decide_format(qcow2_head, "raw", FLASH) == "raw"
+    # declared raw is never probed, and a raw disk with a qcow2 header is refused (issue 19:
+    # qemu-img called without -f would follow its backing file; tests/test_attack_images.py)
+    with pytest.raises(ImageError, match="declared raw but starts with the qcow2 signature") as exc:
+        decide_format(qcow2_head, "raw", FLASH)
+    assert exc.value.code == "unsafe_disk"
     with pytest.raises(ImageError, match="declared qcow2 but does not start with the qcow2 magic") as exc:
         decide_format(b"\0" * 2048, "qcow2", FLASH)
     assert exc.value.code == "bad_disk"

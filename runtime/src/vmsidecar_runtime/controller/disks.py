@@ -105,12 +105,17 @@ class Disks:
 
         :raise HostError: when qemu-img cannot write it.
         """
-        source = self.paths.overlay if self.paths.overlay.exists() else self.current.path if self.current else None
-        assert source is not None
+        if self.paths.overlay.exists():
+            source, source_format = self.paths.overlay, "qcow2"  # create_overlay made it, naming its base's format
+        else:
+            assert self.current is not None
+            source, source_format = self.current.path, self.current.format
         fd, name = tempfile.mkstemp(prefix="dump-", suffix=f".{fmt}", dir=self.paths.state)
         out = Path(name)
         os.close(fd)
-        rc, _, err = await run_tool("qemu-img", "convert", "-O", fmt, str(source), str(out))
+        # -f: never let qemu-img probe a disk the lease holder chose (a raw disk that looks like a
+        # qcow2 or vmdk would make it read the host files that image names)
+        rc, _, err = await run_tool("qemu-img", "convert", "-f", source_format, "-O", fmt, str(source), str(out))
         if rc != 0:
             out.unlink(missing_ok=True)
             raise HostError(f"cannot write the disk dump ({err.strip()}); free space in {out.parent}")

@@ -23,7 +23,14 @@ from vmsidecar_contract.spec import READINESS_ANNOTATIONS, Readiness
 from vmsidecar_runtime.image.checks import check_image
 from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.limits import Origin
-from vmsidecar_runtime.image.sniff import Compression, DiskFormat, sniff_compression, sniff_format
+from vmsidecar_runtime.image.sniff import (
+    SNIFF_BYTES,
+    Compression,
+    DiskFormat,
+    decide_format,
+    sniff_compression,
+    sniff_format,
+)
 
 from .mediatypes import (
     ANNOTATION_DISK_DIGEST,
@@ -136,7 +143,7 @@ def inspect_disk(disk: Path) -> tuple[DiskFormat, int]:
             raise FileNotFoundError
         size = disk.stat().st_size
         with open(disk, "rb") as f:
-            head = f.read(8)
+            head = f.read(SNIFF_BYTES)
     except OSError:
         raise ImageError(
             f"disk file {disk} does not exist or is not a regular file; check the path", code="disk_not_found"
@@ -147,9 +154,11 @@ def inspect_disk(disk: Path) -> tuple[DiskFormat, int]:
             f"disk file {disk} is {compression}-compressed; decompress it first, vmsidecar compresses on push",
             code="compressed_input",
         )
-    # a file without the qcow2 magic is published as raw: the user named it as a disk
-    fmt: DiskFormat = "qcow2" if sniff_format(head) == "qcow2" else "raw"
-    check_image(disk, fmt, Origin(f"disk file {disk}", "push the result"))
+    # a file without the qcow2 magic is published as raw (the user named it as a disk), unless it is
+    # another format QEMU would probe (vmdk, vhdx …): the pull would refuse that as raw
+    origin = Origin(f"disk file {disk}", "push the result")
+    fmt = decide_format(head, "qcow2" if sniff_format(head) == "qcow2" else None, origin, guess_raw=True)
+    check_image(disk, fmt, origin)
     return fmt, size
 
 

@@ -1,0 +1,304 @@
+"""Hostile disk images and documents (issue 19, items 1, 8 and 11b), carried out for real.
+
+The lease holder and image publishers are the attackers. Each test sends what they could send
+(through the real runtime API, a real registry, real qemu-img images) and checks that it is
+refused with a message naming the cause and the fix, and that the previous disk is kept.
+
+* A disk declared raw that is really qcow2/vmdk/… with a backing or extent file: flashed and
+  dumped, it handed a host file back (qemu-img probed its format).
+* Every qemu-img and QEMU invocation names its format (no probing anywhere).
+* The disk size limit is a runtime setting (64 GiB by default); zstd windows and xz
+  dictionaries are capped, so a few bytes cannot make the runtime allocate gigabytes.
+* Manifests, indexes and configs nested 100000 deep are a ``bad_manifest``, never a 500.
+
+No guest is booted except in the argv test (the tiny guest, only until QEMU runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.registry import Crafter, RunningRegistry
+from vmsidecar_contract.errors import ImageError, VmsidecarError
+from vmsidecar_runtime.image.limits import Origin
+from vmsidecar_runtime.image.sniff import SNIFF_BYTES, decide_format, sniff_probed_format
+from vmsidecar_runtime.oci.pack import inspect_disk
+
+pytestmark = pytest.mark.timeout(240)
+
+TITLE = "org.opencontainers.image.title"
+SECRET = b"HOST-SECRET-3f9c1e: the lease holder must never read this\n"
+
+
+def _qemu_img(*args: str) -> None:
+    subprocess.run(["qemu-img", *args], check=True, capture_output=True)
+
+
+def _tar(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def vmdk_descriptor(extent: Path, *, mbr_signature: bool = False) -> bytes:
+    """A VMDK text descriptor whose one extent is the host file ``extent`` (qemu-img probes it as
+    vmdk); with ``mbr_signature`` it also carries the MBR boot signature, so it sniffs as raw."""
+    text = (
+        '# Disk DescriptorFile\nversion=1\nCID=fffffffe\nparentCID=ffffffff\ncreateType="monolithicFlat"\n\n'
+        f'RW 1 FLAT "{extent}" 0\n\nddb.adapterType = "ide"\n'
+    ).encode()
+    return text.ljust(510, b"\n") + b"\x55\xaa" if mbr_signature else text
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    """A host file the runtime can read and the lease holder must not: one 512-byte sector."""
+    path = tmp_path / "host-secret"
+    path.write_bytes(SECRET.ljust(512, b"\0"))
+    return path
+
+
+@pytest.fixture
+def disguised(tmp_path: Path, secret: Path) -> dict[str, bytes]:
+    """Disks that read ``secret`` when their format is probed, made by qemu-img where it can."""
+    d = tmp_path / "disguised"
+    d.mkdir()
+    backing, json_backing = d / "backing.qcow2", d / "json-backing.qcow2"
+    _qemu_img("create", "-q", "-f", "qcow2", "-b", str(secret), "-F", "raw", str(backing))
+    spec = json.dumps({"driver": "raw", "file": {"driver": "file", "filename": str(secret)}})
+    _qemu_img("create", "-q", "-f", "qcow2", "-u", "-b", f"json:{spec}", "-F", "raw", str(json_backing), "512")
+    return {
+        "qcow2_backing": backing.read_bytes(),
+        "qcow2_json_backing": json_backing.read_bytes(),
+        "vmdk": vmdk_descriptor(secret),
+        "vmdk_mbr": vmdk_descriptor(secret, mbr_signature=True),
+    }
+
+
+async def _runtime_with_a_flashed_disk(start_runtime: Any, disk: Path, **kw: Any) -> tuple[Any, Any, str]:
+    rt = await start_runtime({}, **kw)
+    client = rt.client()
+    state = await client.flash(disk, power_off=True)
+    assert state.image_digest and state.phase.value == "Stopped"
+    return rt, client, state.image_digest
+
+
+# ---- item 1: a disk declared raw is raw, whatever it looks like -------------------------------------
+
+
+async def test_a_disk_declared_raw_cannot_hand_a_host_file_to_dump(
+    start_runtime: Any, registry: RunningRegistry, oci_qcow2: Path, disguised: dict[str, bytes], tmp_path: Path
+) -> None:
+    """The attack: publish (or upload) a qcow2/vmdk that names a host file, declared or sniffed raw;
+    flash it; dump the disk. Before the fix the dump held the host file's bytes."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    rt, client, digest = await _runtime_with_a_flashed_disk(
+        start_runtime, oci_qcow2, extra_args=["--allow-host-paths", str(allowed)]
+    )
+    kept = sorted(p.name for p in (rt.state / "flashed").iterdir())
+
+    artifact = Crafter(registry=registry, repo="attack/raw-artifact")
+    layer = artifact.blob(disguised["qcow2_backing"], "application/vnd.diskimage.raw", {TITLE: "disk.raw"})
+    container = Crafter(registry=registry, repo="attack/containerdisk")
+    tar = _tar({"disk/x.raw": disguised["qcow2_json_backing"]})
+    config = container.image_config("amd64", [Crafter.digest(tar)])
+    layout = Crafter(layout=allowed / "layout")
+    img = layout.blob(disguised["vmdk"], "application/octet-stream", {TITLE: "disk.img"})
+    (allowed / "disk.raw").write_bytes(disguised["qcow2_backing"])
+    (allowed / "upload.img").write_bytes(disguised["vmdk_mbr"])
+
+    attacks: dict[str, Callable[[], Awaitable[Any]]] = {
+        "registry artifact declared raw (qcow2, backing file)": lambda: client.flash_reference(
+            artifact.tag(artifact.manifest([layer], artifact_type="application/vnd.diskimage.raw"), "1"),
+            power_off=True),
+        "containerDisk /disk/x.raw (qcow2, json: backing)": lambda: client.flash_reference(
+            container.tag(container.manifest(
+                [container.blob(tar, "application/vnd.oci.image.layer.v1.tar")], config=config), "1"),
+            power_off=True),
+        "OCI layout disk.img (vmdk descriptor, guessed raw)": lambda: client.flash_reference(
+            layout.tag(layout.manifest([img]), "1"), power_off=True),
+        "file:disk.raw (qcow2, backing file)": lambda: client.flash_reference(
+            f"file:{allowed / 'disk.raw'}", power_off=True),
+        "upload (vmdk descriptor with an MBR signature, sniffed raw)": lambda: client.flash(
+            allowed / "upload.img", power_off=True),
+    }
+    leaks, refusals = [], {}
+    for name, attack in attacks.items():
+        try:
+            await attack()
+        except VmsidecarError as exc:
+            refusals[name] = exc
+            continue
+        dumped = tmp_path / "dump.raw"
+        await client.dump(dumped, fmt="raw")
+        leaked = SECRET in dumped.read_bytes()
+        leaks.append(f"{name}: flashed; the dump {'HOLDS the host file: ' + repr(SECRET) if leaked else 'is clean'}")
+    assert not leaks, "disguised disks were flashed:\n" + "\n".join(leaks)
+    for name, exc in refusals.items():
+        assert (exc.code, exc.http_status) == ("unsafe_disk", 422), (name, exc.code, exc.message)
+        assert " raw" in exc.message and "but starts with the " in exc.message, (name, exc.message)
+        assert "would open it as" in exc.message and "-O qcow2 IN OUT` and " in exc.message, (name, exc.message)
+    state = await client.state()
+    assert state.image_digest == digest and state.phase.value == "Stopped"
+    assert sorted(p.name for p in (rt.state / "flashed").iterdir()) == kept  # the previous disk, no temp file
+    dumped = tmp_path / "after.raw"
+    await client.dump(dumped, fmt="raw")
+    assert SECRET not in dumped.read_bytes()
+
+
+def _probed_by_qemu_img(path: Path) -> str:
+    """The format qemu-img's own probing gives a file (the oracle for :func:`sniff_probed_format`)."""
+    out = subprocess.run(["qemu-img", "info", "--output=json", str(path)], capture_output=True, text=True, check=True)
+    return str(json.loads(out.stdout)["format"])
+
+
+def test_every_format_qemu_img_probes_is_refused_as_raw(tmp_path: Path, secret: Path) -> None:
+    """Whatever qemu-img itself would probe as non-raw is refused when declared, guessed or sniffed raw;
+    what it probes as raw is accepted. The samples are made by qemu-img where it can make them."""
+
+    made: dict[str, Path] = {}
+    creatable = {
+        "qcow": [], "qcow2": [], "qed": [], "vdi": [], "vhdx": [], "vpc": [], "parallels": [],
+        "vmdk": [], "vmdk-stream": ["-o", "subformat=streamOptimized"],
+        "vmdk-flat": ["-o", "subformat=monolithicFlat"],  # a text descriptor + an extent file
+        "vpc-fixed": ["-o", "subformat=fixed"],  # footer at the end only: QEMU probes it as raw
+    }
+    for name, opts in creatable.items():
+        made[name] = tmp_path / f"sample.{name}"
+        _qemu_img("create", "-q", "-f", name.split("-")[0], *opts, str(made[name]), "1M")
+    for name, data in {
+        "vmdk-descriptor": vmdk_descriptor(secret),
+        "vmdk-descriptor-commented": b"# a\n   \n#b\r\n" + vmdk_descriptor(secret).replace(b"\n", b"\r\n"),
+        "mbr": b"\x33\xc0" + b"\0" * 508 + b"\x55\xaa" + b"\0" * 4096,
+        "text": b"version=1 is not a vmdk line\n" * 100,
+    }.items():
+        made[name] = tmp_path / f"sample.{name}"
+        made[name].write_bytes(data)
+    origin = Origin("the image", "flash the result")
+    seen = set()
+    for name, path in made.items():
+        probed = _probed_by_qemu_img(path)
+        head = path.read_bytes()[:SNIFF_BYTES]
+        assert sniff_probed_format(head) == (None if probed == "raw" else probed), name
+        if probed == "raw":
+            assert decide_format(head, "raw", origin) == "raw", name
+            continue
+        seen.add(probed)
+        for declared in ("raw", None):
+            if declared is None and probed in ("qcow", "qcow2"):
+                continue  # the qcow2 magic undeclared is qcow2, checked as such (qcow's version 1 is refused)
+            with pytest.raises(ImageError) as exc:
+                decide_format(head, declared, origin, guess_raw=True)
+            assert exc.value.code == "unsafe_disk", name
+            assert f"starts with the {probed} signature" in exc.value.message, name
+            assert f"qemu-img convert -f {probed} -O qcow2 IN OUT` and flash the result" in exc.value.message
+    assert seen == {"qcow", "qcow2", "qed", "vdi", "vhdx", "vpc", "parallels", "vmdk"}
+    with pytest.raises(ImageError, match=r"taken as raw .* starts with the vmdk signature"):
+        inspect_disk(made["vmdk-stream"])  # push refuses what pull would refuse
+    # formats qemu-img cannot create here (luks needs a CPU-time clock this container lacks): their signatures
+    for fmt, head in {"bochs": b"Bochs Virtual HD Image\0", "cloop": b"#!/bin/sh\n#V2.0 Format\nmodprobe cloop "
+                      b"file=$IMAGE\n", "luks": b"LUKS\xba\xbe\0\1"}.items():
+        with pytest.raises(ImageError, match=f"starts with the {fmt} signature"):
+            decide_format(head.ljust(SNIFF_BYTES, b"\0"), "raw", origin)
+
+
+# ---- item 1: every qemu-img and QEMU invocation names its format ------------------------------------
+
+#: qemu-img subcommands that open an image, and the options naming its format
+_QEMU_IMG_INPUT = {"info", "check", "convert", "compare", "map", "measure", "rebase", "resize", "snapshot",
+                   "amend", "commit", "bitmap", "dd"}
+
+
+def _logging_wrapper(bin_dir: Path, log: Path, program: str) -> None:
+    """``bin_dir/program``: appends its argv (fields split by 0x1f) to ``log``, then runs the real one."""
+    real = shutil.which(program)
+    assert real, f"{program} is not installed"
+    script = bin_dir / program
+    script.write_text(f"#!/bin/sh\nprintf '%s\\037' \"$0\" \"$@\" >> '{log}'\necho >> '{log}'\nexec '{real}' \"$@\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+
+def format_problems(argv: list[str]) -> list[str]:
+    """Why ``argv`` (qemu-img or qemu-system) would let QEMU probe an image's format; empty if it cannot."""
+    program, args = os.path.basename(argv[0]), argv[1:]
+    if program == "qemu-img":
+        sub, problems = args[0], []
+        if sub in _QEMU_IMG_INPUT and "-f" not in args and "--image-opts" not in args:
+            problems.append(f"qemu-img {sub} without -f")
+        if sub == "convert" and "-O" not in args:
+            problems.append("qemu-img convert without -O")
+        if sub == "create" and "-b" in args and "-F" not in args:
+            problems.append("qemu-img create -b without -F (the backing file's format)")
+        return problems
+    problems = [f"{flag} (probes the format)" for flag in args if flag in ("-hda", "-hdb", "-cdrom", "-sd", "-pflash")]
+    values = {flag: [v for f, v in itertools.pairwise(args) if f == flag] for flag in ("-drive", "-blockdev")}
+    problems += [f"-drive {v} without format=" for v in values["-drive"] if "format=" not in v]
+    formats = [v for v in values["-blockdev"] if "driver=file," not in v]
+    problems += [f"-blockdev {v}: not a raw or qcow2 node" for v in formats if not v.startswith(("driver=qcow2,",
+                                                                                               "driver=raw,"))]
+    for protocol in (v for v in values["-blockdev"] if "driver=file," in v):
+        node = protocol.split("node-name=")[1].split(",")[0]
+        if not any(f",file={node}," in f"{v}," for v in formats):
+            problems.append(f"-blockdev {protocol}: no format node over it")
+    return problems
+
+
+def test_the_format_check_catches_probing_argv() -> None:
+    """The checker the next test relies on flags each way of leaving the format out."""
+    assert format_problems(["qemu-img", "convert", "-O", "raw", "a", "b"]) == ["qemu-img convert without -f"]
+    assert format_problems(["qemu-img", "create", "-f", "qcow2", "-b", "a", "o"])
+    assert format_problems(["qemu-img", "info", "--output=json", "a"])
+    assert format_problems(["/usr/bin/qemu-system-x86_64", "-drive", "file=a,if=virtio"])
+    assert format_problems(["qemu-system-x86_64", "-blockdev", "driver=file,filename=a,node-name=n"])
+    assert format_problems(["qemu-system-x86_64", "-hda", "a"])
+    assert not format_problems(["qemu-system-x86_64", "-blockdev", "driver=file,filename=a,node-name=n",
+                                "-blockdev", "driver=raw,file=n,node-name=d"])
+
+
+async def test_every_qemu_img_and_qemu_invocation_names_the_format(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    """A real runtime pulls, boots (overlay, QEMU), dumps both ways, flashes raw and dumps again, with
+    qemu-img and qemu-system-x86_64 wrapped to record their argv: none may leave the format to probing."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.log"
+    bin_dir.mkdir()
+    for program in ("qemu-img", "qemu-system-x86_64"):
+        _logging_wrapper(bin_dir, log, program)
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}
+    rt = await start_runtime(spec, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    client = rt.client()
+    for _ in range(600):  # QEMU started (not Ready: the guest's boot is not what is checked)
+        if "qemu-system" in (log.read_text() if log.exists() else "") or (await client.state()).phase.value == "Error":
+            break
+        await asyncio.sleep(0.1)
+    await client.power("off", graceful=False)
+    await client.dump(tmp_path / "d.qcow2", fmt="qcow2")  # from the overlay
+    raw = tmp_path / "disk.raw"
+    raw.write_bytes(b"\0" * 510 + b"\x55\xaa" + bytes(1 << 20))
+    await client.flash(raw, power_off=True)
+    await client.dump(tmp_path / "d.raw", fmt="raw")  # from the flashed raw base, no overlay yet
+    calls = [line.rstrip("\x1f").split("\x1f") for line in log.read_text().splitlines() if line]
+    programs = {os.path.basename(c[0]) for c in calls}
+    subcommands = {c[1] for c in calls if os.path.basename(c[0]) == "qemu-img"}
+    assert programs == {"qemu-img", "qemu-system-x86_64"}, programs
+    assert {"info", "check", "create", "convert"} <= subcommands, subcommands
+    problems = [f"{' '.join(c)}: {p}" for c in calls for p in format_problems(c)]
+    assert not problems, "\n".join(problems)
