@@ -33,6 +33,7 @@ import pytest
 
 from fixtures.registry import Crafter, RunningRegistry
 from vmsidecar_contract.errors import ImageError, VmsidecarError
+from vmsidecar_runtime.image.checks import check_image
 from vmsidecar_runtime.image.limits import Origin
 from vmsidecar_runtime.image.sniff import SNIFF_BYTES, decide_format, sniff_probed_format
 from vmsidecar_runtime.oci.pack import inspect_disk
@@ -202,6 +203,8 @@ def test_every_format_qemu_img_probes_is_refused_as_raw(tmp_path: Path, secret: 
             assert decide_format(head, "raw", origin) == "raw", name
             continue
         seen.add(probed)
+        with pytest.raises(ImageError, match=f"declared raw but starts with the {probed} signature"):
+            check_image(path, "raw", origin)  # a raw cache entry kept from before the check, re-checked at use
         for declared in ("raw", None):
             if declared is None and probed in ("qcow", "qcow2"):
                 continue  # the qcow2 magic undeclared is qcow2, checked as such (qcow's version 1 is refused)

@@ -22,7 +22,7 @@ from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_runtime import procs
 
 from .limits import DEFAULT_LIMITS, KIB, Limits, Origin, human_size
-from .sniff import QCOW2_MAGIC, DiskFormat
+from .sniff import QCOW2_MAGIC, SNIFF_BYTES, DiskFormat, refuse_disguised_raw
 
 #: qcow2 v3 incompatible feature bit 2: the guest's data lives in another file the header names
 QCOW2_EXTERNAL_DATA_FILE = 1 << 2
@@ -123,11 +123,12 @@ def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limit
     size = path.stat().st_size
     if size == 0:
         raise empty_error(origin)
-    if fmt == "raw":
-        check_virtual_size(size, origin, limits)
-        return
     with open(path, "rb") as f:
         data = f.read(_QCOW2_HEAD)
+        if fmt == "raw":
+            refuse_disguised_raw(data[:SNIFF_BYTES], "raw", origin)  # also a cache entry from before this check
+            check_virtual_size(size, origin, limits)
+            return
         if not data.startswith(QCOW2_MAGIC):
             raise ImageError(
                 f"{origin.what} is meant to be qcow2 but has no qcow2 magic; "

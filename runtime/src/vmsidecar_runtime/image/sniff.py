@@ -129,7 +129,7 @@ def decide_format(head: bytes, declared: DiskFormat | None, origin: Origin, *, g
         )
     fmt = declared or sniffed or ("raw" if guess_raw else None)
     if fmt == "raw":
-        _refuse_disguised(head, declared, origin)
+        refuse_disguised_raw(head, declared, origin)
         return fmt
     if fmt is not None:
         return fmt
@@ -140,8 +140,11 @@ def decide_format(head: bytes, declared: DiskFormat | None, origin: Origin, *, g
     )
 
 
-def _refuse_disguised(head: bytes, declared: DiskFormat | None, origin: Origin) -> None:
-    """Refuse a disk about to be kept as raw whose first bytes are another probed format's."""
+def refuse_disguised_raw(head: bytes, declared: DiskFormat | None, origin: Origin) -> None:
+    """Refuse a disk kept as raw whose first bytes are another probed format's.
+
+    :raise ImageError: (code ``unsafe_disk``) naming the format and the conversion.
+    """
     probed = sniff_probed_format(head)
     if probed is None:
         return
