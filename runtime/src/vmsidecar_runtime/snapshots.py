@@ -27,19 +27,24 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_contract.spec import Readiness, VmSpec
 
 from .backend.common import qemu_binary
+from .disk import DiskImage
+from .image.checks import parse_qcow2_header
+from .image.limits import Origin
+from .image.sniff import QCOW2_MAGIC
+from .oci.cache import hash_file, stat_seal
 
 log = logging.getLogger(__name__)
 
 #: bump when the layout or the meaning of a snapshot changes: older ones are then never matched
-#: (2: every QEMU has the guest agent's port; the snapshot has meta.json)
-FORMAT = 2
+#: (2: every QEMU has the guest agent's port; the snapshot has meta.json; 3: sealed)
+FORMAT = 3
 #: consoles whose scrollback a restored guest shows
 CONSOLES = ("ttyS0", "hvc0")
 
@@ -75,6 +80,8 @@ class SnapshotMeta:
 
     #: a guest agent answered at capture: a restore sets the guest's clock through it
     guest_agent: bool = False
+    #: the seal: ``sha256:<hex>`` of every other file of the snapshot, at commit
+    files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,10 @@ class Snapshot:
         """The capture's findings; None when the file is missing or unreadable."""
         try:
             data = json.loads(self.meta_file.read_text())
-            return SnapshotMeta(guest_agent=bool(data["guest_agent"]))
+            files = data["files"]
+            if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+                return None
+            return SnapshotMeta(guest_agent=bool(data["guest_agent"]), files=files)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -119,15 +129,27 @@ class Snapshot:
         return sum(p.stat().st_size for p in self.path.iterdir())
 
 
+@dataclass
+class _Checked:
+    """What this process verified of one snapshot directory."""
+
+    dir_ino: int
+    digests: dict[str, str]
+    seals: dict[str, dict]
+
+
 class SnapshotStore:
     """The snapshots in one cache directory."""
 
     def __init__(self, cache: Path) -> None:
         self.root = cache / "snapshots"
+        #: snapshot path -> what this process hashed and found matching (see the module's docstring)
+        self._checked: dict[str, _Checked] = {}
 
     def find(self, key: str) -> Snapshot | None:
         """The complete snapshot for ``key``, if the cache has one (an incomplete one is
-        captured again at the next cold boot's Ready: ``commit`` replaces it)."""
+        captured again at the next cold boot's Ready: ``commit`` replaces it). Not yet checked:
+        :meth:`verify` before QEMU loads it."""
         snap = Snapshot(self.root / key)
         complete = snap.memory.is_file() and snap.disk.is_file() and snap.meta() is not None
         return snap if complete else None
@@ -142,7 +164,9 @@ class SnapshotStore:
         return Snapshot(Path(tempfile.mkdtemp(prefix=f".incoming-{key}-", dir=self.root)))
 
     def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes], meta: SnapshotMeta) -> Snapshot:
-        """Make a captured snapshot visible: read-only files, one atomic rename.
+        """Make a captured snapshot visible: sealed, read-only files, one atomic rename.
+
+        Blocking (it hashes every file): call it in a thread from asyncio.
 
         Runtimes sharing a cache may capture the same key at once: the first complete snapshot
         wins and is never replaced under a runtime restoring from it (same key, same pristine
@@ -150,7 +174,8 @@ class SnapshotStore:
         """
         for name, data in consoles.items():
             (staged.path / f"{name}.console").write_bytes(data)
-        staged.meta_file.write_text(json.dumps(asdict(meta)))
+        files = {item.name: hash_file(item) for item in staged.path.iterdir() if item != staged.meta_file}
+        staged.meta_file.write_text(json.dumps(asdict(SnapshotMeta(meta.guest_agent, files))))
         for item in staged.path.iterdir():
             os.chmod(item, 0o444)
         final = self.root / key
@@ -158,25 +183,108 @@ class SnapshotStore:
             # an incomplete or outdated entry: moved aside first, so the rename below is atomic
             with contextlib.suppress(FileNotFoundError):
                 trash = Path(tempfile.mkdtemp(prefix=f".trash-{key}-", dir=self.root))
+                _writable(final)  # moving a directory to another parent rewrites its ".."
                 os.rename(final, trash / "old")
-                shutil.rmtree(trash, ignore_errors=True)
+                _remove_tree(trash)
         if existing is None:
             try:
                 os.rename(staged.path, final)
-                return Snapshot(final)
             except OSError as e:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
+            else:
+                os.chmod(final, 0o555)
+                snap = Snapshot(final)
+                self._remember(snap, files)
+                return snap
             existing = self.find(key)
             if existing is None:
                 raise HostError(f"another runtime is writing the snapshot {final} at this instant; "
                                 "the next boot takes it")
         log.info("snapshot %s was captured by another runtime sharing the cache first; keeping it", key)
-        shutil.rmtree(staged.path, ignore_errors=True)
+        _remove_tree(staged.path)
         return existing
 
-    async def discard(self, snap: Snapshot) -> None:
-        """Remove a snapshot QEMU refused (or a half-written one)."""
+    def verify(self, snap: Snapshot, base: DiskImage) -> str | None:
+        """Why ``snap`` must not be restored over ``base``, or None when its seal and its frozen
+        overlay's header hold.
+
+        Blocking (the first check in a process hashes every file): call it in a thread.
+        """
+        meta = snap.meta()
+        try:
+            dir_ino = snap.path.stat().st_ino
+            on_disk = {p.name for p in snap.path.iterdir() if p != snap.meta_file}
+        except OSError as e:
+            return f"it cannot be read ({e.strerror})"
+        if meta is None:
+            return "its meta.json (the seal) is missing or unreadable"
+        checked = self._checked.get(str(snap.path))
+        if checked is not None and checked.dir_ino != dir_ino:
+            checked = None  # a new entry in the same place (another runtime captured it again)
+        digests = checked.digests if checked else meta.files
+        if checked is not None and meta.files != checked.digests:
+            return "its recorded sha256 digests (meta.json) were rewritten since this runtime checked them"
+        if on_disk != set(digests):
+            return f"its files ({', '.join(sorted(on_disk))}) are not the ones sealed at capture"
+        seals = {}
+        for name, digest in sorted(digests.items()):
+            path = snap.path / name
+            try:
+                seal = stat_seal(path.stat())
+            except OSError as e:
+                return f"{name} cannot be read ({e.strerror})"
+            if (checked is None or checked.seals.get(name) != seal) and hash_file(path) != digest:
+                return f"{name} does not match the sha256 recorded at capture (altered on disk)"
+            seals[name] = seal
+        self._checked[str(snap.path)] = _Checked(dir_ino, dict(digests), seals)
+        return _frozen_overlay_problem(snap, base)
+
+    def _remember(self, snap: Snapshot, digests: dict[str, str]) -> None:
         with contextlib.suppress(OSError):
-            await asyncio.to_thread(shutil.rmtree, snap.path, True)
+            seals = {name: stat_seal((snap.path / name).stat()) for name in digests}
+            self._checked[str(snap.path)] = _Checked(snap.path.stat().st_ino, dict(digests), seals)
+
+    async def discard(self, snap: Snapshot) -> None:
+        """Remove a snapshot QEMU refused, one whose seal broke (or a half-written one)."""
+        self._checked.pop(str(snap.path), None)
+        await asyncio.to_thread(_remove_tree, snap.path)
         log.info("snapshot %s discarded", snap.path.name)
+
+
+def _frozen_overlay_problem(snap: Snapshot, base: DiskImage) -> str | None:
+    """Why the frozen overlay must not be QEMU's backing file: it must be a qcow2 whose only
+    backing file is ``base`` (as captured), with no external data file."""
+    origin = Origin("the snapshot's frozen overlay", "capture a new snapshot")
+    try:
+        with open(snap.disk, "rb") as f:
+            head = f.read(64 << 10)
+        if not head.startswith(QCOW2_MAGIC):
+            return "its frozen overlay is not a qcow2 image"
+        header = parse_qcow2_header(head, origin)
+    except OSError as e:
+        return f"its frozen overlay cannot be read ({e.strerror})"
+    except ImageError as e:
+        return e.message
+    if header.backing_file != str(base.path):
+        return (f"its frozen overlay's backing file is {header.backing_file or 'missing'}, not the base image "
+                f"{base.path}")
+    if header.data_file is not None:
+        return f"its frozen overlay has an external data file ({header.data_file or 'unnamed'})"
+    return None
+
+
+def _writable(path: Path) -> None:
+    """Give back the owner's write bit on a sealed directory (0555), so it can be moved or emptied."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o755)
+
+
+def _remove_tree(path: Path) -> None:
+    """``rm -rf`` of a snapshot or a staging directory, sealed (0555) or not."""
+    _writable(path)
+    with contextlib.suppress(OSError):
+        for sub in path.iterdir():
+            if sub.is_dir() and not sub.is_symlink():
+                _writable(sub)
+    shutil.rmtree(path, ignore_errors=True)

@@ -134,6 +134,15 @@ class SnapshotOperations:
         """Run from ``snap`` (a new boot, or the captured boot continuing); on refusal discard it
         and return False (the caller boots cold)."""
         started = time.monotonic()
+        assert self.disks.current is not None
+        broken = await asyncio.to_thread(self._store.verify, snap, self.disks.current)
+        if broken is not None:  # never handed to QEMU
+            log.warning("memory snapshot %s not restored: %s; removing it and booting cold", snap.path.name, broken)
+            await self._store.discard(snap)
+            self.snapshot_info = SnapshotInfo(boot="cold", reason=f"the snapshot failed its seal check: {broken}; "
+                                              "it was removed and a new one is captured at Ready")
+            self._capture_key = self._planned_key
+            return False
         try:
             await self._launch_restored(snap, new_boot=new_boot)
         except VmsidecarError as e:
@@ -209,7 +218,8 @@ class SnapshotOperations:
             await self._quiet_stop()
             await asyncio.to_thread(shutil.move, self.paths.overlay, staged.disk)
             try:
-                snap = self._store.commit(staged, key, consoles, SnapshotMeta(guest_agent=agent))
+                snap = await asyncio.to_thread(self._store.commit, staged, key, consoles,
+                                               SnapshotMeta(guest_agent=agent))
             except HostError as e:
                 await self._store.discard(staged)
                 self.snapshot_info = self.snapshot_info.model_copy(update={"reason": e.message})

@@ -100,9 +100,9 @@ class DiskCache:
             st = path.stat()
         except OSError:
             return False
-        if self._read_index().get(_seal_key(path)) == _fingerprint(st):
+        if self._read_index().get(_seal_key(path)) == stat_seal(st):
             return True
-        if _hash_file(path) == digest:
+        if hash_file(path) == digest:
             self._seal(path)
             return True
         log.warning("cache entry %s does not match its digest %s (corrupted or altered on disk); removing it "
@@ -117,7 +117,7 @@ class DiskCache:
 
     def _seal(self, path: Path) -> None:
         with contextlib.suppress(OSError):
-            self._update_index({_seal_key(path): _fingerprint(path.stat())})
+            self._update_index({_seal_key(path): stat_seal(path.stat())})
 
     def _update_index(self, updates: dict[str, dict]) -> None:
         with self.lock("index"):
@@ -183,12 +183,13 @@ def _seal_key(path: Path) -> str:
     return f"seal:{path.name}"
 
 
-def _fingerprint(st: os.stat_result) -> dict:
-    """What changes when anything writes to, truncates or chmods a file (ctime cannot be set back)."""
+def stat_seal(st: os.stat_result) -> dict:
+    """A file's stat seal: what changes when anything writes to, truncates or chmods a file (ctime cannot be set back)."""
     return {"ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
 
 
-def _hash_file(path: Path) -> str:
+def hash_file(path: Path) -> str:
+    """``sha256:<hex>`` of a file's content ("sha256:" of nothing when it cannot be read)."""
     h = hashlib.sha256()
     with contextlib.suppress(OSError), open(path, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -1,0 +1,99 @@
+"""Attacks on the memory snapshots in the cache (issue 19, item 10).
+
+The snapshot files are written by the runtime and read by the next lease's QEMU. QEMU runs as the
+runtime's UID, so a guest that escapes into QEMU (or any process of that UID) can chmod them back
+and rewrite them. Here the attacker does that for real, between two runtime processes on one
+cache; the next runtime must notice before QEMU loads anything, drop the entry, boot cold and say
+why in ``GET /v1/vm`` → ``snapshot.reason``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _snapshot_dir(cache: Path) -> Path:
+    dirs = [p for p in (cache / "snapshots").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def _sha256(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _flip_a_byte(path: Path) -> None:
+    os.chmod(path.parent, 0o755)  # what a process of the files' own UID can always do
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x55]))
+
+
+def _evil_overlay(path: Path) -> None:
+    """Replace the frozen overlay with a qcow2 whose backing file is a host file."""
+    os.chmod(path.parent, 0o755)
+    path.unlink()
+    # -u: the attacker's qemu-img need not open the backing file; QEMU would, at the next restore
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "/etc/hostname", "-F", "raw",
+                    str(path), "64M"], check=True, timeout=30)
+
+
+def _forge_seal(snap: Path, name: str) -> None:
+    """Rewrite the recorded sha256 of ``name`` to match its new content (same UID: it can)."""
+    meta_file = snap / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["files"][name] = _sha256(snap / name)
+    os.chmod(meta_file, 0o644)
+    meta_file.write_text(json.dumps(meta))
+
+
+async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "sealed"}]}
+    args = ["--cache-dir", str(cache)]
+
+    first = await start_runtime(spec, name="capture", extra_args=args)
+    state = await first.client().wait_ready(240)
+    assert state.snapshot.available, state.snapshot
+    assert first.stop() == 0
+    snap = _snapshot_dir(cache)
+    assert (snap.stat().st_mode & 0o777) == 0o555, oct(snap.stat().st_mode)
+    assert {p.name: p.stat().st_mode & 0o777 for p in snap.iterdir()} == dict.fromkeys(
+        ("memory", "disk.qcow2", "meta.json", "ttyS0.console", "hvc0.console"), 0o444)
+
+    # 1. one byte of the memory stream rewritten (QEMU would load it: RAM pages carry no checksum)
+    _flip_a_byte(snap / "memory")
+    tampered = _sha256(snap / "memory")
+    second = await start_runtime(spec, name="after-memory", extra_args=args)
+    state = await second.client().wait_ready(240)
+    reason = state.snapshot.reason or ""
+    assert state.snapshot.boot == "cold", state.snapshot
+    print(f"memory rewritten: {reason}")
+    assert "memory" in reason and "sha256" in reason and "removed" in reason, reason
+    # the cold boot captured a new snapshot in its place, sealed again
+    assert _sha256(_snapshot_dir(cache) / "memory") != tampered
+    assert second.stop() == 0
+
+    # 2. the frozen overlay replaced by one that makes QEMU open a host file, and its seal forged
+    snap = _snapshot_dir(cache)
+    _evil_overlay(snap / "disk.qcow2")
+    _forge_seal(snap, "disk.qcow2")
+    third = await start_runtime(spec, name="after-overlay", extra_args=args)
+    state = await third.client().wait_ready(240)
+    reason = state.snapshot.reason or ""
+    assert state.snapshot.boot == "cold", state.snapshot
+    print(f"overlay replaced, seal forged: {reason}")
+    assert "/etc/hostname" in reason and "backing file" in reason, reason
+    assert "refused" not in reason, reason  # caught before QEMU was ever asked to load it
