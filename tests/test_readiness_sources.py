@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,14 @@ import yaml
 
 from fixtures.jmp import exporter_config
 from vmsidecar_contract.client import RuntimeClient
-from vmsidecar_contract.spec import DEFAULT_READY_PATTERN, READY_MARKER, VmSpec, load_spec, spec_from_sources
+from vmsidecar_contract.spec import (
+    DEFAULT_READY_PATTERN,
+    READY_MARKER,
+    VmSpec,
+    compile_readiness_pattern,
+    load_spec,
+    spec_from_sources,
+)
 from vmsidecar_runtime.controller.readiness import effective_readiness
 from vmsidecar_runtime.disk import DiskImage
 from vmsidecar_runtime.snapshots import snapshot_key
@@ -50,12 +56,12 @@ MISSES_DEFAULT = {
 
 @pytest.mark.parametrize("guest", list(MEETS_DEFAULT))
 def test_the_default_meets_ordinary_guests(guest: str) -> None:
-    assert re.search(DEFAULT_READY_PATTERN.encode(), MEETS_DEFAULT[guest])
+    assert compile_readiness_pattern(DEFAULT_READY_PATTERN).search(MEETS_DEFAULT[guest])
 
 
 @pytest.mark.parametrize("output", list(MISSES_DEFAULT))
 def test_the_default_does_not_fire_early_or_on_a_failed_boot(output: str) -> None:
-    assert not re.search(DEFAULT_READY_PATTERN.encode(), MISSES_DEFAULT[output])
+    assert not compile_readiness_pattern(DEFAULT_READY_PATTERN).search(MISSES_DEFAULT[output])
 
 
 def test_says_nothing_is_not_null() -> None:

@@ -30,13 +30,21 @@ from pydantic.alias_generators import to_camel
 from .arch import host_arch, normalize_arch
 from .errors import SpecError
 
+try:
+    import re2 as _re2
+except ImportError:  # an exporter without RE2 passes the pattern on; the runtime checks it on arrival
+    _re2 = None
+
 #: What vmsidecar's own guests print on ttyS0 and hvc0 once they are up.
 READY_MARKER = "VMSIDECAR-READY"
 #: Readiness when neither the spec nor the image says anything (docs/decisions.md): our marker, a
 #: getty's login prompt ("debian login: ", also with autologin), or a shell prompt ending in "# " or
 #: "$ " as the last thing on the console (busybox's line editing may follow it with a terminal
 #: query, ESC[6n) — except dracut's emergency shell, a failed boot.
-DEFAULT_READY_PATTERN = READY_MARKER + r"|\blogin: |(?m:^(?!dracut)[^\r\n]{0,80}[#$] (?:\x1b\[[0-9;?]*[A-Za-z])*\Z)"
+#: RE2 has no lookahead: "a line not starting with dracut" is spelled out prefix by prefix.
+_NOT_DRACUT = (r"(?:[^d\r\n][^\r\n]{0,79}|d(?:[^r\r\n][^\r\n]{0,78}|r(?:[^a\r\n][^\r\n]{0,77}|"
+               r"a(?:[^c\r\n][^\r\n]{0,76}|c(?:[^u\r\n][^\r\n]{0,75}|u(?:[^t\r\n][^\r\n]{0,74})?)?)?)?)?)?")
+DEFAULT_READY_PATTERN = READY_MARKER + r"|\blogin: |(?m:^" + _NOT_DRACUT + r"[#$] (?:\x1b\[[0-9;?]*[A-Za-z])*\z)"
 #: OCI annotations by which an image states its own readiness (manifest or index entry), read at
 #: pull time and used for every field the spec leaves unset.
 READINESS_ANNOTATIONS = {
@@ -166,12 +174,31 @@ class Readiness(_Model):
     def _compiles(cls, pattern: str | None) -> str | None:
         if pattern == "":
             return None  # an empty regex would match at once: say so plainly
-        if pattern is not None:
-            try:
-                re.compile(pattern.encode())
-            except re.error as e:
-                raise ValueError(f"readiness pattern {pattern!r} is not a valid regex ({e})") from None
+        if pattern is not None and _re2 is not None:
+            compile_readiness_pattern(pattern)
         return pattern
+
+
+def compile_readiness_pattern(pattern: str) -> Any:
+    """``pattern`` compiled for RE2, on bytes, the engine the runtime matches readiness with: linear
+    in the text, so no pattern from a spec or an image can stall the runtime on guest output. Latin-1
+    mode makes bytes patterns behave as Python's ``re`` does on bytes.
+
+    :raise ValueError: naming the pattern, RE2's reason and the fix (also when RE2 is not installed).
+    """
+    if _re2 is None:
+        raise ValueError("readiness patterns need RE2: pip install google-re2")
+    options = _re2.Options()
+    options.encoding = _re2.Options.Encoding.LATIN1
+    options.log_errors = False  # the error is ours to report, not RE2's to print on stderr
+    try:
+        return _re2.compile(pattern.encode(), options)
+    except _re2.error as e:
+        reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise ValueError(
+            f"readiness pattern {pattern!r} is not a valid regex in RE2 syntax ({reason}); readiness patterns "
+            "run on RE2 (linear time): no backreferences, lookarounds or atomic groups "
+            "(https://github.com/google/re2/wiki/Syntax)") from None
 
 
 class Channel(_Model):

@@ -9,7 +9,6 @@ guest built without vmsidecar in mind still becomes Ready, and a pool needs no p
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,12 +16,13 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from vmsidecar_contract.errors import GuestError, ImageError, SpecError, VmsidecarError
-from vmsidecar_contract.spec import READINESS_ANNOTATIONS, Readiness, VmSpec
+from vmsidecar_contract.spec import READINESS_ANNOTATIONS, Readiness, VmSpec, compile_readiness_pattern
 
 from ..console import ConsoleHub
 from ..disk import DiskImage
 
-#: bytes of console output kept to match a pattern split across chunks
+#: bytes of console output kept to match a pattern split across chunks: the regex (RE2, linear) runs
+#: on this tail plus the new chunk, however long the guest has been printing
 WINDOW = 4096
 
 Source = Literal["spec", "image", "default"]
@@ -117,11 +117,16 @@ class ReadinessWatch:
     async def _watch(self, hub: ConsoleHub, eff: EffectiveReadiness) -> None:
         readiness = eff.readiness
         assert readiness.pattern is not None
-        pattern = re.compile(readiness.pattern.encode())
+        # RE2: linear in the text, so no pattern (spec or image) can stall the loop on guest output
+        pattern = compile_readiness_pattern(readiness.pattern)
         seen = asyncio.Event()
         window = bytearray()
 
         def on_data(data: bytes) -> None:
+            if seen.is_set():
+                return
+            # the tail of earlier output plus this chunk (the hub reads at most 64 KiB): a match split
+            # across chunks is found, and each byte is searched at most WINDOW / chunk times over
             window.extend(data)
             if pattern.search(window):
                 seen.set()

@@ -1,0 +1,94 @@
+"""Attack: a readiness regex that backtracks, fed by the guest's console (issue 19, item 5).
+
+A pattern such as ``(a|aa)+b`` comes from the spec or an image annotation; the guest prints ``a``
+without end. On a backtracking engine every console chunk costs exponential time on the event
+loop, and the API, recycle and signals stop. The runtime runs readiness on RE2 (linear time) and
+refuses what RE2 cannot run (backreferences, lookarounds) when the spec or the annotation is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guestio import Console
+from vmsidecar_contract.errors import ImageError, SpecError
+from vmsidecar_contract.spec import (
+    DEFAULT_READY_PATTERN,
+    READINESS_ANNOTATIONS,
+    VmSpec,
+    compile_readiness_pattern,
+    load_spec,
+)
+from vmsidecar_runtime.controller.readiness import effective_readiness
+from vmsidecar_runtime.disk import DiskImage
+
+pytestmark = pytest.mark.timeout(300)
+
+#: exponential on a backtracking engine: each extra ``a`` doubles the work of a failed search
+EVIL = "(a|aa)+b"
+
+
+async def max_state_latency(client: Any, seconds: float, limit: float = 1.0) -> float:
+    """Ask ``GET /v1/vm`` every 0.2 s for ``seconds``; the slowest answer (fails past ``limit``)."""
+    worst = 0.0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(client.state(), limit)
+        except TimeoutError:
+            raise AssertionError(f"GET /v1/vm did not answer within {limit} s") from None
+        worst = max(worst, time.monotonic() - t0)
+        await asyncio.sleep(0.2)
+    return worst
+
+
+async def test_backtracking_pattern_on_a_flooding_console_keeps_the_api_answering(
+    start_runtime: Any, tiny_image: Any, record_property: Any
+) -> None:
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
+                              "readiness": {"pattern": EVIL, "timeout": 240}})
+    client = rt.client()
+    con = await Console.open_when_served(rt.shared / "console.sock")
+    await con.wake()
+    # the guest's shell prints an endless run of "a" (never a "b") on ttyS0, the readiness console;
+    # the command line itself has no run of "a" (its echo would already be the attack)
+    con.writer.write(b"x=a; while :; do printf $x$x$x$x$x$x$x$x$x$x$x$x$x$x$x$x; done &\n")
+    await con.writer.drain()
+    await asyncio.sleep(2)
+    try:
+        worst = await max_state_latency(client, 6)
+    except AssertionError:
+        rt.proc.kill()  # its loop is stuck: SIGTERM would wait for the fixture's whole grace
+        raise
+    await con.expect(b"a{4000}", 30)  # the flood is real: thousands of "a" went through the watcher
+    record_property("api_latency_max_s", round(worst, 3))
+    state = await client.state()
+    assert state.phase.value == "Running", state  # still waiting for a "b", not broken
+    await con.close()
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", r"login(?=: )", r"(?<!dracut)# ", r"(?>a+)b"])
+def test_a_pattern_re2_cannot_run_is_refused_in_the_spec(pattern: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_spec({"readiness": {"pattern": pattern}})
+    message = str(caught.value)
+    assert repr(pattern) in message and "RE2 syntax" in message, message
+
+
+def test_a_pattern_re2_cannot_run_is_refused_in_an_image_annotation() -> None:
+    disk = DiskImage(Path("/nonexistent"), "qcow2", "sha256:" + "0" * 64, "oci://registry.example/evil:1",
+                     {READINESS_ANNOTATIONS["pattern"]: r"(x+)\1"})
+    with pytest.raises(ImageError) as caught:
+        effective_readiness(VmSpec(), disk)
+    message = str(caught.value)
+    assert repr(r"(x+)\1") in message and "RE2 syntax" in message and caught.value.code == "bad_readiness", message
+
+
+def test_the_default_pattern_is_re2() -> None:
+    assert compile_readiness_pattern(DEFAULT_READY_PATTERN).search(b"debian login: ")
