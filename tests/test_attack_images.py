@@ -24,6 +24,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -305,3 +306,62 @@ async def test_every_qemu_img_and_qemu_invocation_names_the_format(
     assert {"info", "check", "create", "convert"} <= subcommands, subcommands
     problems = [f"{' '.join(c)}: {p}" for c in calls for p in format_problems(c)]
     assert not problems, "\n".join(problems)
+
+
+# ---- item 8: the disk size limit is a runtime setting, 64 GiB by default ------------------------------
+
+SETTING = "--max-disk-size (VMSIDECAR_MAX_DISK_SIZE)"
+
+
+async def test_a_1_tib_sparse_flash_is_refused_by_the_default_limit(
+    start_runtime: Any, oci_qcow2: Path, tmp_path: Path
+) -> None:
+    """A qcow2 of 1 TiB virtual size is ~300 KiB: its guest could fill the host volume through the overlay."""
+    rt, client, digest = await _runtime_with_a_flashed_disk(start_runtime, oci_qcow2)
+    huge = tmp_path / "huge.qcow2"
+    _qemu_img("create", "-q", "-f", "qcow2", str(huge), "1T")
+    assert huge.stat().st_size < 1 << 20
+    with pytest.raises(VmsidecarError) as exc:
+        await client.flash(huge, power_off=True)
+    assert (exc.value.code, exc.value.http_status) == ("disk_too_large", 422), exc.value.message
+    assert "has a virtual size of 1 TiB, more than the 64 GiB limit" in exc.value.message
+    assert SETTING in exc.value.message and "build a smaller disk" in exc.value.message
+    assert (await client.state()).image_digest == digest
+    assert [p.name for p in (rt.state / "flashed").iterdir() if p.name.startswith(".incoming")] == []
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+async def test_the_disk_size_limit_is_the_runtimes_setting(
+    start_runtime: Any, oci_qcow2: Path, tmp_path: Path, how: str
+) -> None:
+    """``--max-disk-size 4M`` (or the env var) refuses a 16 MiB qcow2 by its virtual size and a raw
+    stream past 4 MiB by its bytes, naming the setting; a 1 MiB raw disk still flashes."""
+    kw: dict[str, Any] = {"extra_args": ["--max-disk-size", "4M"]} if how == "flag" else {
+        "env": {"VMSIDECAR_MAX_DISK_SIZE": "4MiB"}}
+    rt = await start_runtime({}, **kw)
+    client = rt.client()
+    small, large = tmp_path / "small.raw", tmp_path / "large.raw"
+    small.write_bytes(b"\0" * 510 + b"\x55\xaa" + bytes(1 << 20))
+    large.write_bytes(b"\0" * 510 + b"\x55\xaa" + bytes(5 << 20))
+    digest = (await client.flash(small, power_off=True)).image_digest
+    for disk, needle in ((oci_qcow2, "has a virtual size of 16 MiB, more than the 4 MiB limit"),
+                         (large, "is larger than 4 MiB, the limit")):
+        with pytest.raises(VmsidecarError) as exc:
+            await client.flash(disk, power_off=True)
+        assert exc.value.code == "disk_too_large", exc.value.message
+        assert needle in exc.value.message and SETTING in exc.value.message, exc.value.message
+    assert (await client.state()).image_digest == digest
+
+
+def test_a_bad_disk_size_setting_stops_the_runtime_at_start(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--shared-dir",
+            str(tmp_path / "s"), "--state-dir", str(tmp_path / "st"), "--cache-dir", str(tmp_path / "c")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_")}
+    for extra, extra_env, needle in (
+        (["--max-disk-size", "lots"], {}, "--max-disk-size 'lots' is not a size"),
+        ([], {"VMSIDECAR_MAX_DISK_SIZE": "0"}, "VMSIDECAR_MAX_DISK_SIZE '0' is not a size"),
+    ):
+        result = subprocess.run([*base, *extra], env={**env, **extra_env}, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert needle in result.stderr and "64G" in result.stderr and "Traceback" not in result.stderr

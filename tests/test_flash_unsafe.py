@@ -62,7 +62,7 @@ async def test_api_flash_refuses_backing_and_data_files_and_huge_disks(
         ("backing", "unsafe_disk", ["names a backing file (/etc/hostname)", FLATTEN]),
         ("backing_zst", "unsafe_disk", ["names a backing file (/etc/hostname)", FLATTEN]),
         ("data_file", "unsafe_disk", ["with an external data file (", "x.data)", "qemu-img convert -O qcow2"]),
-        ("huge", "disk_too_large", ["has a virtual size of 2 TiB, more than the 1 TiB limit"]),
+        ("huge", "disk_too_large", ["has a virtual size of 2 TiB, more than the 64 GiB limit"]),
     ]
     for kind, code, needles in cases:
         with pytest.raises(VmsidecarError) as exc:

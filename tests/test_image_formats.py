@@ -142,7 +142,7 @@ def test_format_decision() -> None:
         ("backing", "unsafe_disk", ["names a backing file (/etc/hostname)", FLATTEN, "and flash the result"]),
         ("backing_v2", "unsafe_disk", ["names a backing file (/etc/hostname)", FLATTEN]),
         ("data_file", "unsafe_disk", ["with an external data file (", "x.data)", "qemu-img convert -O qcow2"]),
-        ("huge", "disk_too_large", ["has a virtual size of 2 TiB, more than the 1 TiB limit"]),
+        ("huge", "disk_too_large", ["has a virtual size of 2 TiB, more than the 64 GiB limit"]),
         ("corrupt", "bad_disk", ["is a corrupt qcow2 (", "re-download or rebuild the image"]),
     ],
 )

@@ -24,11 +24,12 @@ from vmsidecar_contract.state import VmState
 
 from .hostpaths import ENV as HOST_PATHS_ENV
 from .hostpaths import HostPathPolicy
+from .image import limits
 from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
 
 #: environment that configures the process, not the VM spec
 _PROCESS_ENV = {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
-                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV}
+                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV, limits.MAX_DISK_SIZE_ENV}
 
 
 def _default_socket() -> Path:
@@ -149,6 +150,12 @@ async def _client_command(args: argparse.Namespace) -> int:
 
 def _serve_command(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
+    if args.max_disk_size is not None:
+        try:
+            limits.configure(limits.parse_size(args.max_disk_size))
+        except ValueError:
+            raise limits.setting_error(limits.MAX_DISK_SIZE_FLAG, args.max_disk_size) from None
+    limits.max_disk_size()  # a bad VMSIDECAR_MAX_DISK_SIZE stops the runtime now, not at its first flash
     overrides: dict[str, Any] = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
                                  "accel": args.accel, "backend": args.backend}
     ready = {k: v for k, v in {"pattern": args.ready_pattern, "console": args.ready_console,
@@ -197,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let API callers name host paths (file:, oci-layout:, kernel, initrd) under DIR; "
                         "repeatable; also VMSIDECAR_ALLOW_HOST_PATHS=DIR[:DIR]")
     s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
+    s.add_argument(limits.MAX_DISK_SIZE_FLAG, metavar="SIZE",
+                   help="largest disk a pull or flash may bring: its virtual size and its bytes on the host once "
+                        f"decompressed (e.g. 64G, 512M; default 64G; also {limits.MAX_DISK_SIZE_ENV})")
 
     def client_parser(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)

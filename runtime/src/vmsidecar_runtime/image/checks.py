@@ -102,10 +102,11 @@ def check_virtual_size(size: int, origin: Origin, limits: Limits = DEFAULT_LIMIT
     :raise ImageError: (code ``disk_too_large``) past ``limits.max_virtual_size``.
     """
     if size > limits.max_virtual_size:
+        named, raise_it = limits.where_set(virtual=True)
         raise ImageError(
             f"{origin.what} has a virtual size of {human_size(size)}, more than the "
-            f"{human_size(limits.max_virtual_size)} limit; build a smaller disk (or shrink its file systems, "
-            f"then `qemu-img resize --shrink`) and {origin.resend}",
+            f"{human_size(limits.max_virtual_size)} limit{named}; build a smaller disk (or shrink its file "
+            f"systems, then `qemu-img resize --shrink`) and {origin.resend}{raise_it}",
             code="disk_too_large",
         )
 

@@ -135,10 +135,11 @@ class _Decoded(ChunkStream):
         self.count += len(data)
         if self.count > self._limits.max_disk_bytes:
             once = " once decompressed" if self.compression else ""
+            named, raise_it = self._limits.where_set(virtual=False)
             raise ImageError(
                 f"{self._origin.what} is larger than {human_size(self._limits.max_disk_bytes)}{once}, the limit "
-                f"for a disk on this host; build a smaller disk (a sparse qcow2 holds only what was written) "
-                f"and {self._origin.resend}",
+                f"for a disk on this host{named}; build a smaller disk (a sparse qcow2 holds only what was "
+                f"written) and {self._origin.resend}{raise_it}",
                 code="disk_too_large",
             )
         return data
