@@ -97,3 +97,22 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     print(f"overlay replaced, seal forged: {reason}")
     assert "/etc/hostname" in reason and "backing file" in reason, reason
     assert "refused" not in reason, reason  # caught before QEMU was ever asked to load it
+
+
+async def test_an_aarch64_guest_is_never_restored_without_a_new_rng_seed(start_runtime: Any, tmp_path: Path) -> None:
+    # QEMU's `virt` machine has no vmgenid: a restored aarch64 guest would never learn that it is
+    # a copy, and every lease would draw the same "random" numbers as the capture's guest
+    from vmsidecar_images.build import build_image
+
+    image = build_image("tiny", arch="aarch64")
+    spec = {"image": f"file:{image.disk}", "arch": "aarch64", "kernel": str(image.kernel),
+            "initrd": str(image.initrd), "cmdline": image.cmdline, "memory": "256M"}
+    cache = tmp_path / "cache"
+    rt = await start_runtime(spec, name="aarch64", extra_args=["--cache-dir", str(cache)])
+    state = await rt.client().wait_ready(240)
+    assert state.snapshot.boot == "cold" and not state.snapshot.available, state.snapshot
+    assert state.snapshot.reason == "aarch64: no vmgenid, the guest's RNG would repeat — cold boot", state.snapshot
+    await rt.client().recycle()
+    state = await rt.client().wait_ready(240)
+    assert state.snapshot.boot == "cold", state.snapshot
+    assert not [p for p in (cache / "snapshots").glob("*") if not p.name.startswith(".")]

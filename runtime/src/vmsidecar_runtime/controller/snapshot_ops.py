@@ -88,6 +88,8 @@ class SnapshotOperations:
             reason = "snapshot: off in the spec"
         elif spec.backend != "qemu":
             reason = "the libvirt backend has no memory snapshots yet"
+        elif spec.arch != "x86_64":  # only x86_64 gets a vmgenid (backend/qemu_argv.py): decisions.md
+            reason = f"{spec.arch}: no vmgenid, the guest's RNG would repeat — cold boot"
         elif self.disks.flashed is not None or base is None:
             reason = "the disk was flashed in this lease"
         elif self.paths.overlay.exists():
