@@ -16,16 +16,27 @@ bus can be created before the runtime is up (the exporter builds its driver tree
 from __future__ import annotations
 
 import contextlib
-import queue
+import logging
 import socket
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import can
 
+log = logging.getLogger(__name__)
+
 #: slcand's -s<n> speeds
 SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1000000)
+#: the longest SLCAN line is an extended data frame with a timestamp (T + 8 + 1 + 16 + 4 = 30);
+#: anything longer is not SLCAN, and is dropped up to the next CR instead of being buffered
+MAX_LINE = 64
+#: received frames kept for python-can's recv (a guest writing faster than the test reads loses
+#: the oldest; a minute of a saturated 1 Mbit/s bus is ~500,000, so this is seconds of backlog)
+RX_LIMIT = 10_000
+#: at most one drop warning per this many seconds (a flood must not become a log flood)
+WARN_EVERY = 10.0
 
 
 def encode(msg: can.Message) -> bytes:
@@ -83,7 +94,13 @@ class VmsidecarSlcanBus(can.BusABC):
         self._next_tx = 0.0
         self.channel_info = f"vmsidecar SLCAN bus on {self.channel}"
         self.bitrate = bitrate
-        self._rx: queue.Queue[can.Message] = queue.Queue()
+        # raw lines, decoded when read: a flood of frames nobody reads costs a split, not a Message each
+        self._rx: deque[tuple[float, bytes]] = deque(maxlen=RX_LIMIT)
+        self._rx_ready = threading.Condition()
+        #: what the guest sent that this bus did not keep: frames pushed out of a full backlog,
+        #: lines longer than MAX_LINE and their bytes
+        self.dropped_frames = self.dropped_lines = self.dropped_bytes = 0
+        self._warned_at = 0.0
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -116,29 +133,85 @@ class VmsidecarSlcanBus(can.BusABC):
         with contextlib.suppress(OSError):
             sock.close()
 
+    @property
+    def rx_limit(self) -> int:
+        """How many received frames wait for ``recv`` at most (the oldest go first)."""
+        return RX_LIMIT
+
+    def backlog(self) -> int:
+        """Received lines not yet taken by ``recv``."""
+        return len(self._rx)
+
     def _read_loop(self, sock: socket.socket) -> None:
-        buf = b""
+        # Linear in what the guest sends: each chunk is split once; only an unfinished line of at
+        # most MAX_LINE bytes is carried over, and a longer one is skipped up to its CR.
+        partial = b""
+        skipping = False
         try:
             while not self._closed.is_set():
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
-                buf += chunk
-                *lines, buf = buf.split(b"\r")
-                replies = b""
-                for raw in lines:
-                    line = raw.strip(b"\n\x07")
-                    msg = decode(line, self.channel)
-                    if msg is not None:
-                        self._rx.put(msg)
-                    elif line[:1] in b"SsOCVNFZMmLl":
-                        replies += b"\r"  # a command of the SLCAN host (slcand): acknowledge it
+                *ended, rest = chunk.split(b"\r")
+                if ended:
+                    if skipping:  # the CR that ends an overlong line (counted when it began)
+                        self.dropped_bytes += len(ended[0])
+                        del ended[0]
+                    else:
+                        ended[0] = partial + ended[0]
+                    partial, skipping = b"", False
+                if skipping:
+                    self.dropped_bytes += len(rest)
+                else:
+                    partial += rest
+                    if len(partial) > MAX_LINE:
+                        self._overlong(len(partial))
+                        partial, skipping = b"", True
+                replies = self._take(ended)
                 if replies:
                     sock.sendall(replies)
         except OSError:
             pass
         finally:
             self._drop(sock)
+
+    def _take(self, lines: list[bytes]) -> bytes:
+        """Queue the frames among ``lines``; the acknowledgements owed for the commands among them."""
+        now = time.time()
+        replies = 0
+        frames = []
+        for raw in lines:
+            if len(raw) > MAX_LINE:
+                self._overlong(len(raw))
+                continue
+            line = raw.strip(b"\n\x07")
+            if line and line[:1] in b"tTrR":
+                frames.append((now, line))
+            elif line[:1] in b"SsOCVNFZMmLl":  # (an empty line too, as slcand expects)
+                replies += 1  # a command of the SLCAN host (slcand): acknowledge it
+        if frames:
+            with self._rx_ready:
+                pushed_out = max(0, len(self._rx) + len(frames) - RX_LIMIT)
+                self._rx.extend(frames)
+                self._rx_ready.notify_all()
+            if pushed_out:
+                self.dropped_frames += pushed_out
+                self._warn()
+        return b"\r" * replies
+
+    def _overlong(self, size: int) -> None:
+        self.dropped_lines += 1
+        self.dropped_bytes += size
+        self._warn()
+
+    def _warn(self, *, final: bool = False) -> None:
+        now = time.monotonic()
+        if final or now - self._warned_at >= WARN_EVERY:
+            self._warned_at = now
+            log.warning("CAN bus %s: the guest sent more than this bus keeps: %d frames dropped (more than %d "
+                        "unread; read them faster or sooner), %d overlong lines (%d bytes) dropped (not SLCAN: "
+                        "lines are at most %d bytes)", self.channel, self.dropped_frames, RX_LIMIT,
+                        self.dropped_lines, self.dropped_bytes, MAX_LINE)
 
     # ---- python-can ----------------------------------------------------------------------
     def _pace(self, msg: can.Message) -> None:
@@ -174,17 +247,26 @@ class VmsidecarSlcanBus(can.BusABC):
                 with contextlib.suppress(OSError):
                     self._connect()  # the runtime (or its socket) came back
             left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
-            try:
-                return (self._rx.get(timeout=left) if left > 0 else self._rx.get_nowait()), False
-            except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None, False
+            with self._rx_ready:
+                if not self._rx and left > 0:
+                    self._rx_ready.wait(left)
+                item = self._rx.popleft() if self._rx else None
+            if item is not None:
+                msg = decode(item[1], self.channel)
+                if msg is not None:
+                    msg.timestamp = item[0]
+                    return msg, False
+                continue  # a t/T/r/R line that is not a frame: skip it
+            if deadline is not None and time.monotonic() >= deadline:
+                return None, False
 
     def flush_tx_buffer(self) -> None:
         """Nothing is buffered on this side: frames go to the socket at once."""
 
     def shutdown(self) -> None:
         self._closed.set()
+        if self.dropped_frames or self.dropped_lines:
+            self._warn(final=True)  # the totals, whatever the rate limit held back
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
