@@ -365,3 +365,73 @@ def test_a_bad_disk_size_setting_stops_the_runtime_at_start(tmp_path: Path) -> N
                                 timeout=60)
         assert result.returncode == 2, result.stderr
         assert needle in result.stderr and "64G" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- item 8: a few bytes cannot make the decoder allocate gigabytes --------------------------------
+
+
+def _peak_rss(pid: int) -> int:
+    """The peak resident set of a process (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def memory_hungry_streams(disk: bytes) -> dict[str, bytes]:
+    """``disk`` as a zstd frame with a 2 GiB window (``zstd --long=31``) and as an xz stream whose
+    LZMA2 dictionary is 1.5 GiB (what ``xz --lzma2=dict=1536MiB`` writes; the decoder allocates it
+    whatever the input's size, and xz itself would shrink it for a small input, so the one header
+    byte is set here and its CRC32 recomputed)."""
+    import lzma
+    import struct
+    import zlib
+
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters(window_log=31, enable_ldm=True)
+    zobj = zstandard.ZstdCompressor(compression_params=params).compressobj()  # no content size: the window counts
+    zst = zobj.compress(disk) + zobj.flush()
+    assert zstandard.get_frame_parameters(zst).window_size == 2 << 30
+    xz = bytearray(lzma.compress(disk, format=lzma.FORMAT_XZ, filters=[{"id": lzma.FILTER_LZMA2, "dict_size": 1 << 20}]))
+    assert xz[12:17] == b"\x02\x00\x21\x01\x10"  # block header: 12 bytes, one filter, LZMA2, dict 1 MiB
+    xz[16] = 37  # dict = 3 << (37 // 2 + 11) = 1.5 GiB
+    struct.pack_into("<I", xz, 20, zlib.crc32(bytes(xz[12:20])))
+    return {"zstd": zst, "xz": bytes(xz)}
+
+
+async def test_zstd_windows_and_xz_dictionaries_are_capped(start_runtime: Any, oci_qcow2: Path, tmp_path: Path) -> None:
+    """Flashed through the real API: refused at once, naming the memory asked for, the runtime's RSS small."""
+    import time
+
+    rt, client, digest = await _runtime_with_a_flashed_disk(start_runtime, oci_qcow2)
+    disk = b"\0" * 510 + b"\x55\xaa" + bytes(1 << 20)
+    for name, data in memory_hungry_streams(disk).items():
+        path = tmp_path / f"disk.raw.{name}"
+        path.write_bytes(data)
+        started = time.monotonic()
+        with pytest.raises(VmsidecarError) as exc:
+            await client.flash(path, power_off=True)
+        took = time.monotonic() - started
+        assert (exc.value.code, exc.value.http_status) == ("unsupported_compression", 422), (name, exc.value.message)
+        asked = "a zstd window of 2 GiB" if name == "zstd" else "more than 256 MiB of memory"
+        assert f"is {name} data whose decoder would need {asked}" in exc.value.message, exc.value.message
+        assert "compress the disk again with default settings" in exc.value.message
+        assert took < 10, (name, took)
+    assert _peak_rss(rt.proc.pid) < 400 << 20
+    assert (await client.state()).image_digest == digest
+
+
+def test_the_decoders_still_read_default_streams_and_concatenations() -> None:
+    """The caps refuse only what needs the memory: default zstd/xz, several xz streams with padding."""
+    import lzma
+
+    from vmsidecar_runtime.image.decompress import open_decompressed
+
+    disk = b"\0" * 510 + b"\x55\xaa" + os.urandom(1 << 16)
+    xz = lzma.compress(disk[:1000], preset=9) + b"\0" * 8 + lzma.compress(disk[1000:])
+    _, stream = open_decompressed(io.BytesIO(xz), "auto", Origin("the image", "flash it"))
+    assert stream.read() == disk
+    with pytest.raises(ImageError, match="could not be decompressed") as exc:
+        open_decompressed(io.BytesIO(xz[:-30]), "auto", Origin("the image", "flash it"))[1].read()
+    assert exc.value.code == "bad_compression"

@@ -3,8 +3,11 @@
 :func:`open_decompressed` takes the declared compression or sniffs zstd/gzip/xz from the first
 bytes and returns a reader of the decompressed bytes. Memory stays bounded whatever the
 compression ratio, a truncated stream is an error (zstandard alone would end silently), and more
-than ``max_disk_bytes`` stops it. The readers are blocking (flash bridges its async stream into
-a worker thread).
+than ``max_disk_bytes`` stops it. The decoders' own memory is capped too: a zstd frame may ask
+for a 2 GiB window (``--long=31``) and an xz block for a 4 GiB dictionary in a few bytes, and
+the sender of the stream is not trusted; past :data:`MAX_ZSTD_WINDOW` or :data:`MAX_XZ_MEMORY`
+the stream is refused before the decoder allocates. The readers are blocking (flash bridges its
+async stream into a worker thread).
 """
 
 from __future__ import annotations
@@ -19,14 +22,20 @@ import zstandard
 
 from vmsidecar_contract.errors import ImageError, VmsidecarError
 
-from .limits import DEFAULT_LIMITS, KIB, Limits, Origin, human_size
+from .limits import DEFAULT_LIMITS, KIB, MIB, Limits, Origin, human_size
 from .sniff import Compression, read_at_least, sniff_compression
 
 CHUNK = 1 << 20
 #: zstd expands at most ~32768x (a 4-byte RLE block is 128 KiB), so 1 KiB in is ≤ 32 MiB out
 _ZSTD_SLICE = 1 * KIB
-#: ``zstd --long=31`` frames need a 2 GiB window; zstandard's default limit is 128 MiB
-_ZSTD_MAX_WINDOW = 1 << 31
+#: the largest zstd window decoded (zstd's own default limit; ``-19`` uses 8 MiB, ``--long`` 128 MiB)
+MAX_ZSTD_WINDOW = 128 * MIB
+#: the most memory the xz decoder may use (``xz -9`` needs 65 MiB; ``--lzma2=dict=1536MiB`` 1.5 GiB)
+MAX_XZ_MEMORY = 256 * MIB
+
+
+class DecoderMemoryError(Exception):
+    """The stream asks its decoder for more memory than allowed; the message says how much."""
 
 
 class ChunkStream(io.RawIOBase):
@@ -77,7 +86,7 @@ class _ZstdReader(io.RawIOBase):
     def __init__(self, raw: BinaryIO) -> None:
         super().__init__()
         self._raw = raw
-        self._dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
         self._frame = self._dctx.decompressobj()
         self._input = memoryview(b"")
         self._output = memoryview(b"")
@@ -98,8 +107,14 @@ class _ZstdReader(io.RawIOBase):
                 self._raw_done = not self._input
                 continue
             piece, self._input = self._input[:_ZSTD_SLICE], self._input[_ZSTD_SLICE:]
+            header = None if self._in_frame else bytes(piece[:18])  # a frame header is at most 18 bytes
             self._in_frame = True
-            self._output = memoryview(self._frame.decompress(piece))
+            try:
+                self._output = memoryview(self._frame.decompress(piece))
+            except zstandard.ZstdError as exc:
+                if "too much memory" in str(exc) and header is not None:
+                    raise DecoderMemoryError(f"a zstd window of {_zstd_window(header)}") from exc
+                raise
             if self._frame.eof:  # the next frame (if any) starts in what this one left over
                 self._input = memoryview(bytes(self._frame.unused_data) + bytes(self._input))
                 self._frame = self._dctx.decompressobj()
@@ -108,6 +123,72 @@ class _ZstdReader(io.RawIOBase):
         buffer[:n] = self._output[:n]
         self._output = self._output[n:]
         return n
+
+
+def _zstd_window(header: bytes) -> str:
+    """The window a zstd frame header asks for, for a message."""
+    try:
+        return human_size(zstandard.get_frame_parameters(header).window_size)
+    except zstandard.ZstdError:
+        return f"more than {human_size(MAX_ZSTD_WINDOW)}"
+
+
+def _xz_decoder() -> lzma.LZMADecompressor:
+    return lzma.LZMADecompressor(memlimit=MAX_XZ_MEMORY)
+
+
+class _XzReader(io.RawIOBase):
+    """xz (or legacy lzma) streams one after another, as :class:`lzma.LZMAFile` reads them, with the
+    decoder's memory capped (``LZMAFile`` takes no ``memlimit``)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        super().__init__()
+        self._raw = raw
+        self._decoder = _xz_decoder()
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        data = b""
+        while not data and not self._done:
+            data = self._decode(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def _decode(self, size: int) -> bytes:
+        try:
+            if not self._decoder.eof:
+                block = self._raw.read(CHUNK) if self._decoder.needs_input else b""
+                if self._decoder.needs_input and not block:
+                    raise EOFError("the stream ended before its end marker (truncated)")
+                return self._decoder.decompress(block, size)
+            # xz stream padding (null bytes) may sit between and after streams; LZMAFile stops reading
+            # there and drops every later stream of the disk without a word
+            block = self._decoder.unused_data.lstrip(b"\0")
+            while not block:
+                chunk = self._raw.read(CHUNK)
+                if not chunk:
+                    self._done = True
+                    return b""
+                block = chunk.lstrip(b"\0")
+            self._decoder = _xz_decoder()  # the next stream
+            try:
+                return self._decoder.decompress(block, size)
+            except lzma.LZMAError as exc:
+                if _over_memlimit(exc):
+                    raise
+                self._done = True  # trailing bytes that are no stream (padding): ignored, as LZMAFile does
+                return b""
+        except lzma.LZMAError as exc:
+            if _over_memlimit(exc):
+                raise DecoderMemoryError(f"more than {human_size(MAX_XZ_MEMORY)} of memory") from exc
+            raise
+
+
+def _over_memlimit(exc: lzma.LZMAError) -> bool:
+    return "Memory usage limit" in str(exc)
 
 
 class _Decoded(ChunkStream):
@@ -130,6 +211,14 @@ class _Decoded(ChunkStream):
             data = self._inner.read(size)
         except VmsidecarError:
             raise  # the source's own verdict (digest mismatch, a cut-off upload) stands
+        except DecoderMemoryError as exc:
+            raise ImageError(
+                f"{self._origin.what} is {self.compression} data whose decoder would need {exc}, more than "
+                f"this runtime allows (a zstd window up to {human_size(MAX_ZSTD_WINDOW)}, an xz decoder up to "
+                f"{human_size(MAX_XZ_MEMORY)}); compress the disk again with default settings (`zstd -19` "
+                f"without --long=28 or more, `xz -6`) and {self._origin.resend}",
+                code="unsupported_compression",
+            ) from exc
         except (OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError) as exc:
             raise self._unreadable(exc) from exc
         self.count += len(data)
@@ -179,7 +268,7 @@ def open_decompressed(
     elif compression == "gzip":
         inner = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
     elif compression == "xz":
-        inner = lzma.LZMAFile(raw)  # type: ignore[assignment]  # noqa: SIM115 - the returned reader owns it
+        inner = _XzReader(raw)  # type: ignore[assignment]
     else:
         inner = raw
     return compression, _Decoded(inner, compression, origin, limits)  # type: ignore[return-value]
