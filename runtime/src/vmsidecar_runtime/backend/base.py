@@ -40,6 +40,9 @@ class BackendEvent(StrEnum):
     RESUMED = "guest.resumed"
     #: the ACPI power button was pressed; data: {}
     POWERDOWN_REQUESTED = "guest.powerdown_requested"
+    #: a guest disk write or read failed on the host; data: {"operation": "read"|"write", "action":
+    #: "stop" (the guest is paused) | "report" (the guest got the error), "nospace": bool, "reason": str}
+    IO_ERROR = "guest.io_error"
     #: the hypervisor process/domain is gone; data: {"returncode"?: int, "signal"?: int, "reason"?: str}
     EXITED = "backend.exited"
 

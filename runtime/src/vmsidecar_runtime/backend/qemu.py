@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 #: bound on writing or loading a memory snapshot (hundreds of MB at disk speed)
 MIGRATION_TIMEOUT_S = 120.0
 #: the QMP events ``map_qmp_event`` understands (the listener asks QEMU for these only)
-QMP_EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED")
+QMP_EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED", "BLOCK_IO_ERROR")
 #: SHUTDOWN causes after which QEMU exits despite ``-no-shutdown`` (QMP ``quit`` and a host signal
 #: override it): the guest is not "powered off and waiting"; the EXITED that follows decides
 EXITING_CAUSES = frozenset({"host-qmp-quit", "host-signal"})
@@ -55,6 +55,10 @@ def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[s
     if name == "RESET":
         return BackendEvent.RESET, {"guest": bool(data.get("guest", False))}
     if name in _SIMPLE:
+    if name == "BLOCK_IO_ERROR":
+        return BackendEvent.IO_ERROR, {"operation": str(data.get("operation", "")), "action": str(data.get("action", "")),
+                                       "nospace": bool(data.get("nospace", False)),
+                                       "reason": str(data.get("reason", ""))}
         return _SIMPLE[name], {}
     return None
 

@@ -72,7 +72,10 @@ def _boot(plan: BootPlan) -> list[str]:
     argv += [
         "-blockdev", f"driver=file,filename={plan.disk},node-name=disk0-file",
         "-blockdev", f"driver={plan.disk_format},file=disk0-file,node-name=disk0",
-        "-device", "virtio-blk-pci,drive=disk0,id=disk0-dev,bootindex=1",
+        # A write the state volume has no room for pauses the guest (BLOCK_IO_ERROR, nospace: the
+        # runtime says "the state volume is full") instead of failing it inside the guest; other
+        # host I/O errors reach the guest as disk errors, as on real hardware.
+        "-device", "virtio-blk-pci,drive=disk0,id=disk0-dev,bootindex=1,werror=enospc,rerror=report",
     ]
     return argv
 

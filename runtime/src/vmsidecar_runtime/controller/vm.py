@@ -44,6 +44,18 @@ RESET_COALESCE_S = 1.0
 PORT_ATTEMPTS = 3
 
 
+def disk_io_error(data: dict[str, Any], paths: RuntimePaths) -> HostError:
+    """What a guest paused by a host I/O error on its disk (``guest.io_error``, action stop) is told."""
+    why = data.get("reason") or "I/O error"
+    if data.get("nospace"):
+        return HostError(
+            f"the state volume is full: the guest's disk overlay {paths.overlay} cannot grow ({why}), so the guest "
+            f"is paused; recycle to drop this lease's disk changes (a power cycle keeps them), and give the state "
+            f"directory {paths.state} a larger volume (the emptyDir's sizeLimit, --state-dir) if the guest needs more")
+    return HostError(f"the guest's disk could not be {'read' if data.get('operation') == 'read' else 'written'} on "
+                     f"the host ({why}), so the guest is paused; check the volume of {paths.state} and recycle")
+
+
 class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
     """Owns one VM: its spec, disks, backend process, streams and phase."""
 
@@ -404,6 +416,9 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
     async def _guest_powered_off(self, backend: Backend, data: dict[str, Any]) -> None:
         async with self._lock:
             if self._backend is backend:
+        elif event == BackendEvent.IO_ERROR and data.get("action") == "stop" and self.phase in LIVE:
+            self._readiness.disarm()
+            self._fail(Phase.ERROR, disk_io_error(data, self.paths))
                 await self._stop_backend(graceful=False)
                 self._set_phase(Phase.STOPPED, reason=data.get("reason", "guest-shutdown"))
 
