@@ -6,17 +6,16 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
-from fixtures.registry import RunningRegistry, start_registry
+from fixtures.registry import AUTH_PASSWORD, RunningRegistry
 from vmsidecar_contract.errors import RegistryError
 from vmsidecar_runtime.oci import pull, push_artifact
 from vmsidecar_runtime.oci.cli import main
 
-SECRET = "s3cret-pw-1234"
+SECRET = AUTH_PASSWORD
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -73,22 +72,6 @@ def test_cli_errors_exit_2_without_traceback(args: list[str], needle: str, tmp_p
     assert result.stderr.count("\n") == 1
 
 
-@pytest.fixture(scope="module")
-def auth_registry(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            import crypt
-        except ImportError:  # Python 3.13 dropped it
-            pytest.skip("the crypt module (for a bcrypt htpasswd) is not available")
-        hashed = crypt.crypt(SECRET, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
-    workdir = tmp_path_factory.mktemp("auth-registry")
-    htpasswd = workdir / "htpasswd"
-    htpasswd.write_text(f"tester:{hashed}\n")
-    with start_registry(workdir, htpasswd=htpasswd) as reg:
-        yield reg
-
-
 def test_credentials_from_argument_and_environment(
     auth_registry: RunningRegistry, oci_qcow2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,14 +79,16 @@ def test_credentials_from_argument_and_environment(
     with pytest.raises(RegistryError) as info:
         push_artifact(oci_qcow2, ref)
     assert info.value.code == "registry_unauthorized"
-    assert "set VMSIDECAR_REGISTRY_USERNAME and VMSIDECAR_REGISTRY_PASSWORD" in info.value.message
+    assert f"no credentials are configured for {auth_registry.host}" in info.value.message
+    assert "VMSIDECAR_REGISTRY_HOST" in info.value.message and "--registry-auth" in info.value.message
     push_artifact(oci_qcow2, ref, credentials=("tester", SECRET))
     with pytest.raises(RegistryError) as wrong:
         pull(ref, tmp_path / "c", credentials=("tester", "wrong-password"))
     assert SECRET not in wrong.value.message and "wrong-password" not in wrong.value.message
-    assert "check VMSIDECAR_REGISTRY_USERNAME/VMSIDECAR_REGISTRY_PASSWORD" in wrong.value.message
+    assert "the credentials argument were refused; check them" in wrong.value.message
     monkeypatch.setenv("VMSIDECAR_REGISTRY_USERNAME", "tester")
     monkeypatch.setenv("VMSIDECAR_REGISTRY_PASSWORD", SECRET)
+    monkeypatch.setenv("VMSIDECAR_REGISTRY_HOST", auth_registry.host)  # scoped: for this registry only
     disk = pull(ref, tmp_path / "c")
     assert disk.path.read_bytes() == oci_qcow2.read_bytes()
 

@@ -106,12 +106,12 @@ def test_second_pull_transfers_zero_blob_bytes(
         first.path,
         first.digest,
     )
-    # a pinned digest needs no network at all
-    monkeypatch.setattr(
-        RegistrySource, "top", lambda self: pytest.fail("manifest fetched for a cached digest")
-    )
+    # a pinned digest costs one manifest GET: the registry must still authorise it (docs/oci.md)
+    asked = []
+    top = RegistrySource.top
+    monkeypatch.setattr(RegistrySource, "top", lambda self: asked.append(1) or top(self))
     pinned = pull(f"{registry.host}/rt/cached@{digest}", cache)
-    assert (pinned.cached, pinned.bytes_downloaded, pinned.path) == (True, 0, first.path)
+    assert (pinned.cached, pinned.bytes_downloaded, pinned.path, len(asked)) == (True, 0, first.path, 1)
 
 
 @pytest.mark.parametrize("compression", ["gzip", None])

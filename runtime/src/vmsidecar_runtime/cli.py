@@ -156,13 +156,17 @@ def _serve_command(args: argparse.Namespace) -> int:
         except ValueError:
             raise limits.setting_error(limits.MAX_DISK_SIZE_FLAG, args.max_disk_size) from None
     limits.max_disk_size()  # a bad VMSIDECAR_MAX_DISK_SIZE stops the runtime now, not at its first flash
+    from .oci import auth as registry_auth  # here: the client commands need no registry code
+
+    # a wrong auth file or unscoped credentials stop the runtime now, not at its first pull
+    registry_auth.configure(auth_file=args.registry_auth, insecure=args.insecure_registry)
     overrides: dict[str, Any] = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
                                  "accel": args.accel, "backend": args.backend}
     ready = {k: v for k, v in {"pattern": args.ready_pattern, "console": args.ready_console,
                                "timeout": args.ready_timeout}.items() if v is not None}
     overrides["readiness"] = ready or None  # merged field by field over the file's and env's
     spec_given = args.spec or any(v is not None for v in overrides.values()) or any(
-        k.startswith("VMSIDECAR_") and k not in _PROCESS_ENV for k in os.environ)
+        k.startswith("VMSIDECAR_") and k not in _PROCESS_ENV | registry_auth.PROCESS_ENV for k in os.environ)
     spec = spec_from_sources(Path(args.spec) if args.spec else None, overrides) if spec_given else None
     paths = default_paths(
         Path(args.shared_dir) if args.shared_dir else None,
@@ -207,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(limits.MAX_DISK_SIZE_FLAG, metavar="SIZE",
                    help="largest disk a pull or flash may bring: its virtual size and its bytes on the host once "
                         f"decompressed (e.g. 64G, 512M; default 64G; also {limits.MAX_DISK_SIZE_ENV})")
+    s.add_argument("--registry-auth", type=Path, metavar="FILE",
+                   help="containers-auth.json / Docker config.json: registry credentials, each sent only to the "
+                        "registry its entry names (default VMSIDECAR_REGISTRY_AUTH_FILE, REGISTRY_AUTH_FILE, then "
+                        "podman's and Docker's files; docs/oci.md)")
+    s.add_argument("--insecure-registry", action="append", default=[], metavar="HOST[:PORT]",
+                   help="a registry spoken to in plain HTTP (repeatable; also VMSIDECAR_INSECURE_REGISTRIES); "
+                        "none by default, not even loopback")
 
     def client_parser(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)

@@ -1,9 +1,11 @@
-"""Child processes: one way to start them, so the PID-1 reaper knows which ones are ours."""
+"""Child processes: one way to start them, so the PID-1 reaper knows which ones are ours, and
+with an environment that holds nothing but what programs need to run (:func:`child_env`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,20 @@ OWN: set[int] = set()
 #: exec (``preexec_fn`` is not safe in a process with threads: the child may inherit a lock that
 #: another thread held at fork time and deadlock before exec)
 DEATH_SIGNAL = ("--pdeathsig", "KILL", "--")
+
+#: the runtime's environment may hold secrets (registry credentials, the auth file's path, whatever
+#: the pod injects); QEMU, qemu-img, libvirtd and their helpers need none of it, and a guest that
+#: escapes into QEMU would read /proc/self/environ first. Only these pass to a child:
+CHILD_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+             "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME",  # libvirt's session paths
+             "LD_LIBRARY_PATH", "PYTHONPATH")  # a QEMU or libvirt built into a prefix; nsinit is Python
+#: and variables starting with these (locale; libvirt's own debug settings)
+CHILD_ENV_PREFIXES = ("LC_", "LIBVIRT_")
+
+
+def child_env() -> dict[str, str]:
+    """The runtime's environment reduced to :data:`CHILD_ENV` and :data:`CHILD_ENV_PREFIXES`."""
+    return {k: v for k, v in os.environ.items() if k in CHILD_ENV or k.startswith(CHILD_ENV_PREFIXES)}
 
 
 @functools.cache
@@ -39,6 +55,7 @@ async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asy
     """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid.
 
     ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies.
+    The child gets :func:`child_env` unless ``env`` is given.
     PDEATHSIG follows the thread that forked, not the process: ``spawn`` is a coroutine, so the
     fork happens on the event-loop thread, which lives as long as the runtime does. setpriv execs
     the program in place, so ``proc.pid`` is the program's pid (QEMU's, libvirt's unshare's).
@@ -50,6 +67,7 @@ async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asy
         raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
     if die_with_parent and sys.platform == "linux":
         argv = die_with_parent_argv(argv)
+    kwargs.setdefault("env", child_env())
     proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
     OWN.add(proc.pid)
     wait = proc.wait
@@ -69,10 +87,12 @@ def run(*argv: str) -> tuple[int, str, str]:
 
     The pid is recorded like :func:`spawn`'s, because the PID-1 reaper would otherwise collect
     the child first and ``subprocess`` would then report a failed ``qemu-img check`` as rc 0.
+    The child gets :func:`child_env`.
 
     :raise FileNotFoundError: when the program is not installed.
     """
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=child_env())
     OWN.add(proc.pid)
     try:
         out, err = proc.communicate()

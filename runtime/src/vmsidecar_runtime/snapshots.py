@@ -39,6 +39,7 @@ from .image.checks import parse_qcow2_header
 from .image.limits import Origin
 from .image.sniff import QCOW2_MAGIC
 from .oci.cache import hash_file, stat_seal
+from .procs import child_env
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ CONSOLES = ("ttyS0", "hvc0")
 def qemu_version(arch: str) -> str:
     """``qemu-system-ARCH --version`` (first line), or "" when it cannot be run."""
     try:
-        out = subprocess.run([qemu_binary(arch), "--version"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([qemu_binary(arch), "--version"], capture_output=True, text=True, timeout=10,
+                             env=child_env())
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.stdout.splitlines()[0] if out.stdout else ""

@@ -1,7 +1,8 @@
 """``vmsidecar-oci``: push, pull, inspect disk images and write OCI layouts.
 
-Registry credentials come from ``VMSIDECAR_REGISTRY_USERNAME``/``VMSIDECAR_REGISTRY_PASSWORD``.
-Errors print ``error: <message>`` and exit 2.
+Registry credentials and insecure registries are resolved as the runtime's (:mod:`.auth`):
+``--registry-auth FILE``, ``VMSIDECAR_REGISTRY_AUTH_FILE``, ``REGISTRY_AUTH_FILE``, podman's and
+Docker's files; ``--insecure-registry``/``--plain-http``. Errors print ``error: <message>`` and exit 2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from vmsidecar_contract.errors import VmsidecarError
 
+from . import auth
 from .pack import readiness_annotations
 from .pull import Progress, inspect, pull
 from .push import push
@@ -35,7 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
             "--plain-http",
             action=argparse.BooleanOptionalAction,
             default=None,
-            help="talk HTTP instead of HTTPS (default: HTTP only for 127.0.0.0/8, localhost, ::1)",
+            help=f"talk HTTP instead of HTTPS to this registry (default: HTTP only for registries listed by "
+            f"{auth.INSECURE_FLAG} or {auth.ENV_INSECURE})",
+        )
+        p.add_argument(
+            auth.INSECURE_FLAG,
+            action="append",
+            default=[],
+            metavar="HOST[:PORT]",
+            help=f"a registry spoken to in plain HTTP (repeatable; also {auth.ENV_INSECURE}, comma-separated)",
+        )
+        p.add_argument(
+            auth.AUTH_FLAG,
+            type=Path,
+            metavar="FILE",
+            help=f"containers-auth.json / Docker config.json with the registry credentials (default "
+            f"{auth.ENV_AUTH_FILE}, {auth.ENV_CONTAINERS_AUTH_FILE}, then podman's and Docker's files)",
         )
 
     def add_readiness(p: argparse.ArgumentParser) -> None:
@@ -174,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``vmsidecar-oci``."""
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with auth.settings(auth_file=getattr(args, "registry_auth", None),
+                           insecure=getattr(args, "insecure_registry", ())):
+            return run(args)
     except VmsidecarError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

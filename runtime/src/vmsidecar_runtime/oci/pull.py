@@ -93,8 +93,9 @@ def pull(
 ) -> PulledDisk:
     """Resolve ``ref`` for ``arch`` and make its disk available, decompressed and verified, in the cache.
 
-    Registry tags cost one small manifest GET when the content is already cached; pinned
-    digests and layouts cost none. Safe to call from several threads and processes at once.
+    Registry references cost one small manifest GET when the content is already cached (a
+    pinned digest too: the registry must still authorise it); layouts cost none. Safe to call
+    from several threads and processes at once.
     A new disk passes the same checks as a flashed one (:mod:`vmsidecar_runtime.image`,
     sized by ``limits``) before it enters the cache.
 
@@ -142,7 +143,11 @@ def _ref_hit(cache: DiskCache, key: str) -> CacheEntry | None:
 def _pull_oci(
     source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None, limits: Limits
 ) -> PulledDisk:
-    if reference.digest and (hit := _ref_hit(cache, f"ref:{reference.digest}@{arch}")):
+    # A registry is always asked for the manifest, even for a digest the cache holds: the cache is
+    # shared by everyone who may pull, and knowing a digest is not being allowed to read the image.
+    # The GET (authenticated as the registry asks, bytes checked against the digest) is the proof
+    # that this registry serves it to us under this repository; a layout is local, nothing to ask.
+    if reference.kind == "layout" and reference.digest and (hit := _ref_hit(cache, f"ref:{reference.digest}@{arch}")):
         return _cached(hit, cache, reference)
     top = source.top()
     top_key = f"ref:{top.digest}@{arch}"

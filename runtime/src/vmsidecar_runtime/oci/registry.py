@@ -21,9 +21,10 @@ import requests
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError
 from vmsidecar_runtime.image.digest import sha256_digest
 
+from .auth import HOW_TO_INSECURE, Credentials, RegistryConfig, current_config
 from .mediatypes import ACCEPT
-from .reference import Reference, is_loopback_host
-from .transport import TRIES, OrasRegistry, Unreachable, resolve_credentials
+from .reference import Reference
+from .transport import TRIES, OrasRegistry, Unreachable
 
 MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20
@@ -65,14 +66,21 @@ class RegistryClient:
         *,
         plain_http: bool | None = None,
         credentials: tuple[str, str] | None = None,
+        config: RegistryConfig | None = None,
     ) -> None:
+        """``plain_http`` ``None``: HTTP only for a registry the configuration lists as insecure.
+        ``credentials``: for this registry (the reference's host) only; else the configuration's
+        entry for it (:mod:`.auth`), if any.
+
+        :raise HostError: the registry configuration is wrong (see :func:`.auth.load_config`).
+        """
         assert ref.kind == "registry" and ref.registry and ref.repository
+        config = config or current_config()
         self.ref = ref
         self.host = ref.registry
-        self.plain_http = is_loopback_host(ref.registry) if plain_http is None else plain_http
-        creds = resolve_credentials(credentials)
-        self._oras = OrasRegistry(ref.registry, plain_http=self.plain_http, credentials=creds)
-        self._has_credentials = creds is not None
+        self.plain_http = config.is_insecure(ref.registry) if plain_http is None else plain_http
+        creds = Credentials(*credentials) if credentials else config.credentials_for(ref.registry, ref.repository)
+        self._oras = OrasRegistry(ref.registry, plain_http=self.plain_http, credentials=creds, config=config)
         self.container = self._oras.get_container(f"{ref.registry}/{ref.repository}")
         self.scheme = "http" if self.plain_http else "https"
 
@@ -101,8 +109,8 @@ class RegistryClient:
             raise self._unreachable(exc) from None
         except requests.exceptions.SSLError as exc:
             raise RegistryError(
-                f"TLS to registry {self.host} failed ({_short(exc)}); use --plain-http for an HTTP-only "
-                "registry or install its CA certificate",
+                f"TLS to registry {self.host} failed ({_short(exc)}); install its CA certificate, or, if it "
+                f"serves plain HTTP on purpose, list it as insecure ({HOW_TO_INSECURE})",
                 code="registry_tls",
             ) from None
         except requests.RequestException as exc:
@@ -117,14 +125,9 @@ class RegistryClient:
         codes = _error_codes(response)
         status = response.status_code
         if status in (401, 403):
-            hint = (
-                "check VMSIDECAR_REGISTRY_USERNAME/VMSIDECAR_REGISTRY_PASSWORD"
-                if self._has_credentials
-                else "set VMSIDECAR_REGISTRY_USERNAME and VMSIDECAR_REGISTRY_PASSWORD (or pass credentials)"
-            )
             return RegistryError(
                 f"registry {self.host} refused {what} {subject} ({status} {', '.join(codes) or response.reason}); "
-                + hint,
+                + self._oras.auth_hint(),
                 code="registry_unauthorized",
             )
         if status == 404 and "NAME_UNKNOWN" in codes:

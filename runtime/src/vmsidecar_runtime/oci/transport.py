@@ -1,41 +1,75 @@
 """The HTTP policy of registry requests, on top of oras-py: auth, TLS, timeouts and bounded retries.
 
-oras-py (``oras.provider.Registry``) does the URLs, the token/anonymous auth dance, blob
-existence checks and chunked blob uploads. :class:`OrasRegistry` adds what it lacks for our use:
+oras-py (``oras.provider.Registry``) does the URLs, blob existence checks and chunked blob
+uploads. :class:`OrasRegistry` adds what it lacks for our use:
 
 * ``do_request`` with a bounded retry (3 tries, < 10 s in total) and socket timeouts: oras-py's
   own retry sleeps 3 s, 5 s, 11 s, 29 s, 83 s for an unreachable host and sets no timeout;
-* registries that answer 401 with a ``Basic`` challenge (oras' token backend only does Bearer).
+* credentials sent only where they belong (:mod:`.auth` says which are whose): to the registry's
+  own origin (scheme, host, port), in answer to its ``Basic`` or ``Bearer`` challenge; a token
+  service (``realm``) on another host gets that host's own auth entry or nothing (oras' token
+  backend sent the registry's password to any realm the registry named); a realm in plain HTTP
+  only when its host is listed as insecure;
+* a redirect keeps the Authorization header only to the same origin, and ``~/.netrc`` (which
+  requests would add to every request and redirect) is never read.
 
 What is asked of the registry, and how its answers become vmsidecar errors, is :mod:`.registry`.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from http.cookiejar import DefaultCookiePolicy
+from urllib.parse import urlsplit
 
-import oras.auth
-import oras.auth.utils
 import oras.provider
 import requests
 import requests.adapters
+import requests.auth
 
-ENV_USERNAME = "VMSIDECAR_REGISTRY_USERNAME"
-ENV_PASSWORD = "VMSIDECAR_REGISTRY_PASSWORD"
+from .auth import HOW_TO_CONFIGURE, Credentials, RegistryConfig, normalize_host
 
 CONNECT_TIMEOUT = 2.5
 READ_TIMEOUT = 60.0
 TRIES = 3
 BACKOFF = (0.3, 1.0)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-def resolve_credentials(credentials: tuple[str, str] | None) -> tuple[str, str] | None:
-    """The argument, else ``VMSIDECAR_REGISTRY_USERNAME``/``_PASSWORD`` from the environment."""
-    if credentials:
-        return credentials
-    user, password = os.environ.get(ENV_USERNAME), os.environ.get(ENV_PASSWORD)
-    return (user, password) if user and password else None
+def origin(url: str) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)`` of a URL, the default port made explicit."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme)
+
+
+class _NoNetrc(requests.auth.AuthBase):
+    """A session ``auth`` that adds nothing: with none set, requests adds ``~/.netrc`` credentials
+    (a ``default`` entry: to every host) to each request it prepares."""
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        return r
+
+
+class _Session(requests.Session):
+    """requests' session with our credential rules for redirects (and no netrc, no cookies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.auth = _NoNetrc()
+        # some registries set a cookie and then take the client for a browser (oras-py does the same)
+        self.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+
+    def rebuild_auth(self, prepared_request: requests.PreparedRequest, response: requests.Response) -> None:
+        """Keep Authorization on a redirect only to the very same origin (requests keeps it on an
+        http → https upgrade and would add netrc credentials for the new host)."""
+        old = response.request.url or ""
+        if "Authorization" in prepared_request.headers and origin(old) != origin(prepared_request.url or ""):
+            del prepared_request.headers["Authorization"]
 
 
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
@@ -51,12 +85,11 @@ class OrasRegistry(oras.provider.Registry):
     """oras-py's registry with our request policy (see the module docstring).
 
     Why a subclass: oras-py has no hook for a request policy. Its ``do_request`` retries for
-    minutes with no socket timeout and cannot answer a ``Basic`` challenge, and it is the one
-    method its ``upload_blob``/``blob_exists``/``chunked_upload`` send through, so we override it.
-    Everything read here is either set by this class (``_verify``, ``_basic``, ``_basic_accepted``)
-    or oras' public API (constructor arguments, ``session``, ``auth`` with ``set_basic_auth``,
-    ``token``, ``get_auth_header`` and ``authenticate_request``), never oras' private state: that
-    is what lets runtime/pyproject.toml accept a range of oras versions.
+    minutes with no socket timeout, cannot answer a ``Basic`` challenge and hands the registry's
+    password to any token realm; it is the one method its ``upload_blob``/``blob_exists``/
+    ``chunked_upload`` send through, so we override it. Everything read here is either set by
+    this class or oras' public API (constructor arguments, ``session``), never oras' private
+    state: that is what lets runtime/pyproject.toml accept a range of oras versions.
     """
 
     def __init__(
@@ -64,18 +97,39 @@ class OrasRegistry(oras.provider.Registry):
         hostname: str,
         *,
         plain_http: bool,
-        credentials: tuple[str, str] | None,
+        credentials: Credentials | None,
+        config: RegistryConfig,
         tls_verify: bool = True,
     ) -> None:
         super().__init__(hostname=hostname, insecure=plain_http, tls_verify=tls_verify)
+        self.session.close()
+        self.session = _Session()
         adapter = _TimeoutAdapter()
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
+        self.host = normalize_host(hostname)
+        self.plain_http = plain_http
+        self.origin = origin(f"{'http' if plain_http else 'https'}://{hostname}/")
         self._verify = tls_verify
-        self._basic = oras.auth.utils.get_basic_auth(*credentials) if credentials else None
+        self._credentials = credentials
+        self._config = config
         self._basic_accepted = False  # the registry took our Basic header: send it up front
-        if credentials:
-            self.auth.set_basic_auth(*credentials)  # for oras' Bearer token requests
+        self._token: str | None = None
+        #: why credentials were not sent in answer to the last challenge (for the error message)
+        self.withheld: str | None = None
+        #: whether the registry's credentials were sent at all (to it or its own token service)
+        self.sent_credentials = False
+
+    def auth_hint(self) -> str:
+        """What to do about a 401/403 (for :mod:`.registry`'s message): never a secret."""
+        if self.withheld:
+            return self.withheld
+        if self._credentials is None:
+            return f"no credentials are configured for {self.host}; {HOW_TO_CONFIGURE}"
+        if self.sent_credentials:
+            return f"the credentials for {self.host} from {self._credentials.source} were refused; check them"
+        return (f"the credentials for {self.host} from {self._credentials.source} were not asked for (the registry "
+                "sent no challenge vmsidecar answers); check the registry's auth setup")
 
     def do_request(  # type: ignore[override]
         self,
@@ -105,12 +159,13 @@ class OrasRegistry(oras.provider.Registry):
     def _send_with_auth(
         self, url: str, method: str, data: dict | bytes | None, headers: dict, json: dict | None, stream: bool
     ) -> requests.Response:
-        """Send once, answering a Basic or Bearer challenge by sending again with credentials."""
-        auth = self.auth
-        if isinstance(auth, oras.auth.TokenAuth) and auth.token is not None:
-            headers.update(auth.get_auth_header())
-        elif self._basic and self._basic_accepted:
-            headers["Authorization"] = f"Basic {self._basic}"
+        """Send once, answering a Basic or Bearer challenge of the registry by sending again."""
+        headers.pop("Authorization", None)
+        own = origin(url) == self.origin  # an upload Location may point elsewhere: nothing goes there
+        if own and self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        elif own and self._credentials and self._basic_accepted:
+            headers["Authorization"] = f"Basic {self._credentials.basic()}"
 
         def send() -> requests.Response:
             return self.session.request(
@@ -118,31 +173,94 @@ class OrasRegistry(oras.provider.Registry):
             )
 
         response = send()
-        if response.status_code not in (401, 403):
+        if response.status_code not in (401, 403) or not own:
             return response
-        challenge = response.headers.get("Www-Authenticate", "")
-        if challenge.lower().startswith("basic"):
-            if not self._basic or self._basic_accepted:
+        scheme, _, rest = response.headers.get("Www-Authenticate", "").strip().partition(" ")
+        if scheme.lower() == "basic":
+            if not self._credentials or self._basic_accepted:
                 return response
-            headers["Authorization"] = f"Basic {self._basic}"
-            response.close()
-            response = send()
-            self._basic_accepted = response.status_code not in (401, 403)
+            headers["Authorization"] = f"Basic {self._credentials.basic()}"
+            self.sent_credentials = True
+        elif scheme.lower() == "bearer":
+            token = self._request_token(_challenge_params(rest))
+            if token is None:
+                return response
+            self._token = token
+            headers["Authorization"] = f"Bearer {token}"
+        else:
             return response
-        if not challenge:
-            return response
-        new_headers, changed = auth.authenticate_request(response, headers)
-        if not changed:
-            return response
-        headers = new_headers
         response.close()
         response = send()
-        if response.status_code == 403:
-            new_headers, changed = auth.authenticate_request(response, headers, refresh=True)
-            if changed:
-                headers = new_headers
-                response = send()
+        if headers["Authorization"].startswith("Basic"):
+            self._basic_accepted = response.status_code not in (401, 403)
         return response
+
+    def _request_token(self, params: dict[str, str]) -> str | None:
+        """A token from the challenge's realm, asked with the credentials that realm may have.
+
+        The registry's own credentials go to a realm on the registry's own host[:port]; a realm on
+        another host gets the auth entry for that host, else is asked anonymously (public
+        registries hand out anonymous pull tokens); a plain-HTTP realm gets credentials only when
+        its host is listed as insecure (or is the registry, spoken to in HTTP on purpose).
+        """
+        realm = params.get("realm", "")
+        scheme, realm_host, _ = origin(realm)
+        if scheme not in ("http", "https") or not realm_host:
+            self.withheld = f"registry {self.host} named an unusable token service {realm!r}; check its auth setup"
+            return None
+        realm_key = normalize_host(urlsplit(realm).netloc)
+        if realm_key == self.host:
+            creds = self._credentials
+        else:
+            creds = self._config.credentials_for(realm_key)
+            if creds is None and self._credentials is not None:
+                self.withheld = (
+                    f"registry {self.host} sent vmsidecar for a token to the token service {realm_key}, another "
+                    f"host, which vmsidecar never sends {self.host}'s credentials to; if {realm_key} is that "
+                    f"registry's token service, add an entry for {realm_key} to the auth file"
+                )
+        if creds is not None and scheme == "http":
+            allowed = self._config.is_insecure(realm_key) or (realm_key == self.host and self.plain_http)
+            if not allowed:
+                self.withheld = (
+                    f"registry {self.host} named the token service {realm} in plain HTTP, which is not listed as "
+                    f"insecure, so no credentials were sent to it; use an HTTPS token service, or list {realm_key} "
+                    "as insecure if it is plain HTTP on purpose"
+                )
+                creds = None
+        query = {k: params[k] for k in ("service", "scope") if params.get(k)}
+        headers = {"Accept": "application/json"}
+        if creds is not None:
+            headers["Authorization"] = f"Basic {creds.basic()}"
+            self.sent_credentials = True
+        response = self.session.get(realm, params=query, headers=headers, verify=self._verify)
+        with response:
+            if response.status_code != 200:
+                return None
+            try:
+                doc = response.json()
+            except ValueError:
+                return None
+        token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
+        return token if isinstance(token, str) and token else None
+
+
+def _challenge_params(text: str) -> dict[str, str]:
+    """``realm="…",service="…",scope="…"`` as a dict (quoted values may hold commas)."""
+    params: dict[str, str] = {}
+    rest = text.strip()
+    while rest:
+        key, sep, rest = rest.partition("=")
+        if not sep:
+            break
+        rest = rest.lstrip()
+        if rest.startswith('"'):
+            value, _, rest = rest[1:].partition('"')
+        else:
+            value, _, rest = rest.partition(",")
+        params[key.strip().strip(",").strip().lower()] = value
+        rest = rest.lstrip().lstrip(",")
+    return params
 
 
 class Unreachable(Exception):

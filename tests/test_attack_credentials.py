@@ -1,0 +1,325 @@
+"""Registry credentials reach only the registry they are for (issue 19 items 2 and 11c).
+
+Each test carries out the attack for real: fake registries on loopback (``FakeRegistry``, a real
+HTTP server) that answer ``401`` with a challenge of the attacker's choosing and record every
+header they are sent; the real runtime (``start_runtime``) or the real pull code, a real
+docker-registry with htpasswd for the legitimate case, a real QEMU and qemu-img for the child
+environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import http.server
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry
+from fixtures.runtime import qemu_pids
+from vmsidecar_contract.errors import HostError, RegistryError
+from vmsidecar_runtime import procs
+from vmsidecar_runtime.oci import pull, push_artifact
+from vmsidecar_runtime.oci.cli import main as oci_main
+from vmsidecar_runtime.oci.reference import parse_reference
+from vmsidecar_runtime.oci.registry import RegistryClient
+
+SECRET = "pool-s3cret-9f2c"
+USER = "pool-robot"
+#: what a leak looks like on the wire: the password itself or the Basic header's base64
+LEAKS = (SECRET, base64.b64encode(f"{USER}:{SECRET}".encode()).decode())
+
+
+class FakeRegistry:
+    """A real HTTP server on 127.0.0.1 that answers every request with ``answer(handler)`` and
+    records the request line and headers of each request (what an attacker's server collects)."""
+
+    def __init__(self, answer: Callable[[http.server.BaseHTTPRequestHandler], None] | None = None,
+                 address: str = "127.0.0.1") -> None:
+        self.requests: list[str] = []
+        self.answer = answer or challenge('Basic realm="x"')
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _any(self) -> None:
+                fake.requests.append(f"{self.requestline}\n{self.headers}")
+                fake.answer(self)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = _any
+
+        self.server = http.server.ThreadingHTTPServer((address, 0), Handler)
+        self.host = f"{address}:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeRegistry:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def leaked(self) -> list[str]:
+        """The requests that carried an Authorization header or the secret in any form."""
+        return [r for r in self.requests if "authorization:" in r.lower() or any(s in r for s in LEAKS)]
+
+
+def challenge(www_authenticate: str) -> Callable[[http.server.BaseHTTPRequestHandler], None]:
+    """An answer: ``401`` with this ``WWW-Authenticate``."""
+
+    def answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        body = b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}'
+        h.send_response(401)
+        h.send_header("WWW-Authenticate", www_authenticate)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    return answer
+
+
+def token_service(h: http.server.BaseHTTPRequestHandler) -> None:
+    """A token endpoint that hands out a token to anyone (it only wants to see what it is sent)."""
+    body = b'{"token":"stolen-nothing"}'
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
+@contextlib.contextmanager
+def fakes(n: int, *answers: Callable[[http.server.BaseHTTPRequestHandler], None]) -> Iterator[list[FakeRegistry]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(FakeRegistry(answers[i] if i < len(answers) else None)) for i in range(n)]
+
+
+def auth_file(path: Path, entries: dict[str, tuple[str, str]]) -> Path:
+    """A containers-auth.json / docker config.json with ``auth`` entries."""
+    auths = {host: {"auth": base64.b64encode(f"{u}:{p}".encode()).decode()} for host, (u, p) in entries.items()}
+    path.write_text(json.dumps({"auths": auths}))
+    return path
+
+
+def pool_env(tmp_path: Path, host: str, *, file_hosts: tuple[str, ...] = (), insecure: tuple[str, ...] = ()
+             ) -> dict[str, str]:
+    """The pool's runtime environment: its credentials (the same pair, as a pool has one robot
+    account) for ``host`` by the environment and for ``file_hosts`` by an auth file; before the fix,
+    the environment's pair went to every registry a reference named, and the file was not read."""
+    env = {"VMSIDECAR_REGISTRY_USERNAME": USER, "VMSIDECAR_REGISTRY_PASSWORD": SECRET,
+           "VMSIDECAR_REGISTRY_HOST": host, "VMSIDECAR_INSECURE_REGISTRIES": ",".join(insecure),
+           "VMSIDECAR_REGISTRY_AUTH_FILE": str(auth_file(tmp_path / "auth.json", dict.fromkeys(file_hosts,
+                                                                                               (USER, SECRET))))}
+    return env
+
+
+async def flash(rt: Any, reference: str) -> RegistryError:
+    with pytest.raises(RegistryError) as info:
+        await rt.client().flash_reference(reference)
+    return info.value
+
+
+SPEC = {"memory": "256M"}  # no image: the runtime serves, boots nothing, and a flash is one pull
+
+
+# -- credentials stay with their registry --------------------------------------------------------
+
+
+async def test_a_registry_the_pool_has_no_credentials_for_gets_none(
+    start_runtime: Any, registry: RunningRegistry, tmp_path: Path
+) -> None:
+    """A lease holder flashes ``oci://127.0.0.1:<its port>/x:y`` and answers ``401 Basic``: the
+    pool's credentials (configured for the real registry) are not sent, and the error says why."""
+    with FakeRegistry() as fake:
+        rt = await start_runtime(SPEC, env=pool_env(tmp_path, registry.host, insecure=(registry.host, fake.host)))
+        error = await flash(rt, f"oci://{fake.host}/x:y")
+    assert fake.requests, "the runtime never asked the fake registry: the attack did not happen"
+    assert fake.leaked() == [], f"the pool's credentials reached {fake.host}: {fake.leaked()}"
+    assert error.code == "registry_unauthorized"
+    assert f"no credentials are configured for {fake.host}" in error.message, error.message
+    assert SECRET not in rt.log_text()
+
+
+async def test_a_token_realm_on_another_host_gets_no_credentials(start_runtime: Any, tmp_path: Path) -> None:
+    """The registry the credentials are for answers ``401 Bearer realm="http://<another host>/token"``:
+    the realm is asked for a token without them (before: oras-py sent them to any realm)."""
+    with fakes(2) as (registry, realm):
+        registry.answer = challenge(f'Bearer realm="http://{realm.host}/token",service="s",scope="repository:x:pull"')
+        realm.answer = token_service
+        rt = await start_runtime(SPEC, env=pool_env(tmp_path, registry.host, insecure=(registry.host, realm.host)))
+        error = await flash(rt, f"oci://{registry.host}/x:y")
+    assert registry.requests
+    assert realm.leaked() == [], f"the credentials for {registry.host} reached the realm {realm.host}"
+    assert error.code == "registry_unauthorized"
+    assert f"token service {realm.host}" in error.message and "another host" in error.message, error.message
+
+
+async def test_an_https_registry_is_never_asked_over_http(start_runtime: Any, tmp_path: Path) -> None:
+    """Credentials for host A, which is not listed as insecure, and A is a plain-HTTP server on
+    loopback: the runtime speaks TLS to it and fails (before: loopback meant plain HTTP, and the
+    credentials went over it in the clear)."""
+    with FakeRegistry() as fake:
+        rt = await start_runtime(SPEC, env=pool_env(tmp_path, fake.host))
+        error = await flash(rt, f"oci://{fake.host}/x:y")
+    assert fake.leaked() == [] and fake.requests == [], f"HTTP requests reached {fake.host}: {fake.requests}"
+    assert error.code == "registry_tls"
+    assert "VMSIDECAR_INSECURE_REGISTRIES" in error.message and "--insecure-registry" in error.message, error.message
+
+
+def test_a_redirect_to_another_host_carries_no_authorization(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry the credentials are for takes them, then answers the blob GET with ``307`` to
+    another host: the download follows it without the Authorization header."""
+    blob = b"disk bytes"
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+
+    def registry_answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        if "Authorization" not in h.headers:
+            challenge('Basic realm="x"')(h)
+            return
+        h.send_response(307)
+        h.send_header("Location", f"http://{other.host}/storage/{digest}")
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    def storage_answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(blob)))
+        h.end_headers()
+        h.wfile.write(blob)
+
+    with FakeRegistry(registry_answer) as registry, FakeRegistry(storage_answer, address="127.0.0.2") as other:
+        monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", f"{registry.host},{other.host}")
+        client = RegistryClient(parse_reference(f"{registry.host}/x/y:1"), credentials=(USER, SECRET))
+        try:
+            with client.open_blob({"digest": digest, "size": len(blob)}) as chunks:
+                assert b"".join(chunks) == blob
+        finally:
+            client.close()
+    assert any("authorization: basic" in r.lower() for r in registry.requests), "the registry never got them"
+    assert other.requests and other.leaked() == [], other.leaked()
+
+
+def test_netrc_credentials_are_not_sent_to_any_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """requests adds ``~/.netrc`` credentials to every request (and redirect) it sends when the
+    session trusts the environment: a ``default`` entry would go to any registry a lease names."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"default login {USER} password {SECRET}\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    with FakeRegistry() as fake:
+        monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", fake.host)
+        with pytest.raises(RegistryError):
+            pull(f"{fake.host}/x:y", tmp_path / "cache")
+    assert fake.requests and fake.leaked() == [], fake.leaked()
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+async def test_unscoped_environment_credentials_are_refused_at_start(start_runtime: Any) -> None:
+    rt = await start_runtime(SPEC, env={"VMSIDECAR_REGISTRY_USERNAME": USER, "VMSIDECAR_REGISTRY_PASSWORD": SECRET},
+                             wait=False)
+    assert rt.proc.wait(30) == 2
+    log = rt.log_text()
+    assert "VMSIDECAR_REGISTRY_HOST" in log and "auth" in log, log[-2000:]
+    assert SECRET not in log
+
+
+@pytest.mark.parametrize("entry", ["auth", "fields", "url-key"])
+def test_auth_file_forms(entry: str, auth_registry: RunningRegistry, oci_qcow2: Path, tmp_path: Path) -> None:
+    """The forms users' files have: ``auth`` (base64), ``username``/``password``, and a key written
+    as a URL (``docker login`` writes ``https://host/v1/``); read by ``vmsidecar-oci --registry-auth``;
+    entries without credentials (a ``credsStore`` user's) are ignored."""
+    encoded = base64.b64encode(f"{AUTH_USER}:{AUTH_PASSWORD}".encode()).decode()
+    creds = {"fields": {"username": AUTH_USER, "password": AUTH_PASSWORD}}.get(entry, {"auth": encoded})
+    key = f"https://{auth_registry.host}/v1/" if entry == "url-key" else auth_registry.host
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"auths": {key: creds, "other.example:5000": {}}, "credsStore": "desktop"}))
+    ref = f"{auth_registry.host}/forms/{entry}:1"
+    assert oci_main(["push", str(oci_qcow2), ref, "--registry-auth", str(path)]) == 0
+    assert oci_main(["pull", ref, "--cache", str(tmp_path / "c"), "--registry-auth", str(path)]) == 0
+    with pytest.raises(RegistryError) as info:  # and without the file, the same registry refuses
+        pull(ref, tmp_path / "c2")
+    assert info.value.code == "registry_unauthorized"
+
+
+def test_a_bad_auth_file_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "auth.json"
+    path.write_text('{"auths": {"reg.example": {"auth": "bm90LWJhc2U2NA-!"}}}')
+    monkeypatch.setenv("VMSIDECAR_REGISTRY_AUTH_FILE", str(path))
+    with pytest.raises(HostError) as info:
+        pull("reg.example/x:1", tmp_path / "c")
+    assert str(path) in info.value.message and "reg.example" in info.value.message
+    monkeypatch.setenv("VMSIDECAR_REGISTRY_AUTH_FILE", str(tmp_path / "missing.json"))
+    with pytest.raises(HostError) as missing:
+        pull("reg.example/x:1", tmp_path / "c")
+    assert "missing.json" in missing.value.message
+
+
+# -- 11c: a cached digest is not a licence ---------------------------------------------------------
+
+
+async def test_a_cached_digest_needs_the_registry_to_authorise_it(
+    start_runtime: Any, auth_registry: RunningRegistry, oci_qcow2: Path, image_cache: Path, tmp_path: Path
+) -> None:
+    """A private image pulled into the pool's cache by someone entitled to it; a lease holder with
+    no credentials for that registry names its digest (on that registry, or on a host of their
+    own): the runtime asks the registry, which refuses, and the cached disk is not used (before:
+    a cached digest was used with no request at all)."""
+    ref = f"{auth_registry.host}/private/tiny:1"
+    push_artifact(oci_qcow2, ref, credentials=(AUTH_USER, AUTH_PASSWORD))
+    digest = pull(ref, image_cache, credentials=(AUTH_USER, AUTH_PASSWORD)).manifest_digest
+    assert digest
+    with FakeRegistry() as fake:
+        rt = await start_runtime(SPEC, env={"VMSIDECAR_INSECURE_REGISTRIES": f"{auth_registry.host},{fake.host}"})
+        refused = await flash(rt, f"oci://{auth_registry.host}/private/tiny@{digest}")
+        elsewhere = await flash(rt, f"oci://{fake.host}/private/tiny@{digest}")
+    assert refused.code == "registry_unauthorized", refused.message
+    assert elsewhere.code == "registry_unauthorized", elsewhere.message
+    assert (await rt.client().state()).image_digest is None
+
+
+# -- child processes ------------------------------------------------------------------------------
+
+
+def test_a_child_started_through_procs_sees_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("VMSIDECAR_REGISTRY_PASSWORD", "REGISTRY_AUTH_FILE", "AWS_SECRET_ACCESS_KEY", "SOME_TOKEN"):
+        monkeypatch.setenv(name, SECRET)
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    rc, out, _ = procs.run("env")
+    assert rc == 0
+    names = {line.split("=", 1)[0] for line in out.splitlines()}
+    assert SECRET not in out, out
+    assert "PATH" in names and "LC_ALL" in names
+
+
+async def test_qemu_of_a_booted_guest_sees_no_secret(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    """The real QEMU the runtime starts (read from /proc/PID/environ): no registry credentials, no
+    auth file name, no other variable outside the allow-list."""
+    auth = auth_file(tmp_path / "auth.json", {"reg.example": (USER, SECRET)})
+    env = {"VMSIDECAR_REGISTRY_AUTH_FILE": str(auth), "VMSIDECAR_REGISTRY_USERNAME": USER,
+           "VMSIDECAR_REGISTRY_PASSWORD": SECRET, "VMSIDECAR_REGISTRY_HOST": "reg.example",
+           "REGISTRY_AUTH_FILE": str(auth), "MY_API_TOKEN": SECRET}
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}, env=env)
+    pids: list[int] = []
+    for _ in range(600):
+        if pids := qemu_pids(str(rt.state)):
+            break
+        await asyncio.sleep(0.1)
+    assert pids, f"no QEMU within 60 s:\n{rt.log_text()[-2000:]}"
+    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().decode(errors="replace")
+    assert SECRET not in environ and "VMSIDECAR_REGISTRY" not in environ and "REGISTRY_AUTH_FILE" not in environ
+    names = {e.split("=", 1)[0] for e in environ.split("\0") if e}
+    assert names <= set(procs.CHILD_ENV) | {n for n in names if n.startswith(procs.CHILD_ENV_PREFIXES)}, names
+    assert "PATH" in names
