@@ -48,7 +48,10 @@ class Pod:
 
     def up(self, *args: str) -> float:
         started = time.monotonic()
-        run("scripts/pod", "up", "--name", self.name, "--host-network", *args)
+        # the test registry on the host's loopback speaks plain HTTP: configured as insecure on purpose
+        hosts = [h for h in os.environ.get("VMSIDECAR_INSECURE_REGISTRIES", "").split(",") if h]
+        insecure = [arg for h in hosts for arg in ("--insecure-registry", h)]
+        run("scripts/pod", "up", "--name", self.name, "--host-network", *insecure, *args)
         return started
 
     def wait_ready(self, timeout: float = 300) -> None:

@@ -44,7 +44,10 @@ def cache_volume() -> Iterator[str]:
 
 def _podman_run(image: str, volume: str, *args: str) -> subprocess.CompletedProcess[str]:
     # --network host: the test registry listens on the host's loopback; no -i, no -t
-    argv = ["podman", "run", "--rm", "--network", "host", "-v", f"{volume}:/var/lib/vmsidecar", image, *args]
+    # and it speaks plain HTTP: configured as insecure on purpose (fixtures.registry)
+    insecure = os.environ.get("VMSIDECAR_INSECURE_REGISTRIES", "")
+    argv = ["podman", "run", "--rm", "--network", "host", "-e", f"VMSIDECAR_INSECURE_REGISTRIES={insecure}",
+            "-v", f"{volume}:/var/lib/vmsidecar", image, *args]
     return subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900,
                           stdin=subprocess.DEVNULL)
 

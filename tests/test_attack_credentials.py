@@ -27,6 +27,7 @@ from fixtures.runtime import qemu_pids
 from vmsidecar_contract.errors import HostError, RegistryError
 from vmsidecar_runtime import procs
 from vmsidecar_runtime.oci import pull, push_artifact
+from vmsidecar_runtime.oci.auth import load_config
 from vmsidecar_runtime.oci.cli import main as oci_main
 from vmsidecar_runtime.oci.reference import parse_reference
 from vmsidecar_runtime.oci.registry import RegistryClient
@@ -323,3 +324,23 @@ async def test_qemu_of_a_booted_guest_sees_no_secret(start_runtime: Any, tiny_im
     names = {e.split("=", 1)[0] for e in environ.split("\0") if e}
     assert names <= set(procs.CHILD_ENV) | {n for n in names if n.startswith(procs.CHILD_ENV_PREFIXES)}, names
     assert "PATH" in names
+
+
+def test_which_entry_is_whose(tmp_path: Path) -> None:
+    """Keys as users' files write them; the most specific entry wins; the earlier default file wins;
+    an insecure ``HOST`` covers its ports, ``HOST:PORT`` only that one."""
+    (tmp_path / "run" / "containers").mkdir(parents=True)
+    (tmp_path / "home" / ".docker").mkdir(parents=True)
+    auth_file(tmp_path / "run" / "containers" / "auth.json", {"Quay.IO/team": ("team", "pw-team"), "quay.io": ("q", "pw-q")})
+    auth_file(tmp_path / "home" / ".docker" / "config.json", {"quay.io": ("docker", "d"),
+                                                              "https://reg.example:5000/v1/": ("r", "r")})
+    config = load_config(environ={"XDG_RUNTIME_DIR": str(tmp_path / "run"), "HOME": str(tmp_path / "home"),
+                                  "VMSIDECAR_INSECURE_REGISTRIES": "lan.example, 127.0.0.1:5000"})
+    assert config.credentials_for("quay.io", "team/app").username == "team"
+    assert config.credentials_for("quay.io", "teamx/app").username == "q"  # a path prefix, not a string prefix
+    assert config.credentials_for("reg.example:5000", "x").username == "r"
+    assert config.credentials_for("reg.example", "x") is None  # another port is another registry
+    assert config.credentials_for("evil.example", "quay.io") is None
+    assert config.is_insecure("lan.example:8080") and config.is_insecure("127.0.0.1:5000")
+    assert not config.is_insecure("127.0.0.1:5001") and not config.is_insecure("quay.io")
+    assert "pw-" not in repr(config)  # a logged or printed config shows no password
