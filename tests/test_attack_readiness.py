@@ -9,12 +9,12 @@ refuses what RE2 cannot run (backreferences, lookarounds) when the spec or the a
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.attack import max_state_latency
 from guestio import Console
 from vmsidecar_contract.errors import ImageError, SpecError
 from vmsidecar_contract.spec import (
@@ -31,21 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 
 #: exponential on a backtracking engine: each extra ``a`` doubles the work of a failed search
 EVIL = "(a|aa)+b"
-
-
-async def max_state_latency(client: Any, seconds: float, limit: float = 1.0) -> float:
-    """Ask ``GET /v1/vm`` every 0.2 s for ``seconds``; the slowest answer (fails past ``limit``)."""
-    worst = 0.0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        t0 = time.monotonic()
-        try:
-            await asyncio.wait_for(client.state(), limit)
-        except TimeoutError:
-            raise AssertionError(f"GET /v1/vm did not answer within {limit} s") from None
-        worst = max(worst, time.monotonic() - t0)
-        await asyncio.sleep(0.2)
-    return worst
 
 
 async def test_backtracking_pattern_on_a_flooding_console_keeps_the_api_answering(

@@ -3,12 +3,8 @@ libgpiod tools, and upstream's gpiod clients through Jumpstarter."""
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
-import mmap
-import os
-import socket
 import statistics
 import struct
 import time
@@ -19,6 +15,7 @@ import pytest
 from jumpstarter.client.core import DriverError
 from jumpstarter_driver_gpiod.client import PinState
 
+from fixtures.attack import VhostMaster
 from fixtures.vmdev import vm_client, vm_runtime
 from guestio import Console
 from vmsidecar_contract.spec import GpioLine
@@ -150,55 +147,22 @@ async def test_control_socket_errors(gpio_vm: tuple[Any, Any]) -> None:
 
 
 # ---- malformed virtqueue requests, crafted by speaking vhost-user to the backend directly ------------
-def _msg(req: int, payload: bytes = b"") -> bytes:
-    return struct.pack("<III", req, vu.FLAG_VERSION, len(payload)) + payload
-
-
 async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -> None:
     dev = GpioDevice([GpioLine(name="a"), GpioLine(name="b", direction="out")])
     path = tmp_path / "vhost.sock"
     await dev.start_vhost(path)
-    size = 1 << 20
-    fd = os.memfd_create("guest")
-    os.ftruncate(fd, size)
-    mem = mmap.mmap(fd, size)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await asyncio.get_running_loop().sock_connect(sock, str(path))
-    sock.setblocking(True)
-    kick, call = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
-    uva, num = 0x7F0000000000, 8
-    desc, avail, used = 0x1000, 0x2000, 0x3000  # guest-physical = offsets into the memfd
-
-    def send(req: int, payload: bytes = b"", fds: list[int] | None = None) -> None:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-        sock.sendmsg([_msg(req, payload)], anc)
-
+    m = VhostMaster(path)
+    mem, size = m.mem, m.size
     try:
-        await asyncio.to_thread(send, vu.GET_FEATURES)
-        hdr = await asyncio.to_thread(sock.recv, 20)
+        await m.connect()
+        m.send(vu.GET_FEATURES)
+        hdr = await m.reply(20)
         assert struct.unpack_from("<Q", hdr, 12)[0] & 1  # VIRTIO_GPIO_F_IRQ offered
-        send(vu.SET_MEM_TABLE, struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, size, uva, 0), [fd])
-        send(vu.SET_VRING_NUM, struct.pack("<II", 0, num))
-        send(vu.SET_VRING_ADDR, struct.pack("<IIQQQQ", 0, 0, uva + desc, uva + used, uva + avail, 0))
-        send(vu.SET_VRING_CALL, struct.pack("<Q", 0), [call])
-        send(vu.SET_VRING_KICK, struct.pack("<Q", 0), [kick])
+        m.start_queue()
         await asyncio.sleep(0.2)
+        post, used_len = m.post, m.used_len
 
-        def post(chain: list[tuple[int, int, int, int]], head: int, avail_idx: int) -> None:
-            for i, (addr, length, flags, nxt) in enumerate(chain):
-                struct.pack_into("<QIHH", mem, desc + 16 * (head + i), addr, length, flags, nxt)
-            struct.pack_into("<H", mem, avail + 4 + 2 * ((avail_idx - 1) % num), head)
-            struct.pack_into("<H", mem, avail + 2, avail_idx)
-            os.eventfd_write(kick, 1)
-
-        async def used_len(idx: int) -> int:
-            for _ in range(100):
-                if struct.unpack_from("<H", mem, used + 2)[0] >= idx:
-                    return struct.unpack_from("<II", mem, used + 4 + 8 * ((idx - 1) % num))[1]
-                await asyncio.sleep(0.02)
-            raise AssertionError("the backend did not answer")
-
-        req, res = 0x4000, 0x4100
+        req, res = m.data, m.data + 0x100
         # 1. unknown request type -> STATUS_ERR
         struct.pack_into("<HHI", mem, req, 99, 0, 0)
         post([(req, 8, vq.DESC_NEXT, 1), (res, 2, vq.DESC_WRITE, 0)], 0, 1)
@@ -225,10 +189,8 @@ async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -
         assert await used_len(7) == 2 and mem[res] == vg.STATUS_OK
         assert dev.model.by_name["b"].value == 1 and dev.model.bad_requests >= 5
     finally:
-        sock.close()
+        m.close()
         await dev.close()
-        mem.close()
-        os.close(fd)
 
 
 async def test_j_cli_like_a_bench(gpio_vm: tuple[Any, Any], tiny_image: Any, tmp_path: Any) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from .virtqueue import GuestMemory, Virtqueue
+from .virtqueue import MAX_QUEUE_SIZE, GuestMemory, Virtqueue
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ PROTOCOL_F_CONFIG = 1 << 9
 NOFD = 0x100
 #: QEMU sends at most 8 fds with one message (VHOST_MEMORY_BASELINE_NREGIONS)
 MAX_FDS = 8
+#: the largest payload we read: a memory table of 8 regions is 264 bytes, a config 268; a size
+#: beyond this is a broken or hostile peer, refused before anything is allocated for it
+MAX_PAYLOAD = 4096
+#: VHOST_USER_MAX_CONFIG_SIZE: GET_CONFIG never asks for more
+MAX_CONFIG = 256
 
 
 class VhostUserDevice(Protocol):
@@ -175,6 +180,8 @@ class VhostUserSlave:
 
     def _get_config(self, p: bytes, _fds: list[int]) -> bytes:
         offset, size, flags = struct.unpack_from("<III", p)
+        if offset + size > MAX_CONFIG:
+            raise ValueError(f"GET_CONFIG asks for {size} bytes at {offset}; the config space is {MAX_CONFIG} bytes")
         config = self.device.config() + b"\0" * (offset + size)
         return struct.pack("<III", offset, size, flags) + config[offset:offset + size]
 
@@ -183,6 +190,8 @@ class VhostUserSlave:
 
     def _set_vring_num(self, p: bytes, _fds: list[int]) -> None:
         index, num = struct.unpack_from("<II", p)
+        if not 0 < num <= MAX_QUEUE_SIZE:
+            raise ValueError(f"virtqueue {index} size {num} is not 1..{MAX_QUEUE_SIZE}")
         self._queue(index).num = num
 
     def _set_vring_base(self, p: bytes, _fds: list[int]) -> None:
@@ -256,6 +265,8 @@ async def _receive(conn: socket.socket) -> tuple[int, bytes, list[int]] | None:
     try:
         header += await _recv_exactly(conn, HEADER.size - len(header))
         request, _flags, size = HEADER.unpack(header)
+        if size > MAX_PAYLOAD:
+            raise ValueError(f"vhost-user request {request} announces {size} bytes (at most {MAX_PAYLOAD})")
         return request, await _recv_exactly(conn, size), fds
     except BaseException:
         for fd in fds:

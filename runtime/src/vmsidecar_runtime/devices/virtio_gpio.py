@@ -13,8 +13,10 @@ changes (:meth:`VirtioGpio.drive`) go through the same edge logic and are report
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +36,15 @@ IRQ_TYPES = (IRQ_NONE, IRQ_RISING, IRQ_FALLING, IRQ_BOTH, IRQ_HIGH, IRQ_LOW)
 IRQ_INVALID, IRQ_VALID = 0, 1
 REQUEST_Q, EVENT_Q = 0, 1
 REQUEST = struct.Struct("<HHI")  # type, gpio, value
+#: what one request or event chain may be: the Linux driver posts 2 descriptors (request, response)
+#: of a few bytes, GET_NAMES' response is the names (at most a few KiB); anything bigger is hostile
+#: and refused before a byte of it is copied
+MAX_CHAIN_DESCRIPTORS = 4
+MAX_CHAIN_BYTES = 64 * 1024
+#: chains served per turn of the event loop: a guest posting without pause cannot hold the runtime
+BATCH = 64
+#: at most one warning about refused requests per this many seconds (a flood must not fill the log)
+WARN_EVERY = 10.0
 
 #: called as ``listener(line, old, new)`` after every value change, host- or guest-made
 Listener = Callable[["Line", int, int], None]
@@ -74,7 +85,11 @@ class VirtioGpio:
         names = b"".join(line.name.encode() + b"\0" for line in self.lines)
         self.names = names + b"\0" * (-len(names) % 4)  # the config's names_size is a multiple of 4
         self.requests_served = 0
+        #: chains refused (malformed, too long, too large, outside memory) and queues broken
         self.bad_requests = 0
+        self.broken_queues = 0
+        self._warned_at = -WARN_EVERY
+        self._resuming: set[int] = set()
         #: the event queue while QEMU has it started (host edges complete buffers on it)
         self._eventq: Virtqueue | None = None
         self._listeners: list[Listener] = []
@@ -147,10 +162,11 @@ class VirtioGpio:
                 line.armed = None
 
     def queue_notified(self, vq: Virtqueue) -> None:
-        """Take every buffer the guest posted; interrupt it once if any was completed."""
+        """Take the buffers the guest posted, ``BATCH`` per turn of the loop; interrupt it once per
+        turn if any was completed. A ring the guest broke is left alone until QEMU restarts it."""
         if not vq.ready:
             return
-        done = 0
+        done = served = 0
         try:
             while (head := vq.pop()) is not None:
                 if vq.index == REQUEST_Q:
@@ -158,33 +174,55 @@ class VirtioGpio:
                     done += 1
                 else:
                     done += self._arm(vq, head)
-        except GuestError as e:  # the ring itself is unusable (bad addresses): wait for a reset
-            self.bad_requests += 1
-            log.warning("gpio: virtqueue %d is malformed (%s); waiting for the guest to reset it", vq.index, e)
+                served += 1
+                if served >= BATCH:
+                    self._resume_later(vq)
+                    break
+        except GuestError as e:  # the ring itself is unusable: the virtio NEEDS_RESET case
+            vq.broken = str(e)
+            self.broken_queues += 1
+            log.warning("gpio: virtqueue %d is broken (%s); ignoring it until the guest resets the device",
+                        vq.index, e)
         if done:
             vq.notify()
+
+    def _resume_later(self, vq: Virtqueue) -> None:
+        if vq.index not in self._resuming:
+            self._resuming.add(vq.index)
+            asyncio.get_running_loop().call_soon(self._resume, vq)
+
+    def _resume(self, vq: Virtqueue) -> None:
+        self._resuming.discard(vq.index)
+        self.queue_notified(vq)
+
+    def _refused(self, what: str, error: GuestError) -> None:
+        """Count a refused chain; warn now and then with the count (never once per request)."""
+        self.bad_requests += 1
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY:
+            self._warned_at = now
+            log.warning("gpio: %s refused (%s); %d refused so far", what, error, self.bad_requests)
 
     # ---- the request queue ---------------------------------------------------------------------
     def _request(self, vq: Virtqueue, head: int) -> int:
         """Serve one request chain; returns the used length. Malformed requests get STATUS_ERR."""
         self.requests_served += 1
         try:
-            readable, writable = vq.chain(head)
+            readable, writable = vq.chain(head, max_descriptors=MAX_CHAIN_DESCRIPTORS, max_bytes=MAX_CHAIN_BYTES)
         except GuestError as e:
-            self.bad_requests += 1
-            log.warning("gpio: bad request chain (%s)", e)
+            self._refused("request chain", e)
             return 0
         if not writable or writable[0][1] < 1:
-            self.bad_requests += 1
+            self._refused("request chain", bad_virtqueue("no response buffer"))
             return 0
         res_addr, res_len = writable[0]
         try:
+            vq.memory.locate(res_addr, res_len)  # before a response of res_len bytes is built
             response = self._response(vq.read_all(readable), res_len)
             vq.memory.write(res_addr, response)
             return len(response)
         except GuestError as e:
-            self.bad_requests += 1
-            log.info("gpio: request refused (%s)", e)
+            self._refused("request", e)
             status = bytes([STATUS_ERR, 0])[: min(res_len, 2)]
             try:
                 vq.memory.write(res_addr, status)
@@ -250,7 +288,7 @@ class VirtioGpio:
     def _arm(self, vq: Virtqueue, head: int) -> int:
         """Keep an event buffer until its line fires; returns how many buffers were completed now."""
         try:
-            readable, writable = vq.chain(head)
+            readable, writable = vq.chain(head, max_descriptors=MAX_CHAIN_DESCRIPTORS, max_bytes=MAX_CHAIN_BYTES)
             raw = vq.read_all(readable)
             if len(raw) < 2 or not writable or writable[0][1] < 1:
                 raise bad_virtqueue("event request is not a 2-byte line number + 1-byte status")
@@ -263,8 +301,7 @@ class VirtioGpio:
             line.armed = (head, writable[0][0])
             return int(self._level_check(line, notify=False))
         except GuestError as e:
-            self.bad_requests += 1
-            log.info("gpio: event buffer refused (%s)", e)
+            self._refused("event buffer", e)
             vq.push(head, 0)
             return 1
 

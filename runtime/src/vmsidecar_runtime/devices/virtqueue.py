@@ -25,6 +25,8 @@ DESC = struct.Struct("<QIHH")  # addr, len, flags, next
 
 #: the ``code`` of the GuestError raised for a malformed ring or descriptor chain
 BAD_VIRTQUEUE = "bad_virtqueue"
+#: the largest split queue the virtio spec allows (QEMU's own limit is 1024)
+MAX_QUEUE_SIZE = 32768
 
 
 def bad_virtqueue(message: str) -> GuestError:
@@ -66,6 +68,10 @@ class GuestMemory:
         try:
             for i in range(count):
                 gpa, size, uva, offset = struct.unpack_from("<QQQQ", payload, 8 + 32 * i)
+                # a mapping past the end of the file would SIGBUS the runtime on first touch
+                if (have := os.fstat(fds[i]).st_size) < size + offset:
+                    raise ValueError(f"memory region {i} ({size} bytes at offset {offset}) is larger than its "
+                                     f"file ({have} bytes)")
                 mm = mmap.mmap(fds[i], size + offset, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self._regions.append(MemoryRegion(gpa, size, uva, offset, mm))
         finally:
@@ -117,11 +123,15 @@ class Virtqueue:
         # SET_VRING_KICK and only sometimes sends SET_VRING_ENABLE.
         self.enabled = True
         self.started = False
+        #: why the guest broke this queue (the virtio NEEDS_RESET case): no buffer is taken from it
+        #: until QEMU restarts it (a device reset re-sends SET_VRING_KICK) or the session ends
+        self.broken: str | None = None
 
     @property
     def ready(self) -> bool:
-        """Started, enabled, sized, and its memory mapped: buffers can be taken and returned."""
-        return self.started and self.enabled and self.num > 0 and self.memory.mapped
+        """Started, enabled, sized, not broken, and its memory mapped: buffers can be taken and returned."""
+        return self.started and self.enabled and 0 < self.num <= MAX_QUEUE_SIZE and self.memory.mapped \
+            and self.broken is None
 
     def _u16(self, uva: int) -> int:
         mm, off = self.memory.locate(uva, 2, virtual=True)
@@ -132,35 +142,50 @@ class Virtqueue:
 
         :raise GuestError: (``bad_virtqueue``) when the ring is outside guest memory.
         """
-        if self.last_avail == self._u16(self.avail + 2):
+        avail_idx = self._u16(self.avail + 2)
+        if self.last_avail == avail_idx:
             return None
+        # a driver never has more than the ring's size outstanding; an index further ahead would
+        # have us serve (and loop over) up to 65535 stale heads
+        if (ahead := (avail_idx - self.last_avail) & 0xFFFF) > self.num:
+            raise bad_virtqueue(f"avail index {avail_idx} is {ahead} ahead of {self.last_avail} on a ring of {self.num}")
         head = self._u16(self.avail + 4 + 2 * (self.last_avail % self.num))
         self.last_avail = (self.last_avail + 1) & 0xFFFF
         return head
 
-    def chain(self, head: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(readable, writable) ``(gpa, length)`` buffers of a descriptor chain.
+    def chain(self, head: int, *, max_descriptors: int, max_bytes: int
+              ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(readable, writable) ``(gpa, length)`` buffers of a descriptor chain, at most
+        ``max_descriptors`` of them and ``max_bytes`` in all: checked here, before a device reads or
+        allocates anything for them (:meth:`GuestMemory.read` and ``write`` check each address).
 
-        :raise GuestError: (``bad_virtqueue``) when the chain leaves the table, loops, or is indirect.
+        :raise GuestError: (``bad_virtqueue``) when the chain leaves the table, loops, is indirect, or
+            is longer or larger than allowed.
         """
         readable: list[tuple[int, int]] = []
         writable: list[tuple[int, int]] = []
+        total = 0
         idx = head
-        for _ in range(self.num):  # a chain longer than the table must loop
+        for _ in range(min(self.num, max_descriptors)):  # a chain longer than the table must loop
             if idx >= self.num:
                 raise bad_virtqueue(f"descriptor {idx} is out of range (queue size {self.num})")
             mm, off = self.memory.locate(self.desc + DESC.size * idx, DESC.size, virtual=True)
             addr, length, flags, nxt = DESC.unpack_from(mm, off)
             if flags & DESC_INDIRECT:
                 raise bad_virtqueue("indirect descriptors were not negotiated")
+            total += length
+            if total > max_bytes:
+                raise bad_virtqueue(f"descriptor chain from {head} holds more than {max_bytes} bytes")
             (writable if flags & DESC_WRITE else readable).append((addr, length))
             if not flags & DESC_NEXT:
                 return readable, writable
             idx = nxt
+        if max_descriptors < self.num:
+            raise bad_virtqueue(f"descriptor chain from {head} is longer than {max_descriptors} descriptors")
         raise bad_virtqueue(f"descriptor chain from {head} loops")
 
     def read_all(self, buffers: list[tuple[int, int]]) -> bytes:
-        """The concatenated contents of the readable buffers of a chain."""
+        """The concatenated contents of the readable buffers of a chain (checked by :meth:`chain`)."""
         return b"".join(self.memory.read(addr, length) for addr, length in buffers)
 
     def push(self, head: int, length: int) -> None:
@@ -179,12 +204,14 @@ class Virtqueue:
                 os.eventfd_write(self.call, 1)
 
     def stop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Stop taking buffers: forget the kick eventfd (GET_VRING_BASE or disconnect)."""
+        """Stop taking buffers: forget the kick eventfd (GET_VRING_BASE or disconnect); a restart
+        clears what the guest broke."""
         if self.kick is not None:
             loop.remove_reader(self.kick)
             os.close(self.kick)
             self.kick = None
         self.started = False
+        self.broken = None
 
     def forget(self, loop: asyncio.AbstractEventLoop) -> None:
         """The session is over: stop and drop everything QEMU gave for this queue."""
