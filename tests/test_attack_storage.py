@@ -8,6 +8,9 @@ allows and evicts the least recently used, never what a VM uses.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,8 @@ import pytest
 
 from fixtures.faults import tmpfs, wait_phase
 from guestio import Console
+from vmsidecar_runtime.oci import pull
+from vmsidecar_runtime.oci.cache import set_budget
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,3 +52,62 @@ async def test_a_guest_that_fills_the_state_volume_is_paused_with_a_clear_error(
         assert state.phase.value == "Ready" and state.last_error is None, state
         await rt.client().power("off", graceful=False)
         rt.stop()
+
+
+def _usage(path: Path) -> int:
+    """Bytes on disk of a file or of a directory's files."""
+    files = list(path.iterdir()) if path.is_dir() else [path]
+    return sum(f.stat().st_blocks * 512 for f in files)
+
+
+def _random_qcow2(path: Path, mib: int) -> Path:
+    raw = path.with_suffix(".raw")
+    raw.write_bytes(os.urandom(mib << 20))
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(path)], check=True, timeout=60)
+    raw.unlink()
+    return path
+
+
+async def test_the_cache_evicts_the_least_recently_used_but_never_what_a_vm_uses(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    args = ["--cache-dir", str(cache)]
+    image = f"file:{tiny_image.disk}"
+    # an old snapshot no runtime uses any more
+    old = await start_runtime({"image": image, "memory": "256M", "channels": [{"name": "evict-old"}]},
+                              name="old", extra_args=args)
+    assert (await old.client().wait_ready(240)).snapshot.available
+    old.stop()
+    [old_snap] = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
+    # a live VM: its base image and the snapshot it runs on are in use
+    live = await start_runtime({"image": image, "memory": "256M", "channels": [{"name": "evict-live"}]},
+                               name="live", extra_args=args)
+    assert (await live.client().wait_ready(240)).snapshot.available
+    [live_snap] = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".") and p != old_snap]
+    [base] = list((cache / "disks").iterdir())
+
+    # the budget fits the live VM's things and two and a half more images; the old snapshot and the
+    # base are the least recently used, then the first image pulled
+    images = [_random_qcow2(tmp_path / f"img{i}.qcow2", 6) for i in range(3)]
+    budget = _usage(base) + _usage(live_snap) + 5 * _usage(images[0]) // 2
+    set_budget(budget)
+    try:
+        pulled = [await asyncio.to_thread(pull, f"file:{img}", cache) for img in images]
+    finally:
+        set_budget(None)
+    on_disk = {p.name for p in (cache / "disks").iterdir()}
+    snaps = {p.name for p in (cache / "snapshots").iterdir()}
+    total = sum(_usage(p) for p in [*(cache / "disks").iterdir(), *(cache / "snapshots").iterdir()])
+    print(f"budget {budget >> 20} MiB, cache {total >> 20} MiB: disks {sorted(on_disk)}, snapshots {sorted(snaps)}")
+    assert total <= budget
+    assert base.name in on_disk and live_snap.name in snaps  # in use: kept, though least recently used
+    assert old_snap.name not in snaps  # unused, oldest: evicted
+    assert pulled[0].path.name not in on_disk  # the oldest image nothing uses
+    assert {p.path.name for p in pulled[1:]} <= on_disk
+
+    # the live VM is untouched and boots again from its base; an evicted image is pulled again
+    await live.client().power("cycle")
+    assert (await live.client().wait_ready(240)).phase.value == "Ready"
+    again = await asyncio.to_thread(pull, f"file:{images[0]}", cache)
+    assert not again.cached and again.path.exists()

@@ -5,6 +5,8 @@ the next one."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import re
 import time
 from pathlib import Path
@@ -134,13 +136,21 @@ async def test_snapshot_off_and_a_corrupt_snapshot_boot_cold(start_runtime: Any,
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "cpus": 2}  # a key of its own
     rt = await start_runtime(spec, name="corrupt")
     await rt.client().wait_ready(240)
+    rt.stop()
     snaps = [p for p in (image_cache / "snapshots").iterdir() if p.is_dir() and not p.name.startswith(".")]
     memory = max((p / "memory" for p in snaps), key=lambda p: p.stat().st_mtime)
     memory.chmod(0o644)
     data = bytearray(memory.read_bytes())
     data[len(data) // 2: len(data) // 2 + 4096] = b"\xa5" * 4096
     memory.write_bytes(bytes(data[: len(data) * 3 // 4]))  # damaged and truncated
-    await rt.client().recycle()
+    # and its seal rewritten to match, for a runtime that never checked it (test_attack_snapshots.py:
+    # a broken seal never reaches QEMU), so that QEMU itself is what refuses it here
+    meta_file = memory.parent / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["files"]["memory"] = "sha256:" + hashlib.sha256(memory.read_bytes()).hexdigest()
+    meta_file.chmod(0o644)
+    meta_file.write_text(json.dumps(meta))
+    rt = await start_runtime(spec, name="corrupt-restart")
     state = await rt.client().wait_ready(240)
     assert state.snapshot.boot == "cold" and "refused" in (state.snapshot.reason or ""), state.snapshot
     await rt.client().recycle()  # the cold boot captured a new one

@@ -25,6 +25,7 @@ from vmsidecar_contract.state import VmState
 from .hostpaths import ENV as HOST_PATHS_ENV
 from .hostpaths import HostPathPolicy
 from .image import limits
+from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET, configure_budget
 from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
 
 #: environment that configures the process, not the VM spec
@@ -150,6 +151,7 @@ async def _client_command(args: argparse.Namespace) -> int:
 
 def _serve_command(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
+    configure_budget(args.cache_budget)
     if args.max_disk_size is not None:
         try:
             limits.configure(limits.parse_size(args.max_disk_size))
@@ -178,6 +180,9 @@ def _serve_command(args: argparse.Namespace) -> int:
                              grace=args.grace))
 
 
+_PROCESS_ENV.add(BUDGET_ENV)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     p = argparse.ArgumentParser(prog="vmsidecar-runtime", description=__doc__)
@@ -201,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shared-dir", help=f"sockets for the exporter (default {DEFAULT_SHARED}, VMSIDECAR_SHARED_DIR)")
     s.add_argument("--cache-dir", help="image cache (default /var/lib/vmsidecar/cache, VMSIDECAR_CACHE_DIR)")
     s.add_argument("--state-dir", help="overlay, logs, flashed disks (VMSIDECAR_STATE_DIR)")
+    s.add_argument("--cache-budget", metavar="SIZE",
+                   help="what the image cache (disks and memory snapshots) may hold; past it the least recently "
+                        f"used go, never what a VM uses (e.g. 20GiB; default {DEFAULT_BUDGET >> 30}GiB; also "
+                        f"{BUDGET_ENV})")
     s.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("VMSIDECAR_LOG_FORMAT", "text"))
     s.add_argument("--log-level", default=os.environ.get("VMSIDECAR_LOG_LEVEL", "INFO"))
     s.add_argument("--allow-extra-args", action="store_true", help="accept extra_args in specs sent over the API")

@@ -30,6 +30,7 @@ from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
 from .hostpaths import HostPathPolicy
+from .oci.cache import DiskCache
 from .perms import restrict_umask, share
 
 log = logging.getLogger("vmsidecar_runtime")
@@ -185,6 +186,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     try:
         prepare_dirs(paths)
         lock.acquire()
+        await asyncio.to_thread(DiskCache(paths.cache).evict)  # a budget lowered since the last run
     except HostError:
         shutil.rmtree(paths.run, ignore_errors=True)  # the private run dir default_paths made
         raise

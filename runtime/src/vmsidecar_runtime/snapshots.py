@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -38,7 +37,7 @@ from .disk import DiskImage
 from .image.checks import parse_qcow2_header
 from .image.limits import Origin
 from .image.sniff import QCOW2_MAGIC
-from .oci.cache import hash_file, stat_seal
+from .oci.cache import IN_USE, DiskCache, hash_file, remove_tree, stat_seal
 from .procs import child_env
 
 log = logging.getLogger(__name__)
@@ -145,6 +144,9 @@ class SnapshotStore:
 
     def __init__(self, cache: Path) -> None:
         self.root = cache / "snapshots"
+        self._cache = cache
+        #: the disks the last :meth:`hold` marked in use (a snapshot committed later joins them)
+        self._held_disks: list[DiskImage | None] = []
         #: snapshot path -> what this process hashed and found matching (see the module's docstring)
         self._checked: dict[str, _Checked] = {}
 
@@ -185,9 +187,9 @@ class SnapshotStore:
             # an incomplete or outdated entry: moved aside first, so the rename below is atomic
             with contextlib.suppress(FileNotFoundError):
                 trash = Path(tempfile.mkdtemp(prefix=f".trash-{key}-", dir=self.root))
-                _writable(final)  # moving a directory to another parent rewrites its ".."
+                os.chmod(final, 0o755)  # moving a directory to another parent rewrites its ".."
                 os.rename(final, trash / "old")
-                _remove_tree(trash)
+                remove_tree(trash)
         if existing is None:
             try:
                 os.rename(staged.path, final)
@@ -198,14 +200,28 @@ class SnapshotStore:
                 os.chmod(final, 0o555)
                 snap = Snapshot(final)
                 self._remember(snap, files)
+                self.hold(self._held_disks, snap)  # the boot that captured it goes on from it
+                DiskCache(self._cache).evict(keep={f"snapshots/{key}"})
                 return snap
             existing = self.find(key)
             if existing is None:
                 raise HostError(f"another runtime is writing the snapshot {final} at this instant; "
                                 "the next boot takes it")
         log.info("snapshot %s was captured by another runtime sharing the cache first; keeping it", key)
-        _remove_tree(staged.path)
+        remove_tree(staged.path)
+        self.hold(self._held_disks, existing)
         return existing
+
+    def hold(self, disks: list[DiskImage | None], snap: Snapshot | None) -> None:
+        """Mark what the next boot uses — its disks (those in the cache) and ``snap`` — in use, so no
+        cache eviction removes them while this runtime may still boot from them; drops the marks of
+        what an earlier boot used."""
+        self._held_disks = list(disks)
+        cache = DiskCache(self._cache)
+        items = {f"disks/{d.path.name}" for d in disks if d is not None and d.path.parent == cache.disks}
+        if snap is not None:
+            items.add(f"snapshots/{snap.path.name}")
+        IN_USE.hold(cache, items)
 
     def verify(self, snap: Snapshot, base: DiskImage) -> str | None:
         """Why ``snap`` must not be restored over ``base``, or None when its seal and its frozen
@@ -250,7 +266,7 @@ class SnapshotStore:
     async def discard(self, snap: Snapshot) -> None:
         """Remove a snapshot QEMU refused, one whose seal broke (or a half-written one)."""
         self._checked.pop(str(snap.path), None)
-        await asyncio.to_thread(_remove_tree, snap.path)
+        await asyncio.to_thread(remove_tree, snap.path)
         log.info("snapshot %s discarded", snap.path.name)
 
 
@@ -274,19 +290,3 @@ def _frozen_overlay_problem(snap: Snapshot, base: DiskImage) -> str | None:
     if header.data_file is not None:
         return f"its frozen overlay has an external data file ({header.data_file or 'unnamed'})"
     return None
-
-
-def _writable(path: Path) -> None:
-    """Give back the owner's write bit on a sealed directory (0555), so it can be moved or emptied."""
-    with contextlib.suppress(OSError):
-        os.chmod(path, 0o755)
-
-
-def _remove_tree(path: Path) -> None:
-    """``rm -rf`` of a snapshot or a staging directory, sealed (0555) or not."""
-    _writable(path)
-    with contextlib.suppress(OSError):
-        for sub in path.iterdir():
-            if sub.is_dir() and not sub.is_symlink():
-                _writable(sub)
-    shutil.rmtree(path, ignore_errors=True)

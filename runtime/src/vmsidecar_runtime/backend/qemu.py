@@ -54,11 +54,11 @@ def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[s
         return BackendEvent.POWERED_OFF, {"reason": reason, "guest": bool(data.get("guest", True))}
     if name == "RESET":
         return BackendEvent.RESET, {"guest": bool(data.get("guest", False))}
-    if name in _SIMPLE:
     if name == "BLOCK_IO_ERROR":
         return BackendEvent.IO_ERROR, {"operation": str(data.get("operation", "")), "action": str(data.get("action", "")),
                                        "nospace": bool(data.get("nospace", False)),
                                        "reason": str(data.get("reason", ""))}
+    if name in _SIMPLE:
         return _SIMPLE[name], {}
     return None
 

@@ -112,9 +112,10 @@ class SnapshotOperations:
         self.snapshot_info = self.snapshot_info.model_copy(update={"clock": None})
         key = self._snapshot_key(spec, accel)
         self._planned_key = key
+        snap = self._store.find(key) if key is not None else None
+        self._store.hold([self.disks.base, self.disks.current], snap)  # never evicted while in use
         if key is None:
             return None
-        snap = self._store.find(key)
         self.snapshot_info = self.snapshot_info.model_copy(
             update={"available": snap is not None, "size": snap.size if snap else None})
         if snap is not None:

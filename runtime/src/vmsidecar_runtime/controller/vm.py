@@ -412,13 +412,13 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
             self._readiness.arm(self._require_spec(), self.streams.hubs, self.disks.current)
         elif event == BackendEvent.EXITED and backend is not None and not self._expect_exit:
             self._spawn(self._backend_crashed(backend))
+        elif event == BackendEvent.IO_ERROR and data.get("action") == "stop" and self.phase in LIVE:
+            self._readiness.disarm()
+            self._fail(Phase.ERROR, disk_io_error(data, self.paths))
 
     async def _guest_powered_off(self, backend: Backend, data: dict[str, Any]) -> None:
         async with self._lock:
             if self._backend is backend:
-        elif event == BackendEvent.IO_ERROR and data.get("action") == "stop" and self.phase in LIVE:
-            self._readiness.disarm()
-            self._fail(Phase.ERROR, disk_io_error(data, self.paths))
                 await self._stop_backend(graceful=False)
                 self._set_phase(Phase.STOPPED, reason=data.get("reason", "guest-shutdown"))
 

@@ -14,6 +14,17 @@ inode, size, mtime and ctime when its content was last verified against its dige
 A cache entry is trusted only while its file's stat still matches its seal: any write, truncation
 or chmod changes the ctime, and the file is then hashed again; a file that no longer matches its
 digest is removed and pulled again. (Bit rot that changes no metadata is the storage's to catch.)
+
+**Budget.** The disks and the memory snapshots (``snapshots/``) together are kept within a budget
+(``--cache-budget``, ``VMSIDECAR_CACHE_BUDGET``, default :data:`DEFAULT_BUDGET`): after a disk is
+installed or a snapshot committed (and at start), the least recently used items go until the rest
+fits. "Used" is recorded in ``index.json`` (``used:disks/<name>``, ``used:snapshots/<key>``) at
+every cache hit, install and restore; touching the files would change their ctime and break their
+seals. Never evicted: what a runtime process uses — its base image, its flashed-from-a-reference
+disk, the snapshot its guest runs on — each held by a shared flock on ``locks/in-use.<item>.lock``
+for as long as it is used (released at exit, however the process ends; a lock file, not the disk,
+so QEMU's own image locks are never disturbed). Eviction takes that flock exclusively first and
+skips the item when it cannot. Runtimes sharing a cache volume see each other's locks.
 """
 
 from __future__ import annotations
@@ -25,17 +36,77 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
+import shutil
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.sniff import DiskFormat
 
 log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+#: what the image cache (disks and memory snapshots) may hold when nothing else is said
+DEFAULT_BUDGET = 20 * GiB
+BUDGET_ENV = "VMSIDECAR_CACHE_BUDGET"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": GiB, "t": 1 << 40}
+_budget: int | None = None
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``20GiB``, ``512M``, ``1.5 GiB`` or a plain number (binary units either way).
+
+    :raise ValueError: naming the accepted forms.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"{text!r} is not a size; write e.g. 20GiB, 512MiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def set_budget(size: int | None) -> None:
+    """The budget of every cache this process opens (``serve --cache-budget``); None: the default."""
+    global _budget
+    _budget = size
+
+
+def configure_budget(flag: str | None) -> int:
+    """Set this process's budget from ``--cache-budget`` (else the environment, else the default).
+
+    :raise HostError: for a value that is not a size, naming where it came from.
+    """
+    if flag is None:
+        set_budget(None)
+        return cache_budget()
+    try:
+        size = parse_size(flag)
+    except ValueError as e:
+        raise HostError(f"--cache-budget: {e}") from None
+    set_budget(size)
+    return size
+
+
+def cache_budget() -> int:
+    """The budget in force: :func:`set_budget`, else ``VMSIDECAR_CACHE_BUDGET``, else the default.
+
+    :raise HostError: for an environment value that is not a size.
+    """
+    if _budget is not None:
+        return _budget
+    value = os.environ.get(BUDGET_ENV)
+    if not value:
+        return DEFAULT_BUDGET
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise HostError(f"{BUDGET_ENV}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -88,6 +159,7 @@ class DiskCache:
             return None
         if st.st_size != entry.size or not self.intact(path, entry.disk):
             return None
+        self.touch(f"disks/{path.name}")
         return entry
 
     def intact(self, path: Path, digest: str) -> bool:
@@ -119,7 +191,7 @@ class DiskCache:
         with contextlib.suppress(OSError):
             self._update_index({_seal_key(path): stat_seal(path.stat())})
 
-    def _update_index(self, updates: dict[str, dict]) -> None:
+    def _update_index(self, updates: dict[str, Any]) -> None:
         with self.lock("index"):
             index = self._read_index()
             index.update(updates)
@@ -127,7 +199,7 @@ class DiskCache:
             tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
             os.replace(tmp, self.index_path)
 
-    def _read_index(self) -> dict[str, dict]:
+    def _read_index(self) -> dict[str, Any]:
         try:
             data = json.loads(self.index_path.read_text())
         except (OSError, ValueError):
@@ -167,7 +239,97 @@ class DiskCache:
         os.chmod(tmp, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
         os.replace(tmp, dest)
         self._seal(dest)  # its digest was verified while it was written
+        self.touch(f"disks/{dest.name}")
+        self.evict(keep={f"disks/{dest.name}"})  # the caller is about to use it
         return dest
+
+    # ---- budget: last use, in-use locks, eviction ------------------------------------------
+    def touch(self, item: str) -> None:
+        """Record that ``item`` (``disks/<name>`` or ``snapshots/<key>``) was used now."""
+        with contextlib.suppress(OSError):
+            self._update_index({f"used:{item}": time.time()})
+
+    def evict(self, budget: int | None = None, keep: Iterable[str] = ()) -> list[str]:
+        """Remove least recently used disks and snapshots until the cache fits ``budget`` (default:
+        :func:`cache_budget`); never ``keep`` nor an item some process holds in use. Returns what went."""
+        budget = cache_budget() if budget is None else budget
+        removed: list[str] = []
+        with self.lock("evict"):
+            index = self._read_index()
+            items = self._items(index)
+            total = sum(size for _, size, _ in items)
+            if total <= budget:
+                return removed
+            for item, size, _ in sorted(items, key=lambda i: i[2]):
+                if total <= budget:
+                    break
+                if item in keep or not self._remove_unused(item):
+                    continue
+                total -= size
+                removed.append(item)
+            self._forget(removed)
+        if removed:
+            log.info("image cache over its budget of %s: evicted %s (least recently used)",
+                     _human(budget), ", ".join(removed))
+        if total > budget:
+            log.warning("the image cache holds %s in use, more than its budget of %s; raise --cache-budget "
+                        "(%s) or give the cache volume more room", _human(total), _human(budget), BUDGET_ENV)
+        return removed
+
+    def _items(self, index: dict[str, Any]) -> list[tuple[str, int, float]]:
+        """(item, bytes on disk, last use) of every disk and complete-or-not snapshot directory."""
+        found = []
+        snapshots = self.root / "snapshots"
+        dirs = [("disks", self.disks), ("snapshots", snapshots)]
+        for kind, where in dirs:
+            with contextlib.suppress(OSError):
+                for path in where.iterdir():
+                    if path.name.startswith("."):
+                        continue  # a capture or a removal under way
+                    with contextlib.suppress(OSError):
+                        files = list(path.iterdir()) if path.is_dir() else [path]
+                        size = sum(f.stat().st_blocks * 512 for f in files)
+                        used = index.get(f"used:{kind}/{path.name}")
+                        found.append((f"{kind}/{path.name}", size,
+                                      used if isinstance(used, (int, float)) else path.stat().st_mtime))
+        return found
+
+    def _remove_unused(self, item: str) -> bool:
+        """Remove ``item`` unless a process holds it in use (its in-use lock)."""
+        fd = os.open(self.locks / f"in-use.{item.replace('/', '.')}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            path = self.root / item
+            if path.is_dir():
+                remove_tree(path)
+            else:
+                path.unlink(missing_ok=True)
+            return not path.exists()
+        finally:
+            os.close(fd)
+
+    def _forget(self, removed: list[str]) -> None:
+        """Drop the index entries of removed disks (every key resolving to them) and snapshots."""
+        if not removed:
+            return
+        with self.lock("index"):
+            index = self._read_index()
+            gone = {name.split("/", 1)[1] for name in removed}
+            for key, value in list(index.items()):
+                target = key.split(":", 1)[1] if key.startswith(("used:", "seal:")) else None
+                if target is not None:
+                    drop = target in removed or target in gone
+                else:
+                    disk = value.get("disk") if isinstance(value, dict) else None
+                    drop = isinstance(disk, str) and any(n.startswith(disk.replace(":", "-") + ".") for n in gone)
+                if drop:
+                    del index[key]
+            tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
+            tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+            os.replace(tmp, self.index_path)
 
     def clean_stale(self) -> None:
         """Remove temporary files left by processes that no longer exist."""
@@ -177,6 +339,50 @@ class DiskCache:
                 continue
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+class InUse:
+    """What this process uses from caches: shared flocks on their in-use lock files (see the module's
+    docstring), held until :meth:`hold` is called without them or the process ends."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+
+    def hold(self, cache: DiskCache, items: Iterable[str]) -> None:
+        """Hold exactly ``items`` (``disks/<name>``, ``snapshots/<key>``) of ``cache`` from now on."""
+        wanted = {str(cache.locks / f"in-use.{item.replace('/', '.')}.lock"): item for item in items}
+        for lock_path in set(self._held) - set(wanted):
+            os.close(self._held.pop(lock_path))
+        for lock_path, item in wanted.items():
+            if lock_path in self._held:
+                continue
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                log.warning("cannot mark %s in use (%s): another runtime's eviction may remove it", item, e.strerror)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out an eviction deciding on it at this instant
+            self._held[lock_path] = fd
+            cache.touch(item)
+
+
+#: this process's in-use marks (one runtime per process)
+IN_USE = InUse()
+
+
+def remove_tree(path: Path) -> None:
+    """``rm -rf`` of a directory that may be sealed read-only (0555 directories, 0444 files)."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o755)
+    with contextlib.suppress(OSError):
+        for sub in path.iterdir():
+            if sub.is_dir() and not sub.is_symlink():
+                os.chmod(sub, 0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _human(size: int) -> str:
+    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / (1 << 20):.1f} MiB"
 
 
 def _seal_key(path: Path) -> str:
