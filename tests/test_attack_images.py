@@ -435,3 +435,64 @@ def test_the_decoders_still_read_default_streams_and_concatenations() -> None:
     with pytest.raises(ImageError, match="could not be decompressed") as exc:
         open_decompressed(io.BytesIO(xz[:-30]), "auto", Origin("the image", "flash it"))[1].read()
     assert exc.value.code == "bad_compression"
+
+
+# ---- item 11b: documents nested 100000 deep ----------------------------------------------------------
+
+DEPTH = 100_000
+
+
+def _deep(depth: int = DEPTH) -> str:
+    return "[" * depth + "]" * depth
+
+
+async def test_manifests_indexes_and_configs_nested_deep_are_bad_manifests(
+    start_runtime: Any, registry: RunningRegistry, oci_qcow2: Path, tmp_path: Path
+) -> None:
+    """A registry and an OCI layout serving ``{"a":[[[[…]]]]}`` 100000 deep as the manifest, the index, the
+    image config and the layout's index.json: each pull is a 422 ``bad_manifest``, never a 500."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    rt, client, digest = await _runtime_with_a_flashed_disk(
+        start_runtime, oci_qcow2, extra_args=["--allow-host-paths", str(allowed)]
+    )
+    deep = _deep()
+    manifest_type, index_type = "application/vnd.oci.image.manifest.v1+json", "application/vnd.oci.image.index.v1+json"
+    refs: dict[str, str] = {}
+    for where, crafter in (("registry", Crafter(registry=registry, repo="attack/deep")),
+                           ("layout", Crafter(layout=allowed / "deep"))):
+        layer = crafter.blob(oci_qcow2.read_bytes(), "application/vnd.diskimage.qcow2", {TITLE: "d.qcow2"})
+        config = crafter.blob(f'{{"architecture":"amd64","os":"linux","a":{deep}}}'.encode(),
+                              "application/vnd.oci.image.config.v1+json")
+        refs[f"{where}: image config"] = crafter.tag(crafter.manifest([layer], config=config), "config")
+        if where == "layout":  # the registry's manifests follow, less deep
+            for name, media_type in (("manifest", manifest_type), ("index", index_type)):
+                doc = f'{{"schemaVersion":2,"mediaType":"{media_type}","a":{deep}}}'.encode()
+                refs[f"layout: {name}"] = crafter.tag(crafter.blob(doc, media_type), name)
+    index_json = allowed / "deep-index-json"
+    Crafter(layout=index_json)
+    (index_json / "index.json").write_text(f'{{"schemaVersion":2,"manifests":[],"a":{deep}}}')
+    refs["layout: index.json"] = f"oci-layout:{index_json}:x"
+    # distribution refuses to store a manifest nested past Go's encoding/json limit (10000); just under it
+    # is ten times what Python's parser survives
+    registry_crafter = Crafter(registry=registry, repo="attack/deep")
+    near = _deep(9_990)
+    layer = registry_crafter.blob(oci_qcow2.read_bytes(), "application/vnd.diskimage.qcow2", {TITLE: "d.qcow2"})
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": manifest_type, "config": registry_crafter.blob(
+        b"{}", "application/vnd.oci.empty.v1+json"), "layers": [layer]})
+    index = json.dumps({"schemaVersion": 2, "mediaType": index_type, "manifests": []})
+    for name, doc, media_type in (("manifest", manifest, manifest_type), ("index", index, index_type)):
+        assert registry_crafter.client is not None
+        registry_crafter.client.put_manifest(name, f'{doc[:-1]},"a":{near}}}'.encode(), media_type)
+        refs[f"registry: {name} (9990 deep)"] = f"{registry.host}/attack/deep:{name}"
+    failures = []
+    for name, ref in refs.items():
+        try:
+            await client.flash_reference(ref, power_off=True)
+            failures.append(f"{name}: flashed")
+        except VmsidecarError as exc:
+            if (exc.code, exc.http_status) != ("bad_manifest", 422) or "nested more than" not in exc.message:
+                failures.append(f"{name}: {exc.http_status} {exc.code}: {exc.message[:300]}")
+    assert not failures, "\n".join(failures)
+    assert (await client.state()).image_digest == digest
+    assert "Traceback" not in rt.log_text() and "RecursionError" not in rt.log_text()

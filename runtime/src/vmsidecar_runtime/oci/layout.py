@@ -19,7 +19,7 @@ from vmsidecar_contract.errors import DigestMismatchError, ImageError
 from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.sniff import Compression
 
-from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX
+from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX, load_document
 from .pack import Form, Packed, merged_index, pack
 from .reference import Reference
 from .registry import RawManifest
@@ -47,7 +47,7 @@ class LayoutSource:
 
     def _index(self) -> dict:
         try:
-            doc = json.loads((self.root / "index.json").read_bytes())
+            doc = load_document((self.root / "index.json").read_bytes())
         except (OSError, ValueError) as exc:
             raise ImageError(
                 f"{self.root}/index.json cannot be read as JSON ({exc}); write the layout again",
@@ -89,7 +89,7 @@ class LayoutSource:
         media_type = str(descriptor.get("mediaType") or "")
         if not media_type:
             with contextlib.suppress(ValueError, AttributeError):
-                media_type = str(json.loads(data).get("mediaType") or "")
+                media_type = str(load_document(data).get("mediaType") or "")
         return RawManifest(data=data, media_type=media_type, digest=sha256_digest(data))
 
     def _read_small(self, descriptor: dict) -> bytes:
@@ -171,7 +171,7 @@ def write_layout(
     top: dict = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": []}
     if index_path.exists():
         try:
-            top = json.loads(index_path.read_bytes())
+            top = load_document(index_path.read_bytes())
         except ValueError as exc:
             raise ImageError(
                 f"{index_path} is not valid JSON ({exc}); remove the directory or pick another one",
@@ -225,7 +225,7 @@ def _tag_index(layout_dir: Path, top: dict, tag: str) -> dict | None:
         if d.get("mediaType") not in INDEX_TYPES:
             return None  # a single manifest under this tag: replaced by our index
         with contextlib.suppress(OSError, ValueError):
-            doc = json.loads((layout_dir / "blobs" / "sha256" / str(d.get("digest", ""))[7:]).read_bytes())
+            doc = load_document((layout_dir / "blobs" / "sha256" / str(d.get("digest", ""))[7:]).read_bytes())
             return doc if isinstance(doc, dict) else None
     return None
 

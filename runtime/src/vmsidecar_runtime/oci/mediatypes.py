@@ -6,9 +6,11 @@ Magic numbers and sniffing are :mod:`vmsidecar_runtime.image.sniff`, the disk ch
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
-from typing import Literal
+from itertools import accumulate
+from typing import Any, Literal
 
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.image.sniff import Compression, DiskFormat
@@ -70,6 +72,35 @@ _COMPRESSION_NAMES: dict[str, Compression] = {"zstd": "zstd", "gzip": "gzip", "x
 _TAR_COMPRESSION_RE = re.compile(
     r"^application/vnd\.(?:oci\.image\.layer\.v1\.tar|docker\.image\.rootfs\.diff\.tar)[+.]([a-z0-9]+)$"
 )
+
+
+#: the deepest nesting of a manifest, index, image config or index.json (real ones are 4-6 deep);
+#: Python's parser recurses and raises RecursionError at ~1000, which would escape as a 500
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENS = frozenset(b"[{")
+
+
+class JsonTooDeepError(ValueError):
+    """A document nested deeper than :data:`MAX_JSON_DEPTH` (a ``ValueError``, like invalid JSON)."""
+
+
+def load_document(data: bytes | str) -> Any:
+    """``json.loads`` for documents a registry, a layout or an image author wrote.
+
+    The nesting is measured first, without recursion (strings removed, then brackets counted),
+    so ``[[[…]]]`` 100000 deep is refused in milliseconds instead of exhausting the parser's stack.
+
+    :raise JsonTooDeepError: nested more than :data:`MAX_JSON_DEPTH` levels.
+    :raise ValueError: not JSON (``json.JSONDecodeError``).
+    """
+    raw = data.encode() if isinstance(data, str) else data
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = max(accumulate(1 if b in _OPENS else -1 for b in brackets), default=0)
+    if depth > MAX_JSON_DEPTH:
+        raise JsonTooDeepError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+    return json.loads(raw)
 
 
 def disk_media_type(fmt: DiskFormat, compression: Compression | None) -> str:

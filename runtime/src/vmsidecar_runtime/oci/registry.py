@@ -11,7 +11,6 @@ The HTTP policy under them (auth, TLS, timeouts, bounded retries on top of oras-
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryE
 from vmsidecar_runtime.image.digest import sha256_digest
 
 from .auth import HOW_TO_INSECURE, Credentials, RegistryConfig, current_config
-from .mediatypes import ACCEPT
+from .mediatypes import ACCEPT, load_document
 from .reference import Reference
 from .transport import TRIES, OrasRegistry, Unreachable
 
@@ -44,7 +43,7 @@ class RawManifest:
         :raise ImageError: (code ``bad_manifest``) when it is not a JSON object.
         """
         try:
-            doc = json.loads(self.data)
+            doc = load_document(self.data)  # bounded nesting: never a RecursionError
         except ValueError as exc:
             raise ImageError(
                 f"manifest {self.digest} is not valid JSON ({exc}); push the image again",
@@ -221,7 +220,7 @@ class RegistryClient:
             response = self._call("listing tags", "GET", url)
             if response.status_code == 404 and "NAME_UNKNOWN" in _error_codes(response):
                 return None
-            return list(response.json().get("tags") or []) if response.status_code == 200 else []
+            return list(load_document(response.content).get("tags") or []) if response.status_code == 200 else []
         except (RegistryError, ValueError):
             return []
 
@@ -321,8 +320,8 @@ def _read_limited(response: requests.Response, limit: int, subject: str) -> byte
 def _error_codes(response: requests.Response) -> list[str]:
     """The OCI error codes (``MANIFEST_UNKNOWN`` …) in an error response's JSON body."""
     try:
-        errors = response.json().get("errors") or []
-    except ValueError:
+        errors = load_document(response.content).get("errors") or []
+    except (ValueError, AttributeError):
         return []
     return [str(e.get("code")) for e in errors if isinstance(e, dict) and e.get("code")]
 

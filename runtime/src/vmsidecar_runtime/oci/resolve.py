@@ -5,7 +5,6 @@ Shared by registry and layout sources; nothing here does I/O except through a :c
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -22,8 +21,10 @@ from .mediatypes import (
     DOCKER_SCHEMA1,
     IMAGE_CONFIG_TYPES,
     INDEX_TYPES,
+    JsonTooDeepError,
     LayerKind,
     classify_layer,
+    load_document,
 )
 from .registry import RawManifest
 
@@ -253,7 +254,12 @@ def config_arch_check(source: Source, resolved: Resolved, arch: str) -> int:
         reader.drain()
         reader.verify()
     try:
-        their = json.loads(data or b"{}").get("architecture")
+        their = load_document(data or b"{}").get("architecture")
+    except JsonTooDeepError as exc:  # not a sloppy config: a document built to exhaust the parser
+        raise ImageError(
+            f"the image config of {source.where} is {exc}; push the image again with a plain config",
+            code="bad_manifest",
+        ) from exc
     except (ValueError, AttributeError):
         return len(data or b"")
     if their:

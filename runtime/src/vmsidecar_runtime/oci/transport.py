@@ -28,6 +28,7 @@ import requests.adapters
 import requests.auth
 
 from .auth import HOW_TO_CONFIGURE, Credentials, RegistryConfig, normalize_host
+from .mediatypes import load_document
 
 CONNECT_TIMEOUT = 2.5
 READ_TIMEOUT = 60.0
@@ -238,7 +239,7 @@ class OrasRegistry(oras.provider.Registry):
             if response.status_code != 200:
                 return None
             try:
-                doc = response.json()
+                doc = load_document(response.content)  # bounded nesting: never a RecursionError
             except ValueError:
                 return None
         token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
