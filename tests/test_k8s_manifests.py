@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from vmsidecar_contract.spec import load_spec
+from vmsidecar_runtime.oci.cache import BUDGET_ENV, DEFAULT_BUDGET, parse_size
 
 ROOT = Path(__file__).parents[1]
 CRDS = ROOT / "tests" / "data" / "upstream-crds"  # vendored; source and commit in its README
@@ -116,3 +117,21 @@ def test_the_pool_pods_security_is_the_provisioners() -> None:
     provisioner renders the pods (runtime as UID 0). If a newer CRD adds one, set it in the samples."""
     for crd in CRDS.glob("*.yaml"):
         assert "securityContext" not in crd.read_text(), crd.name
+
+
+@pytest.mark.parametrize("name", ["pod.yaml", "pod-sidecar.yaml"])
+def test_every_emptydir_is_bounded_and_the_cache_budget_fits_its_volume(name: str) -> None:
+    """A guest's writes, flashes and logs, and the image cache, cannot fill the node (issue 19 item 8)."""
+    spec = _pod_specs()[name]
+    empty_dirs = [v for v in spec["volumes"] if "emptyDir" in v]
+    assert {v["name"] for v in empty_dirs} >= {"shared", "state"}
+    for volume in empty_dirs:
+        assert volume["emptyDir"].get("sizeLimit"), f"{name}: emptyDir {volume['name']} has no sizeLimit"
+    runtime = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "runtime")
+    env = {e["name"]: e.get("value") for e in runtime.get("env", [])}
+    budget = parse_size(env[BUDGET_ENV]) if BUDGET_ENV in env else DEFAULT_BUDGET
+    cache = next(v for v in spec["volumes"] if v["name"] == "cache")
+    claim = cache.get("ephemeral", {}).get("volumeClaimTemplate", {}).get("spec", {})
+    if request := claim.get("resources", {}).get("requests", {}).get("storage"):
+        # room left for a pull in progress and a snapshot being captured
+        assert budget <= parse_size(request) * 0.85, f"{name}: cache budget {budget} over its {request} volume"

@@ -61,11 +61,11 @@ _budget: int | None = None
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``20GiB``, ``512M``, ``1.5 GiB`` or a plain number (binary units either way).
+    """Bytes from ``20GiB``, ``512M``, ``10Gi``, ``1.5 GiB`` or a plain number (binary units either way).
 
     :raise ValueError: naming the accepted forms.
     """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:ib?|b)?\s*", text.lower())
     if not m:
         raise ValueError(f"{text!r} is not a size; write e.g. 20GiB, 512MiB or a number of bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
