@@ -277,6 +277,29 @@ def test_the_format_check_catches_probing_argv() -> None:
                                 "-blockdev", "driver=raw,file=n,node-name=d"])
 
 
+@pytest.mark.parametrize("disk_format", ["qcow2", "raw"])
+def test_every_argv_the_builders_make_names_the_format(disk_format: str) -> None:
+    """The builders themselves, for what the boot above does not use: UEFI firmware (pflash), a kernel,
+    a raw disk; and libvirt's domain XML names the driver type of every disk."""
+    import xml.etree.ElementTree as ET
+
+    from vmsidecar_contract.spec import load_spec
+    from vmsidecar_runtime.backend.libvirt.xml import render_domain
+    from vmsidecar_runtime.backend.qemu_argv import build_argv
+    from vmsidecar_runtime.plan import BootPlan, Firmware
+
+    spec = load_spec({"image": "file:/x", "kernel": "/k", "initrd": "/i", "channels": [{"name": "a"}]})
+    plan = BootPlan(spec, "tcg", Path(f"/s/disk.{disk_format}"), disk_format, Path("/r"), {},
+                    Firmware(Path("/fw/CODE.fd"), Path("/s/VARS.fd")))
+    argv = build_argv(plan)
+    assert argv.count("-drive") == 2 and argv.count("-blockdev") == 2
+    assert format_problems(argv) == []
+    root = ET.fromstring(render_domain(plan, "vmsidecar-t", emulator="/usr/bin/qemu-system-x86_64"))
+    disks = root.findall("devices/disk")
+    assert disks and all(d.find("driver") is not None and d.find("driver").get("type") == disk_format  # type: ignore[union-attr]
+                         for d in disks)
+
+
 async def test_every_qemu_img_and_qemu_invocation_names_the_format(
     start_runtime: Any, tiny_image: Any, tmp_path: Path
 ) -> None:

@@ -213,8 +213,8 @@ class _Decoded(ChunkStream):
             raise  # the source's own verdict (digest mismatch, a cut-off upload) stands
         except DecoderMemoryError as exc:
             raise ImageError(
-                f"{self._origin.what} is {self.compression} data whose decoder would need {exc}, more than "
-                f"this runtime allows (a zstd window up to {human_size(MAX_ZSTD_WINDOW)}, an xz decoder up to "
+                f"{self._origin.what} is {self.compression} data whose decoder would need {exc}, past the caps of "
+                f"this runtime (a zstd window up to {human_size(MAX_ZSTD_WINDOW)}, an xz decoder up to "
                 f"{human_size(MAX_XZ_MEMORY)}); compress the disk again with default settings (`zstd -19` "
                 f"without --long=28 or more, `xz -6`) and {self._origin.resend}",
                 code="unsupported_compression",
