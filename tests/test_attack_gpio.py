@@ -96,3 +96,5 @@ async def test_hostile_virtqueues_keep_the_runtime_answering_and_small(
     assert "gpio: request chain refused" in log or "gpio: request refused" in log, log[-2000:]
     assert "is broken (avail index" in log, log[-2000:]
     assert (await client.state()).phase.value == "Ready"
+    # and the runtime still controls its QEMU (hard off: the guest's own power-off is not the point)
+    assert (await client.power("off", graceful=False)).phase.value == "Stopped"

@@ -1,0 +1,114 @@
+"""Attack: a malicious guest floods every channel at once (issue 19, "Done when").
+
+The tiny guest, from its own shell, writes without end to: ttyS0 and hvc0 (the consoles), the CAN
+bus (``cangen`` as fast as slcan carries frames: the exporter's python-can bus, which nobody
+reads), the GPIO device (sysfs reads and writes: a virtio-gpio request each) and the guest-agent
+port (``/dev/urandom``). Meanwhile the runtime's API and the exporter (a real driver tree, its
+``state`` call over Jumpstarter's gRPC) answer within 1 s, neither process grows by more than
+64 MiB, and the lease's end (InPlaceReuse) gives the next lease a pristine guest: a new boot, no
+flood process, no file of the last lease, a clean console.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import pytest
+
+from fixtures.attack import max_state_latency, memory_kib
+from fixtures.vmdev import vm_client
+from guestio import Console
+
+pytestmark = pytest.mark.timeout(300)
+
+FLOOD_SECONDS = 8
+LINES = [{"name": "button", "direction": "in"}, {"name": "led", "direction": "out"}]
+AGENT_PORT = "org.qemu.guest_agent.0"
+#: each channel flooded by a background job of the guest's shell
+FLOODS = {
+    "ttyS0": "yes VMSIDECAR-FLOOD-S0 > /dev/ttyS0 &",
+    "hvc0": "yes VMSIDECAR-FLOOD-HVC0 > /dev/hvc0 &",
+    "can": "cangen can0 -g 0 -L 8 &",
+    "gpio": "n=0; while :; do echo 1 > /sys/class/gpio/led/value; read v < /sys/class/gpio/button/value; "
+            "echo 0 > /sys/class/gpio/led/value; n=$((n + 3)); [ $((n % 300)) = 0 ] && echo $n > /tmp/gpio.n; done &",
+    "agent": "cat /dev/urandom > $AGENT &",
+}
+
+
+def _exporter_latency(client: Any, seconds: float) -> float:
+    """The slowest ``state`` call through the exporter's driver tree over ``seconds`` (blocking)."""
+    worst = 0.0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        client.call("state")
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.2)
+    return worst
+
+
+async def test_a_guest_flooding_every_channel(start_runtime: Any, tiny_image: Any, record_property: Any) -> None:
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
+            "can": [{"name": "can0", "bitrate": 1000000}], "gpio": LINES}
+    rt = await start_runtime(spec)
+    api = rt.client()
+    await api.wait_ready(180)
+    me = os.getpid()
+    with vm_client(rt, spec) as client:
+        lease = await asyncio.to_thread(client.call, "state")  # the lease's first call claims the VM
+        con = await Console.open(rt.shared / "console.sock")
+        await con.wake()
+        await con.run("echo lease-one > /data/mark; sync")
+        agent = (await con.run(f"grep -l '^{AGENT_PORT}$' /sys/class/virtio-ports/*/name")).strip()
+        assert agent, "the tiny guest has no guest-agent port"
+        await con.run("b=$(cat /sys/class/gpio/gpiochip*/base); echo $b > /sys/class/gpio/export; "
+                      "echo $((b + 1)) > /sys/class/gpio/export; echo low > /sys/class/gpio/led/direction")
+        assert (await con.run("ls /sys/class/gpio")).count("button") == 1
+        rt_before, ex_before = memory_kib(rt.proc.pid), memory_kib(me)
+
+        con.writer.write(f"AGENT=/dev/$(basename $(dirname {agent})); {' '.join(FLOODS.values())}\n".encode())
+        await con.writer.drain()
+        await asyncio.sleep(1)
+        api_worst, ex_worst = await asyncio.gather(max_state_latency(api, FLOOD_SECONDS),
+                                                   asyncio.to_thread(_exporter_latency, client, FLOOD_SECONDS))
+        rt_after, ex_after = memory_kib(rt.proc.pid), memory_kib(me)
+        flooded = await asyncio.wait_for(con.reader.read(65536), 5)
+        assert b"VMSIDECAR-FLOOD-S0" in flooded, flooded[-300:]
+        can_bus = client.can
+        assert await asyncio.to_thread(can_bus.recv, 1) is not None, "no CAN frame of the flood reached the exporter"
+        # what went through each channel: stop the ttyS0 flood (job 1) to read the console; the
+        # other four keep flooding through the lease's end
+        con.writer.write(b"kill %1\n")
+        await con.writer.drain()
+        await con.close()
+        con = await Console.open(rt.shared / "console.sock")  # the hub let go of the slow reader we were
+        await con.wake()
+        counts = await con.run("cat /tmp/gpio.n; ip -s link show can0 | sed -n '/TX:/{n;p}'; "
+                               "for p in $(pidof yes cat); do grep wchar /proc/$p/io; done")
+        await con.close()
+    # leaving the driver tree ends the lease: InPlaceReuse recycles the VM for the next one
+    t0 = time.monotonic()
+    state = await api.wait_ready(180)
+    recycle_s = time.monotonic() - t0
+    assert state.generation == lease["generation"] + 1, (lease, state)
+    con = await Console.open(rt.shared / "console.sock")
+    replay = await asyncio.wait_for(con.reader.read(1 << 20), 5)
+    assert b"FLOOD" not in replay, "the next lease's console replays the last lease's flood"
+    await con.wake()
+    leftovers = await con.run("cat /data/mark 2>&1; ps | grep -E 'yes|cangen|urandom' | grep -v grep")
+    assert "lease-one" not in leftovers and "yes" not in leftovers and "cangen" not in leftovers, leftovers
+    await con.close()
+
+    rt_grew = (rt_after["VmHWM"] - rt_before["VmHWM"]) / 1024
+    ex_grew = (ex_after["VmHWM"] - ex_before["VmHWM"]) / 1024
+    figures = (f"flooded ({' '.join(counts.split())}); API latency max {api_worst:.3f} s, exporter state() max {ex_worst:.3f} s; runtime RSS "
+               f"{rt_before['VmRSS'] // 1024} -> {rt_after['VmRSS'] // 1024} MiB (high-water +{rt_grew:.1f}), "
+               f"exporter RSS {ex_before['VmRSS'] // 1024} -> {ex_after['VmRSS'] // 1024} MiB (high-water "
+               f"+{ex_grew:.1f}); next lease Ready {recycle_s:.1f} s after the lease ended, pristine")
+    print(figures)
+    record_property("guest_flood", figures)
+    assert api_worst < 1 and ex_worst < 1, figures
+    assert rt_grew < 64 and ex_grew < 64, figures
