@@ -90,14 +90,22 @@ def challenge(www_authenticate: str) -> Callable[[http.server.BaseHTTPRequestHan
     return answer
 
 
-def token_service(h: http.server.BaseHTTPRequestHandler) -> None:
-    """A token endpoint that hands out a token to anyone (it only wants to see what it is sent)."""
-    body = b'{"token":"stolen-nothing"}'
-    h.send_response(200)
-    h.send_header("Content-Type", "application/json")
-    h.send_header("Content-Length", str(len(body)))
-    h.end_headers()
-    h.wfile.write(body)
+def token_service_with(token: str) -> Callable[[http.server.BaseHTTPRequestHandler], None]:
+    """An answer: ``200`` with this token."""
+
+    def answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        body = json.dumps({"token": token}).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    return answer
+
+
+#: a token endpoint that hands out a token to anyone (it only wants to see what it is sent)
+token_service = token_service_with("stolen-nothing")
 
 
 @contextlib.contextmanager
@@ -344,3 +352,43 @@ def test_which_entry_is_whose(tmp_path: Path) -> None:
     assert config.is_insecure("lan.example:8080") and config.is_insecure("127.0.0.1:5000")
     assert not config.is_insecure("127.0.0.1:5001") and not config.is_insecure("quay.io")
     assert "pw-" not in repr(config)  # a logged or printed config shows no password
+
+
+@pytest.mark.parametrize("realm_on", ["registry", "token-host"])
+def test_bearer_token_flow_still_works(realm_on: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The legitimate cases of the token flow: a realm on the registry's own host gets the
+    registry's credentials; a realm on another host that has its own auth entry gets that entry
+    (GitLab's shape) and never the registry's."""
+    token_creds = ("token-user", "token-pw-77")
+    issued = "issued-token-1"
+
+    def token(h: http.server.BaseHTTPRequestHandler) -> None:
+        expected = (USER, SECRET) if realm_on == "registry" else token_creds
+        if h.headers.get("Authorization") == "Basic " + base64.b64encode(":".join(expected).encode()).decode():
+            token_service_with(issued)(h)
+        else:
+            challenge('Basic realm="token"')(h)
+
+    def registry_answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        if h.path.startswith("/token"):
+            token(h)
+        elif h.headers.get("Authorization") == f"Bearer {issued}":
+            body = b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":"unknown"}]}'
+            h.send_response(404)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+        else:
+            realm_host = registry.host if realm_on == "registry" else other.host
+            challenge(f'Bearer realm="http://{realm_host}/token",service="s",scope="repository:x/y:pull"')(h)
+
+    with FakeRegistry(registry_answer) as registry, FakeRegistry(token) as other:
+        monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", f"{registry.host},{other.host}")
+        monkeypatch.setenv("VMSIDECAR_REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "a.json", {
+            registry.host: (USER, SECRET), other.host: token_creds})))
+        with pytest.raises(RegistryError) as info:
+            pull(f"{registry.host}/x/y@sha256:{'0' * 64}", tmp_path / "c")
+    assert info.value.code == "manifest_not_found", info.value.message  # authorised: the registry looked
+    if realm_on == "token-host":
+        assert any("authorization: basic" in r.lower() for r in other.requests)  # its own entry's …
+        assert not any(s in r for r in other.requests for s in LEAKS)  # … never the registry's

@@ -204,6 +204,7 @@ class OrasRegistry(oras.provider.Registry):
         registries hand out anonymous pull tokens); a plain-HTTP realm gets credentials only when
         its host is listed as insecure (or is the registry, spoken to in HTTP on purpose).
         """
+        self.withheld = None
         realm = params.get("realm", "")
         scheme, realm_host, _ = origin(realm)
         if scheme not in ("http", "https") or not realm_host:
