@@ -206,8 +206,9 @@ class RuntimeClient:
                         progress(int(line["done"]), line.get("total"))
                     elif line["type"] == "result":
                         return VmState.model_validate(line["state"])
-                    elif line["type"] == "error":
-                        raise error_from_body(line, 422)
+                    elif line["type"] == "error":  # after the 200: the status its class answers with
+                        cls = errors.registry().get(str(line.get("error")), errors.VmsidecarError)
+                        raise error_from_body(line, cls.http_status)
         except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
             raise self._unavailable(e) from e
         raise errors.VmsidecarError("the runtime ended the pull stream without a result; check the runtime log")

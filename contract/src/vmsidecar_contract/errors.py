@@ -9,6 +9,8 @@ Tree::
     ├── NotFoundError              not_found       404
     ├── StateError                 wrong_phase     409
     │   └── GenerationChangedError generation_changed 409
+    ├── TransferError              transfer_in_progress 409 (one disk transfer at a time; transfer_cancelled)
+    │   └── PullTimeoutError       pull_timeout    504
     ├── ImageError                 image_error     422
     │   ├── BadReferenceError      bad_reference   400
     │   ├── RegistryError          registry_error  502
@@ -120,6 +122,24 @@ class GenerationChangedError(StateError):
     """A conditional operation named a generation that is no longer current."""
 
     code = "generation_changed"
+
+
+class TransferError(VmsidecarError):
+    """Another disk transfer (a pull, a flash by reference or an upload flash) is under way for this VM."""
+
+    code = "transfer_in_progress"
+    http_status = 409
+    codes = {
+        "transfer_cancelled": "the transfer's lease ended (a recycle, or the next lease's claim) or its client went "
+                              "away before it finished: nothing of it was installed",
+    }
+
+
+class PullTimeoutError(TransferError):
+    """A pull (or upload flash) did not finish within the runtime's deadline (serve --pull-timeout)."""
+
+    code = "pull_timeout"
+    http_status = 504
 
 
 class ImageError(VmsidecarError):

@@ -35,7 +35,7 @@ from vmsidecar_contract.spec import VmSpec, load_spec
 
 from .console import VmConsole
 from .gpio import VmGpio, VmGpioInput, VmGpioOutput
-from .lease_exit import request_exit_after_lease
+from .lease_exit import request_exit_after_lease, serves_a_lease
 from .link import RuntimeLink
 from .network import VmForward
 from .power import VmPower
@@ -117,38 +117,49 @@ class VirtualMachine(Driver):
 
     # ---- lease lifecycle -----------------------------------------------------------------
     def reset(self) -> None:
-        """Session start: hand our spec to the runtime (idempotent); the lease claim waits for a real call."""
+        """Session start: hand our spec to the runtime (idempotent); a tree handed out to a lease
+        also claims the VM now, before the lease can do anything (lease_exit.serves_a_lease)."""
         super().reset()
         self.link = RuntimeLink(Path(self.socket), spec=self._spec, on_claim=self._on_claim)
-        if self._spec is not None:
-            spec = self._spec
-            try:
+        lease = serves_a_lease()
+        try:
+            if lease:
+                self.link.claim_now()  # pushes the spec first
+            elif self._spec is not None:
+                spec = self._spec
                 self.link.run_sync(lambda c: c.put_spec(spec), timeout=30)
-            except VmsidecarError as e:
-                log.warning("could not push the spec to the runtime yet (%s); will retry on first use", e.message)
-                if isinstance(e, RuntimeUnavailableError):
-                    self._push_spec_later(self.link, spec)
-            except Exception as e:  # runtime not up yet: the exporter keeps running
-                log.warning("runtime not reachable at %s yet (%s); will retry on first use", self.socket, e)
+        except VmsidecarError as e:
+            log.warning("could not %s yet (%s); will retry on first use", "claim the VM" if lease else
+                        "push the spec to the runtime", e.message)
+            if isinstance(e, RuntimeUnavailableError):
+                self._push_spec_later(self.link, self._spec, claim=lease)
+        except Exception as e:  # runtime not up yet: the exporter keeps running
+            log.warning("runtime not reachable at %s yet (%s); will retry on first use", self.socket, e)
 
     @staticmethod
-    def _push_spec_later(link: RuntimeLink, spec: VmSpec) -> None:
-        """Keep offering the spec for a while in the background: in a pod the exporter may start
-        before the runtime serves, and a standalone exporter has no "first use" until someone
-        connects — without this the guest would not boot and the pod would never be Ready."""
+    def _push_spec_later(link: RuntimeLink, spec: VmSpec | None, *, claim: bool = False) -> None:
+        """Keep offering the spec (and the lease's claim) for a while in the background: in a pod
+        the exporter may start before the runtime serves, and a standalone exporter has no "first
+        use" until someone connects — without this the guest would not boot and the pod would
+        never be Ready."""
+        if spec is None and not claim:
+            return
 
         def retry() -> None:
             deadline = time.monotonic() + SPEC_RETRY_S
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and link.claimed_generation is None:
                 time.sleep(SPEC_RETRY_EVERY_S)
                 try:
-                    link.run_sync(lambda c: c.put_spec(spec), timeout=30)
+                    if claim:
+                        link.claim_now()
+                    elif spec is not None:
+                        link.run_sync(lambda c: c.put_spec(spec), timeout=30)
                 except RuntimeUnavailableError:
                     continue  # not serving yet
                 except Exception as e:  # an answer: the first use reports it to the user
-                    log.warning("the runtime did not take the spec (%s)", e)
+                    log.warning("the runtime did not take the %s (%s)", "claim" if claim else "spec", e)
                     return
-                log.info("spec handed to the runtime at %s", link.socket)
+                log.info("%s the runtime at %s", "claimed" if claim else "spec handed to", link.socket)
                 return
 
         threading.Thread(target=retry, name="vmsidecar-spec", daemon=True).start()
@@ -162,7 +173,7 @@ class VirtualMachine(Driver):
         try:
             generation = self.link.claimed_generation
             if generation is None:
-                return  # the start-up session, or a lease that never touched the VM
+                return  # the start-up tree (or a lease whose runtime never answered)
             if self.recycle == "InPlaceReuse":
                 try:
                     self.link.run_sync(lambda c: c.recycle(boot=True, if_generation=generation))

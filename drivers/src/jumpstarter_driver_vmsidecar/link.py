@@ -1,7 +1,10 @@
 """The link from a driver tree to its runtime: one API client, the lease claim, error translation.
 
-Every child driver of one ``VirtualMachine`` shares one ``RuntimeLink``. The first call of a lease
-claims the VM (``POST /v1/vm/lease``), so a lease never sees a guest an earlier lease used.
+Every child driver of one ``VirtualMachine`` shares one ``RuntimeLink``. A lease's tree claims the
+VM (``POST /v1/vm/lease``) when the exporter hands the lease out (``claim_now`` from ``reset()``),
+so a lease never sees a guest an earlier lease used, and is recycled even when it only used
+children that never call the runtime (CAN, network forwards). Should that claim fail (the runtime
+not up yet), the first call of the lease claims instead.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +23,9 @@ from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 
 T = TypeVar("T")
+#: how long a tree's reset() waits for its claim: a capture under way (seconds under TCG), or the
+#: recycle of a lease whose end the runtime has not seen yet (stop + restore or cold launch)
+CLAIM_TIMEOUT_S = 120.0
 _closing: set[asyncio.Task[None]] = set()
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ class RuntimeLink:
     _client: RuntimeClient | None = field(default=None, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _claim_lock: asyncio.Lock | None = field(default=None, repr=False)
+    _claim_mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def client(self) -> RuntimeClient:
         """The API client bound to the running event loop."""
@@ -83,14 +91,37 @@ class RuntimeLink:
         client = self.client()
         assert self._claim_lock is not None
         async with self._claim_lock:
-            if self.claimed_generation is None:
-                if self.spec is not None:
-                    await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
-                state = await client.claim()
-                self.claimed_generation = state.generation
-                log.info("claimed the VM at generation %d", state.generation)
-                if self.on_claim is not None:
-                    self.on_claim()
+            while not self._claim_mutex.acquire(blocking=False):  # claim_now in a thread (a late runtime)
+                await asyncio.sleep(0.05)
+            try:
+                if self.claimed_generation is None:
+                    if self.spec is not None:
+                        await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
+                    state = await client.claim()
+                    self._claimed(state.generation, "at the first call of the lease")
+            finally:
+                self._claim_mutex.release()
+
+    def claim_now(self, timeout: float = CLAIM_TIMEOUT_S) -> None:
+        """Claim from synchronous code: ``reset()`` of a tree the exporter hands to a lease (or the
+        thread that retries it while the runtime does not answer yet). Never twice: a second claim
+        of one lease would recycle its own guest."""
+        spec = self.spec
+
+        async def claim(client: RuntimeClient) -> int:
+            if spec is not None:
+                await client.put_spec(spec)  # idempotent; covers a runtime that started without one
+            return (await client.claim()).generation
+
+        with self._claim_mutex:
+            if self.claim_leases and self.claimed_generation is None:
+                self._claimed(self.run_sync(claim, timeout), "as the lease was handed out")
+
+    def _claimed(self, generation: int, when: str) -> None:
+        self.claimed_generation = generation
+        log.info("claimed the VM at generation %d %s", generation, when)
+        if self.on_claim is not None:
+            self.on_claim()
 
     def close(self) -> None:
         """Close the API client's connection pool on its loop (called from the sync ``close`` hook)."""

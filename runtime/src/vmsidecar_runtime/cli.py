@@ -26,11 +26,25 @@ from .hostpaths import ENV as HOST_PATHS_ENV
 from .hostpaths import HostPathPolicy
 from .image import limits
 from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET, configure_budget
-from .serve import DEFAULT_SHARED, default_paths, serve, setup_logging
+from .serve import DEFAULT_PULL_TIMEOUT_S, DEFAULT_SHARED, default_paths, serve, setup_logging
+
+PULL_TIMEOUT_ENV = "VMSIDECAR_PULL_TIMEOUT"
 
 #: environment that configures the process, not the VM spec
 _PROCESS_ENV = {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
-                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV, limits.MAX_DISK_SIZE_ENV}
+                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV, limits.MAX_DISK_SIZE_ENV,
+                PULL_TIMEOUT_ENV}
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 1800)")
+    return value
 
 
 def _default_socket() -> Path:
@@ -177,7 +191,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     )
     host_paths = HostPathPolicy.from_sources(args.allow_host_paths)
     return asyncio.run(serve(spec, paths, allow_extra_args=args.allow_extra_args, host_paths=host_paths,
-                             grace=args.grace))
+                             grace=args.grace, pull_timeout=args.pull_timeout))
 
 
 _PROCESS_ENV.add(BUDGET_ENV)
@@ -217,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let API callers name host paths (file:, oci-layout:, kernel, initrd) under DIR; "
                         "repeatable; also VMSIDECAR_ALLOW_HOST_PATHS=DIR[:DIR]")
     s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
+    s.add_argument("--pull-timeout", type=_seconds, metavar="SECONDS",
+                   default=os.environ.get(PULL_TIMEOUT_ENV, str(DEFAULT_PULL_TIMEOUT_S)),
+                   help=f"deadline of one pull or flash, start to end (default {DEFAULT_PULL_TIMEOUT_S:.0f}; "
+                        f"also {PULL_TIMEOUT_ENV})")
     s.add_argument(limits.MAX_DISK_SIZE_FLAG, metavar="SIZE",
                    help="largest disk a pull or flash may bring: its virtual size and its bytes on the host once "
                         f"decompressed (e.g. 64G, 512M; default 64G; also {limits.MAX_DISK_SIZE_ENV})")

@@ -29,6 +29,7 @@ from . import procs
 from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
+from .controller.disk_ops import DEFAULT_PULL_TIMEOUT_S
 from .hostpaths import HostPathPolicy
 from .oci.cache import DiskCache
 from .perms import restrict_umask, share
@@ -179,7 +180,8 @@ async def _reap_orphans(stop: asyncio.Event) -> None:
 
 
 async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
-                host_paths: HostPathPolicy | None = None, grace: float = 30.0) -> int:
+                host_paths: HostPathPolicy | None = None, grace: float = 30.0,
+                pull_timeout: float = DEFAULT_PULL_TIMEOUT_S) -> int:
     """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
     restrict_umask()
     lock = SharedDirLock(paths.shared / ".runtime.lock")
@@ -198,7 +200,8 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
         log.warning("cannot set mode 2770 on %s (owned by uid %d, not by this uid %d); mount the volume one "
                     "level up (/shared) so the runtime creates the directory itself", paths.shared,
                     paths.shared.stat().st_uid, os.geteuid())
-    vm = VmController(spec, paths, allow_extra_args=allow_extra_args, host_paths=host_paths)
+    vm = VmController(spec, paths, allow_extra_args=allow_extra_args, host_paths=host_paths,
+                      pull_timeout=pull_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

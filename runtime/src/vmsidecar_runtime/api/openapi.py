@@ -43,10 +43,12 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 
 def _errors(*codes: int) -> dict[str, Any]:
     names = {400: "Malformed request (body, query parameter) or invalid spec", 404: "Not found",
-             409: "Wrong phase for this operation", 413: f"JSON body larger than {MAX_JSON_BODY} bytes",
+             409: "Wrong phase for this operation, or another disk transfer is under way (transfer_in_progress)",
+             413: f"JSON body larger than {MAX_JSON_BODY} bytes",
              415: "Body without the Content-Type this operation takes (code http_error)",
              422: "Image cannot be used", 500: "Host or guest failure", 502: "Registry failure",
-             503: "Not ready"}
+             503: "Not ready",
+             504: "A pull or upload flash past the runtime's deadline (pull_timeout; serve --pull-timeout)"}
     return {str(c): {"description": names[c], "content": _json(ErrorBody)} for c in codes}
 
 
@@ -80,14 +82,17 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
     "/v1/vm/power": {"post": {
         "summary": "on (Stopped|Crashed|Error; idempotent when on), off (any), reset (Starting|Running|Ready), cycle (any).",
         "requestBody": _json_body(PowerRequest),
-        "responses": {**_STATE_OK, **_errors(*_BODY_ERRORS, 409, 422, 500, 502)}}},
+        "responses": {**_STATE_OK, **_errors(*_BODY_ERRORS, 409, 422, 500, 502, 504)}}},
     "/v1/vm/recycle": {"post": {
-        "summary": "Back to pristine (overlay, flashed disk, scrollback discarded; generation bumped), then boot. Any phase.",
+        "summary": "Back to pristine (overlay, flashed disk, scrollback discarded; generation bumped), then boot. "
+                   "Cancels the disk transfer under way (it belonged to the lease that ended). Any phase.",
         "requestBody": _json_body(RecycleRequest, required=False),
         "responses": {**_STATE_OK, **_errors(*_BODY_ERRORS, 409, 500)}}},
     "/v1/vm/lease": {"post": {
-        "summary": "Claim the VM for a new lease: when an earlier lease used this generation it is recycled first "
-                   "(the answer then comes after the fresh boot has started). Any phase.",
+        "summary": "Claim the VM for a new lease (the exporter does when it hands the lease out): when an earlier "
+                   "lease used this generation it is recycled first (the answer then comes after the fresh boot "
+                   "has started); the disk transfer under way is cancelled; no memory snapshot is captured from "
+                   "then on (one under way finishes first). Any phase.",
         "responses": {**_STATE_OK, **_errors(400, 500)}}},
     "/v1/vm/disk": {
         "put": {"summary": "Flash: the body is the image (qcow2/raw, optionally zstd/gzip/xz), streamed (no size limit "
@@ -98,7 +103,7 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
                 ],
                 "requestBody": {"required": True, "description": "Content-Type application/octet-stream, or none",
                                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                "responses": {**_STATE_OK, **_errors(400, 409, 415, 422, 500)}},
+                "responses": {**_STATE_OK, **_errors(400, 409, 415, 422, 500, 504)}},
         "get": {"summary": "Dump the disk (base + changes) as one image. Stopped|Crashed|Error.",
                 "parameters": [{"name": "format", "in": "query",
                                 "schema": {"type": "string", "enum": ["qcow2", "raw"], "default": "qcow2"}}],
@@ -109,7 +114,10 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "/v1/vm/disk/pull": {"post": {
         "summary": "Flash from a reference; answers an NDJSON stream of ProgressLine (progress…, then result or error). "
-                   "Stopped|Crashed|Error, or any phase with power_off.",
+                   "Stopped|Crashed|Error, or any phase with power_off. One disk transfer at a time (409 "
+                   "transfer_in_progress); cancelled (error line transfer_cancelled, nothing installed) by a "
+                   "recycle, the next claim or the client going away; bounded by serve --pull-timeout "
+                   "(error line pull_timeout).",
         "requestBody": _json_body(PullRequest),
         "responses": {"200": {"description": "progress stream",
                               "content": {"application/x-ndjson": {"schema": _ref(ProgressLine)}}},
@@ -118,7 +126,8 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
         "summary": "Event stream (NDJSON of Event; a hello event first) until the client disconnects, or until "
                    "timeout seconds have passed. Any phase.",
         "parameters": [{"name": "types", "in": "query", "schema": {"type": "string"},
-                        "description": "comma-separated event types, exact names (phase, spec, pulled, flashed, recycled, "
+                        "description": "comma-separated event types, exact names (phase, spec, pulled, flashed, "
+                                       "transfer_cancelled, claimed, recycled, "
                                        "guest.powered_off, guest.reset, guest.paused, guest.resumed, guest.panicked, "
                                        "guest.powerdown_requested, backend.exited)"},
                        {"name": "timeout", "in": "query",

@@ -272,7 +272,11 @@ async def put_disk(request: web.Request) -> web.Response:
 
 
 async def post_disk_pull(request: web.Request) -> web.StreamResponse:
-    """Flash from a reference; the answer is an NDJSON stream of progress lines and one result."""
+    """Flash from a reference; the answer is an NDJSON stream of progress lines and one result.
+
+    The transfer is reserved before the 200 of the stream (a second one is a real 409), and it is
+    cancelled when the client goes away: nobody would see its result, and the next lease must not
+    get it."""
     vm = _vm(request)
     req = await _model(request, PullRequest)
     vm.host_paths.check_reference(req.reference)  # before the 200 of the stream: a refusal is a 400
@@ -280,31 +284,57 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
         from vmsidecar_contract.state import BOOTABLE, require
 
         require(vm.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-
-    def progress(done: int, total: int | None) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, {"type": "progress", "done": done, "total": total})
-
-    task = asyncio.create_task(vm.flash_reference(req.reference, power_off=req.power_off, progress=progress))
-    last_sent = 0.0
-    while not task.done() or not queue.empty():
-        with contextlib.suppress(asyncio.TimeoutError):
-            line = await asyncio.wait_for(queue.get(), 0.2)
-            now = loop.time()
-            if now - last_sent >= 0.2 or line.get("done") == line.get("total"):
-                await response.write(json.dumps(line).encode() + b"\n")
-                last_sent = now
+    transfer = vm.begin_transfer(f"the flash from {req.reference}")
+    task: asyncio.Task[Any] | None = None
     try:
-        state = task.result()
-        final: dict[str, Any] = {"type": "result", "state": state.model_dump(mode="json")}
-    except VmsidecarError as e:
-        final = {"type": "error", **e.to_dict()}
-    await response.write(json.dumps(final).encode() + b"\n")
-    await response.write_eof()
-    return response
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def progress(done: int, total: int | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, {"type": "progress", "done": done, "total": total})
+
+        task = asyncio.create_task(vm.flash_reference(req.reference, power_off=req.power_off, progress=progress,
+                                                      transfer=transfer))
+        task.add_done_callback(_retrieve)
+        last_sent = 0.0
+        while not task.done() or not queue.empty():
+            if _client_gone(request):
+                vm.cancel_transfer("its client went away", transfer)
+                await asyncio.wait({task})
+                return response
+            with contextlib.suppress(asyncio.TimeoutError):
+                line = await asyncio.wait_for(queue.get(), 0.2)
+                now = loop.time()
+                if now - last_sent >= 0.2 or line.get("done") == line.get("total"):
+                    await response.write(json.dumps(line).encode() + b"\n")
+                    last_sent = now
+        try:
+            state = task.result()
+            final: dict[str, Any] = {"type": "result", "state": state.model_dump(mode="json")}
+        except VmsidecarError as e:
+            final = {"type": "error", **e.to_dict()}
+        await response.write(json.dumps(final).encode() + b"\n")
+        await response.write_eof()
+        return response
+    finally:
+        if task is None:
+            vm.end_transfer(transfer)
+        elif not task.done():  # the stream broke (the client left mid-write) or the server stops
+            vm.cancel_transfer("its client went away", transfer)
+
+
+def _client_gone(request: web.Request) -> bool:
+    # aiohttp does not cancel a handler whose client left; a pull that sends no progress (a stalled
+    # registry) would never find out by writing
+    return request.transport is None or request.transport.is_closing()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """The result of a transfer whose client left is nobody's: read it so asyncio does not warn."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def get_disk(request: web.Request) -> web.StreamResponse:

@@ -7,7 +7,8 @@ operations, under the same lock. The rules:
   recycle, not a flashed disk, not a power cycle within a lease) and the cache has the snapshot
   for this spec, image, QEMU and accelerator. A refused snapshot is discarded: the guest boots cold.
 - **Capture** at the first Ready of such a cold boot, unless a lease has already claimed the
-  guest (its activity must never reach the snapshot). The guest is paused, its state written,
+  guest (its activity must never reach the snapshot; the exporter claims when it hands a lease
+  out, so no capture starts after that, and a claim waits for one already under way). The guest is paused, its state written,
   QEMU stopped, the overlay frozen into the snapshot; then the same boot continues from the
   snapshot just taken, which proves it loads. Consoles keep their clients and scrollback.
 - **Clock**: a restored guest's wall clock resumes at the capture instant. The capture asks
@@ -79,6 +80,13 @@ class SnapshotOperations:
         self._planned_key: str | None = None
         #: keys QEMU could not snapshot (a device that blocks migration): not retried
         self._uncapturable: dict[str, str] = {}
+        #: set while a capture runs (it started before any lease had the guest); a claim waits for it
+        self._capturing: asyncio.Event | None = None
+
+    async def _capture_finished(self) -> None:
+        """Return once no capture is under way (a claim waits: the lease must not act during one)."""
+        while self._capturing is not None:
+            await self._capturing.wait()
 
     def _snapshot_key(self, spec: VmSpec, accel: str) -> str | None:
         """The key for booting ``spec`` on the spec's own image now, or None (reason recorded)."""
@@ -186,8 +194,16 @@ class SnapshotOperations:
         if self._capture_key is None:
             return False
         key, self._capture_key = self._capture_key, None
+        if self._claimed:
+            self._capture_abandoned()
+            return False
         self._spawn(self._capture(key))
         return True
+
+    def _capture_abandoned(self) -> None:
+        self.snapshot_info = self.snapshot_info.model_copy(update={
+            "reason": "a lease was handed out before this boot was Ready, so it is not captured (the lease may "
+                      "have changed the guest); the next pristine boot, after the lease's recycle, captures it"})
 
     async def _capture(self, key: str) -> None:
         async with self._lock:
@@ -195,45 +211,52 @@ class SnapshotOperations:
             if backend is None or self.phase != Phase.RUNNING:
                 return  # powered off or failed while waiting for the lock
             if self._claimed:
-                self.snapshot_info = self.snapshot_info.model_copy(
-                    update={"reason": "a lease claimed the guest before it was ready; no snapshot of it is taken"})
+                self._capture_abandoned()
                 self._set_ready()
                 return
-            started = time.monotonic()
-            plan = self._plan
-            assert plan is not None
-            # asked before the state is saved: the agent's answer is in no later restore's channel
-            agent = await guest_agent.probe(plan.guest_agent_socket, AGENT_PROBE_S)
-            log.info("guest agent at capture: %s (%.2f s)", "answers" if agent else "none", time.monotonic() - started)
-            staged = self._store.staging(key)
+            self._capturing = asyncio.Event()
             try:
-                await backend.save_state(staged.memory)
-            except HostError as e:
-                await self._store.discard(staged)
-                self._uncapturable[key] = f"QEMU cannot snapshot this guest: {e.message}"
-                self.snapshot_info = self.snapshot_info.model_copy(update={"reason": self._uncapturable[key]})
-                log.warning("no memory snapshot: %s", e.message)
-                if backend.alive:
-                    await backend.resume()
-                self._set_ready()
-                return
-            consoles = {name: self.streams.hubs[name].boot_output() for name in CONSOLES if name in self.streams.hubs}
-            await self._quiet_stop()
-            await asyncio.to_thread(shutil.move, self.paths.overlay, staged.disk)
-            try:
-                snap = await asyncio.to_thread(self._store.commit, staged, key, consoles,
-                                               SnapshotMeta(guest_agent=agent))
-            except HostError as e:
-                await self._store.discard(staged)
-                self.snapshot_info = self.snapshot_info.model_copy(update={"reason": e.message})
-                log.warning("no memory snapshot: %s", e.message)
-                await self._cold_boot()
-                return
-            captured = round(time.monotonic() - started, 3)
-            log.info("memory snapshot %s captured in %.2f s (%d MB)", key, captured, snap.size >> 20)
-            if await self._restore_or_fall_back(snap, new_boot=False):
-                self.snapshot_info = self.snapshot_info.model_copy(
-                    update={"capture_seconds": captured, "size": snap.size})
-                self._set_ready()
-            else:
-                await self._cold_boot()
+                await self._capture_locked(key, backend)
+            finally:
+                self._capturing.set()
+                self._capturing = None
+
+    async def _capture_locked(self, key: str, backend: Backend) -> None:
+        started = time.monotonic()
+        plan = self._plan
+        assert plan is not None
+        # asked before the state is saved: the agent's answer is in no later restore's channel
+        agent = await guest_agent.probe(plan.guest_agent_socket, AGENT_PROBE_S)
+        log.info("guest agent at capture: %s (%.2f s)", "answers" if agent else "none", time.monotonic() - started)
+        staged = self._store.staging(key)
+        try:
+            await backend.save_state(staged.memory)
+        except HostError as e:
+            await self._store.discard(staged)
+            self._uncapturable[key] = f"QEMU cannot snapshot this guest: {e.message}"
+            self.snapshot_info = self.snapshot_info.model_copy(update={"reason": self._uncapturable[key]})
+            log.warning("no memory snapshot: %s", e.message)
+            if backend.alive:
+                await backend.resume()
+            self._set_ready()
+            return
+        consoles = {name: self.streams.hubs[name].boot_output() for name in CONSOLES if name in self.streams.hubs}
+        await self._quiet_stop()
+        await asyncio.to_thread(shutil.move, self.paths.overlay, staged.disk)
+        try:
+            snap = await asyncio.to_thread(self._store.commit, staged, key, consoles,
+                                           SnapshotMeta(guest_agent=agent))
+        except HostError as e:
+            await self._store.discard(staged)
+            self.snapshot_info = self.snapshot_info.model_copy(update={"reason": e.message})
+            log.warning("no memory snapshot: %s", e.message)
+            await self._cold_boot()
+            return
+        captured = round(time.monotonic() - started, 3)
+        log.info("memory snapshot %s captured in %.2f s (%d MB)", key, captured, snap.size >> 20)
+        if await self._restore_or_fall_back(snap, new_boot=False):
+            self.snapshot_info = self.snapshot_info.model_copy(
+                update={"capture_seconds": captured, "size": snap.size})
+            self._set_ready()
+        else:
+            await self._cold_boot()

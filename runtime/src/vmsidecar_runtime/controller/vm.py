@@ -28,7 +28,7 @@ from ..firmware import prepare_firmware
 from ..hostpaths import HostPathPolicy
 from ..plan import BootPlan
 from ..snapshots import CONSOLES, Snapshot
-from .disk_ops import DiskOperations
+from .disk_ops import DEFAULT_PULL_TIMEOUT_S, DiskOperations, Transfer
 from .disks import Disks
 from .lease_ops import LeaseOperations
 from .paths import RuntimePaths
@@ -68,6 +68,7 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
         allow_extra_args: bool = False,
         host_paths: HostPathPolicy | None = None,
         pull_fn: Callable[..., Any] | None = None,
+        pull_timeout: float = DEFAULT_PULL_TIMEOUT_S,
     ) -> None:
         self.spec = spec
         self.paths = paths
@@ -77,6 +78,9 @@ class VmController(DiskOperations, LeaseOperations, SnapshotOperations):
         #: host paths API callers may name (none by default); the runtime's own config may name any
         self.host_paths = host_paths or HostPathPolicy()
         self.disks = Disks(paths, pull_fn)
+        self.pull_timeout = pull_timeout
+        #: the one disk transfer under way (a lease's flash), cancelled when its lease ends
+        self._transfer: Transfer | None = None
         self.streams = GuestStreams(paths)
         self.shutdown_requested = asyncio.Event()
         self._backend_factory = backend_factory

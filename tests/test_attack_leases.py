@@ -1,0 +1,320 @@
+"""Attacks on lease isolation (issue 19, items 3 and 4): nothing of lease N reaches lease N+1.
+
+- A flash by reference of lease N still pulling when lease N ends must never be installed in lease
+  N+1; one disk transfer at a time per VM (409 ``transfer_in_progress``); every pull has a deadline
+  (``pull_timeout``); a pull whose client went away is cancelled.
+- A lease that only uses children which never call the runtime (CAN, a network forward) is still
+  claimed — when the exporter hands it out — so it is recycled at its end; a lease handed out
+  during the unclaimed cold boot keeps the capture of that boot from being taken.
+
+Each pull is slowed by :class:`ThrottleProxy` in front of the real registry: the pull is provably
+under way (bytes flowing) when the lease ends, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.faults import ThrottleProxy, wait_phase
+from guestio import Console
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import PullTimeoutError, TransferError
+from vmsidecar_runtime.oci import push_artifact
+
+pytestmark = pytest.mark.timeout(600)
+
+VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
+SLOW_REPO = "attack/lease-flash:1"
+#: slow enough that the 16 MiB layer takes minutes: the pull is still running at every step below
+CRAWL = 64 << 10
+
+
+@pytest.fixture
+def image_cache(tmp_path: Path) -> Path:
+    """A cache of this test's own (overrides the session's): the slow image is never already there."""
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def slow_image(registry: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 16 MiB incompressible qcow2 in the registry (through the proxy it takes minutes)."""
+    work = tmp_path_factory.mktemp("slow-image")
+    raw = work / "big.raw"
+    raw.write_bytes(os.urandom(16 << 20))
+    big = work / "big.qcow2"
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(big)], check=True, timeout=60)
+    raw.unlink()
+    push_artifact(big, f"{registry.host}/{SLOW_REPO}", compression=None)
+    return SLOW_REPO
+
+
+@contextlib.asynccontextmanager
+async def crawling(registry: Any) -> AsyncIterator[ThrottleProxy]:
+    async with ThrottleProxy(("127.0.0.1", int(registry.host.rsplit(":", 1)[1])), rate=CRAWL) as proxy:
+        yield proxy
+
+
+async def pull_under_way(proxy: ThrottleProxy, task: asyncio.Task[Any], at_least: int = 256 << 10) -> None:
+    """Until the layer is flowing through the proxy (the transfer is in its pull)."""
+    deadline = time.monotonic() + 120
+    while proxy.forwarded < at_least:
+        assert not task.done(), f"the transfer ended before its pull was under way: {task}"
+        assert time.monotonic() < deadline, f"the pull never started ({proxy.forwarded} bytes)"
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def collecting(client: RuntimeClient, types: list[str]) -> AsyncIterator[list[dict[str, Any]]]:
+    """The runtime's events of ``types`` while the block runs."""
+    seen: list[dict[str, Any]] = []
+
+    async def collect() -> None:
+        async for event in client.events(types):
+            if event["type"] != "hello":
+                seen.append(event)
+
+    task = asyncio.create_task(collect())
+    await asyncio.sleep(0.3)  # the stream is open (its hello line) before anything happens
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def until(what: str, pred: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not await pred():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        await asyncio.sleep(0.1)
+
+
+# ---- item 3: a pull belongs to its lease ------------------------------------------------------
+async def test_a_flash_pull_of_lease_n_never_lands_in_lease_n_plus_1(
+    start_runtime: Any, tiny_image: Any, registry: Any, slow_image: str
+) -> None:
+    """Lease N flashes ``oci://…`` from a crawling registry (power_off, like the driver); lease N
+    ends (recycle if_generation) and lease N+1 claims while the pull runs; then the registry speeds
+    up. Before the fix the pull finished, powered N+1's fresh guest off and installed N's disk."""
+    spec_image = f"file:{tiny_image.disk}"
+    rt = await start_runtime({"image": spec_image, "memory": "256M", "snapshot": "off"})
+    client = rt.client()
+    await client.wait_ready(240)
+    lease_n = await client.claim()
+    async with collecting(rt.client(), ["transfer_cancelled", "flashed"]) as events, crawling(registry) as proxy:
+        flash = asyncio.create_task(rt.client().flash_reference(f"{proxy.host}/{slow_image}", power_off=True))
+        await pull_under_way(proxy, flash)
+        await client.recycle(boot=True, if_generation=lease_n.generation)  # lease N ends
+        lease_n1 = await client.claim()  # lease N+1 starts
+        assert lease_n1.generation == lease_n.generation + 1
+        proxy.rate = 1 << 30  # the pull may finish now
+        outcome = (await asyncio.wait_for(asyncio.gather(flash, return_exceptions=True), 180))[0]
+        await asyncio.sleep(1)  # a late install would show now
+    assert isinstance(outcome, TransferError) and outcome.code == "transfer_cancelled", (
+        f"lease N's flash was not cancelled at the end of lease N: {outcome!r}")
+    assert "recycle" in outcome.message and "nothing of it was installed" in outcome.message, outcome.message
+    assert [e["type"] for e in events] == ["transfer_cancelled"], events  # reported, never "flashed"
+    assert events[0]["data"]["generation"] == lease_n.generation
+    ready = await client.wait_ready(240)
+    assert ready.generation == lease_n1.generation and ready.boot == lease_n1.boot  # N+1's boot, never powered off
+    assert ready.disk == spec_image and ready.image_digest == lease_n.image_digest  # the spec's pristine image
+
+
+async def test_a_second_pull_while_one_runs_is_refused_with_409(
+    start_runtime: Any, registry: Any, slow_image: str
+) -> None:
+    rt = await start_runtime({"memory": "256M"})  # no image: nothing boots, the flash tests stay cheap
+    async with crawling(registry) as proxy:
+        first = asyncio.create_task(rt.client().flash_reference(f"{proxy.host}/{slow_image}"))
+        await pull_under_way(proxy, first)
+        started = time.monotonic()
+        with pytest.raises(TransferError) as exc:
+            await asyncio.wait_for(rt.client().flash_reference(f"{registry.host}/{slow_image}"), 20)
+        assert exc.value.code == "transfer_in_progress" and exc.value.http_status == 409, exc.value
+        assert f"{proxy.host}/{slow_image}" in exc.value.message and "wait for it" in exc.value.message
+        assert time.monotonic() - started < 5  # refused at once, not queued
+        assert not first.done()  # the first one was not disturbed
+        first.cancel()
+
+
+async def test_a_pull_whose_client_went_away_is_cancelled_and_never_installed(
+    start_runtime: Any, registry: Any, slow_image: str
+) -> None:
+    rt = await start_runtime({"memory": "256M"})
+    client = rt.client()
+    async with collecting(rt.client(), ["transfer_cancelled", "flashed"]) as events, crawling(registry) as proxy:
+        gone = rt.client()
+        flash = asyncio.create_task(gone.flash_reference(f"{proxy.host}/{slow_image}"))
+        await pull_under_way(proxy, flash)
+        flash.cancel()
+        await gone.close()  # the client goes away mid-pull (its connection closes)
+
+        async def cancelled() -> bool:
+            return bool(events)
+
+        await until("the runtime did not cancel the pull of a client that went away", cancelled, 15)
+        proxy.rate = 1 << 30
+        await asyncio.sleep(2)  # a pull still running would finish and install now
+    assert [e["type"] for e in events] == ["transfer_cancelled"], events
+    assert "went away" in events[0]["data"]["reason"], events
+    assert (await client.state()).disk is None  # nothing installed
+    state = await asyncio.wait_for(client.flash_reference(f"{registry.host}/{slow_image}"), 120)  # the slot is free
+    assert state.disk == f"{registry.host}/{slow_image}"
+
+
+async def test_a_pull_past_its_deadline_ends_with_pull_timeout(
+    start_runtime: Any, registry: Any, slow_image: str
+) -> None:
+    rt = await start_runtime({"memory": "256M"}, extra_args=["--pull-timeout", "3"])
+    client = rt.client()
+    async with crawling(registry) as proxy:
+        started = time.monotonic()
+        with pytest.raises(PullTimeoutError) as exc:
+            await asyncio.wait_for(rt.client().flash_reference(f"{proxy.host}/{slow_image}"), 60)
+        took = time.monotonic() - started
+    assert exc.value.code == "pull_timeout", exc.value
+    assert "3 s" in exc.value.message and "--pull-timeout" in exc.value.message, exc.value.message
+    assert 2.5 < took < 15, took
+    assert (await client.state()).disk is None
+    await asyncio.wait_for(client.flash_reference(f"{registry.host}/{slow_image}"), 120)  # nothing left held
+
+
+# ---- item 4: a lease is claimed when it is handed out -------------------------------------------
+def _lease_shell(lease: Any, script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(lease.argv("bash", "-c", f"set -euo pipefail\ncd {cwd}\n{script}"), env=lease.env,
+                          capture_output=True, text=True, timeout=300)
+
+
+#: the lease's only act: one CAN frame through upstream's CanClient (never a runtime call)
+CAN_ONLY = """python - <<'EOF'
+import can
+from jumpstarter.utils.env import env
+with env() as client:
+    client.vm.can.send(can.Message(arbitration_id=0x123, data=b"\\x4c\\x31", is_extended_id=False))
+EOF
+"""
+
+
+async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pull_cancels_it(
+    start_runtime: Any, tiny_image: Any, jmpctl: Any, registry: Any, slow_image: str, tmp_path: Path
+) -> None:
+    """The guest runs a service that writes what arrives on can0 to its disk; lease 1 only sends a
+    CAN frame. Before the fix lease 1 never claimed, so nothing recycled it: lease 2 found the file.
+    Lease 2 then starts ``j vm storage flash oci://…`` from a crawling registry and ends mid-pull:
+    the pull is cancelled and the next lease boots the spec's image."""
+    spec_image = f"file:{tiny_image.disk}"
+    spec = {"image": spec_image, "memory": "256M", "can": [{"name": "can0", "bitrate": 250000}]}
+    rt = await start_runtime(spec)
+    client = rt.client()
+    await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    await con.run("(candump -L -n 1 can0 > /data/from-can; sync) > /dev/null 2>&1 & sleep 0.5")
+    cfg = jmpctl.exporter_config({"vm": {"type": VM_TYPE, "config": {"socket": str(rt.socket),
+                                                                       "recycle": "InPlaceReuse", "spec": spec}}})
+    exporter = jmpctl.start_exporter(cfg)
+    await jmpctl.wait_status_async("vm", "AVAILABLE", 60)
+
+    with jmpctl.lease("vm") as lease:
+        result = await asyncio.to_thread(_lease_shell, lease, CAN_ONLY, tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:] + jmpctl.log_text(exporter)[-3000:]
+        written = await con.run("sleep 0.5; cat /data/from-can")
+        assert "can0 123#4C31" in written, written  # lease 1 changed the guest, through CAN alone
+    await con.close()
+
+    async with collecting(rt.client(), ["transfer_cancelled", "flashed"]) as events, crawling(registry) as proxy:
+        with jmpctl.lease("vm") as lease:
+            await jmpctl.wait_status_async("vm", "LEASE_READY", 60, since=time.monotonic() - 1)
+            state = await client.wait_ready(180)
+            con = await Console.open_when_served(rt.shared / "console.sock")
+            try:
+                await con.wake()
+                check = await con.run("ls /data/from-can")
+            finally:
+                await con.close()
+            assert "No such file or directory" in check, f"lease 1's file reached lease 2: {check!r}"
+            assert state.claimed and state.generation >= 1, state  # lease 2 was told to the runtime, too
+            flash = await asyncio.create_subprocess_exec(
+                *lease.argv("j", "vm", "storage", "flash", f"oci://{proxy.host}/{slow_image}"), env=lease.env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 120
+            while proxy.forwarded < 256 << 10:  # lease 2's flash is in its pull
+                assert time.monotonic() < deadline and flash.returncode is None, "lease 2's flash never pulled"
+                await asyncio.sleep(0.05)
+        # lease 2 ended mid-pull
+
+        async def cancelled() -> bool:
+            return bool(events)
+
+        await until("the pull of a lease that ended was not cancelled", cancelled, 60)
+        proxy.rate = 1 << 30
+        await asyncio.sleep(2)  # a pull still running would finish and install now
+    with contextlib.suppress(ProcessLookupError):
+        flash.kill()
+    await flash.wait()
+    assert [e["type"] for e in events] == ["transfer_cancelled"], events
+    assert events[0]["data"]["generation"] == state.generation
+    after = await client.wait_ready(180)
+    assert after.generation == state.generation + 1 and after.disk == spec_image, after
+
+
+async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_being_captured(
+    start_runtime: Any, tiny_image: Any, jmpctl: Any
+) -> None:
+    """The guest is Ready only when the test says so (its readiness pattern), so the lease is
+    handed out for certain before the first Ready. Before the fix nothing told the runtime, and the
+    boot was captured as the pristine snapshot with whatever the lease had done to it."""
+    marker = "LEASE-ATTACK-GO"
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M",
+                              "readiness": {"pattern": marker, "timeout": 300}})
+    client = rt.client()
+    await wait_phase(client, "Running", timeout=60)
+    cfg = jmpctl.exporter_config({"vm": {"type": VM_TYPE, "config": {"socket": str(rt.socket),
+                                                                       "recycle": "InPlaceReuse"}}})
+    jmpctl.start_exporter(cfg)
+    await jmpctl.wait_status_async("vm", "AVAILABLE", 60)
+    assert not (await client.state()).claimed  # the start-up driver tree claims nothing
+
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        with jmpctl.lease("vm"):
+            await jmpctl.wait_status_async("vm", "LEASE_READY", 60)
+            await con.wake()
+            await con.run(f"echo {marker}")  # the boot's first Ready, in the lease
+            state = await client.wait_ready(60)
+            assert state.generation == 0 and state.boot == 1
+            assert state.snapshot.capture_seconds is None and not state.snapshot.available, (
+                f"the boot a lease was handed out in was captured as the pristine snapshot: {state.snapshot}")
+            assert "lease" in (state.snapshot.reason or ""), state.snapshot
+    finally:
+        await con.close()
+
+    # the next pristine boot (the recycle after the lease) captures it instead
+    async def recycled() -> bool:
+        s = await client.state()
+        return s.generation == 1 and s.phase.value in ("Running", "Ready")
+
+    await until("the lease was not recycled", recycled, 60)
+    con = await Console.open_when_served(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        await con.run(f"echo {marker}")
+        state = await client.wait_ready(60)
+    finally:
+        await con.close()
+
+    async def captured() -> bool:
+        s = await client.state()
+        return s.snapshot.capture_seconds is not None
+
+    await until("the next pristine boot did not capture the snapshot", captured, 60)
