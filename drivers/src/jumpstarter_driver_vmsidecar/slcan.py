@@ -208,10 +208,10 @@ class VmsidecarSlcanBus(can.BusABC):
         now = time.monotonic()
         if final or now - self._warned_at >= WARN_EVERY:
             self._warned_at = now
-            log.warning("CAN bus %s: the guest sent more than this bus keeps: %d frames dropped (more than %d "
-                        "unread; read them faster or sooner), %d overlong lines (%d bytes) dropped (not SLCAN: "
-                        "lines are at most %d bytes)", self.channel, self.dropped_frames, RX_LIMIT,
-                        self.dropped_lines, self.dropped_bytes, MAX_LINE)
+            log.warning("CAN bus %s: dropped what the guest sent beyond this bus's limits: %d frames nobody read "
+                        "(more than %d waiting; call recv sooner), %d overlong lines (%d bytes; an SLCAN line is "
+                        "at most %d bytes)", self.channel, self.dropped_frames, RX_LIMIT, self.dropped_lines,
+                        self.dropped_bytes, MAX_LINE)
 
     # ---- python-can ----------------------------------------------------------------------
     def _pace(self, msg: can.Message) -> None:
