@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.attack import memory_kib
 from fixtures.registry import Crafter, RunningRegistry
 from vmsidecar_contract.errors import ImageError, VmsidecarError
 from vmsidecar_runtime.image.checks import check_image
@@ -47,16 +48,6 @@ SECRET = b"HOST-SECRET-3f9c1e: the lease holder must never read this\n"
 
 def _qemu_img(*args: str) -> None:
     subprocess.run(["qemu-img", *args], check=True, capture_output=True)
-
-
-def _tar(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def vmdk_descriptor(extent: Path, *, mbr_signature: bool = False) -> bytes:
@@ -120,7 +111,11 @@ async def test_a_disk_declared_raw_cannot_hand_a_host_file_to_dump(
     artifact = Crafter(registry=registry, repo="attack/raw-artifact")
     layer = artifact.blob(disguised["qcow2_backing"], "application/vnd.diskimage.raw", {TITLE: "disk.raw"})
     container = Crafter(registry=registry, repo="attack/containerdisk")
-    tar = _tar({"disk/x.raw": disguised["qcow2_json_backing"]})
+    (tmp_path / "x.raw").write_bytes(disguised["qcow2_json_backing"])
+    with io.BytesIO() as buf:
+        with tarfile.open(fileobj=buf, mode="w") as archive:
+            archive.add(tmp_path / "x.raw", arcname="disk/x.raw")
+        tar = buf.getvalue()
     config = container.image_config("amd64", [Crafter.digest(tar)])
     layout = Crafter(layout=allowed / "layout")
     img = layout.blob(disguised["vmdk"], "application/octet-stream", {TITLE: "disk.img"})
@@ -393,14 +388,6 @@ def test_a_bad_disk_size_setting_stops_the_runtime_at_start(tmp_path: Path) -> N
 # ---- item 8: a few bytes cannot make the decoder allocate gigabytes --------------------------------
 
 
-def _peak_rss(pid: int) -> int:
-    """The peak resident set of a process (VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def memory_hungry_streams(disk: bytes) -> dict[str, bytes]:
     """``disk`` as a zstd frame with a 2 GiB window (``zstd --long=31``) and as an xz stream whose
     LZMA2 dictionary is 1.5 GiB (what ``xz --lzma2=dict=1536MiB`` writes; the decoder allocates it
@@ -441,7 +428,7 @@ async def test_zstd_windows_and_xz_dictionaries_are_capped(start_runtime: Any, o
         assert f"is {name} data whose decoder would need {asked}" in exc.value.message, exc.value.message
         assert "compress the disk again with default settings" in exc.value.message
         assert took < 10, (name, took)
-    assert _peak_rss(rt.proc.pid) < 400 << 20
+    assert memory_kib(rt.proc.pid)["VmHWM"] < 400 << 10  # KiB: the decoders allocated nothing big
     assert (await client.state()).image_digest == digest
 
 
