@@ -130,6 +130,35 @@ async def test_a_flash_pull_of_lease_n_never_lands_in_lease_n_plus_1(
     assert ready.disk == spec_image and ready.image_digest == lease_n.image_digest  # the spec's pristine image
 
 
+async def test_an_upload_flash_of_lease_n_is_cancelled_by_its_recycle(start_runtime: Any, tiny_image: Any) -> None:
+    """Lease N uploads a disk and stops sending mid-stream (the upload holds the power lock while
+    it receives). Before the fix lease N's recycle waited for that lock for ever; now it cancels
+    the upload, which installs nothing."""
+    rt = await start_runtime({"memory": "256M"})
+    client = rt.client()
+    lease_n = await client.claim()
+    head = tiny_image.disk.read_bytes()[:256 << 10]
+    sent = asyncio.Event()
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield head
+        sent.set()
+        await asyncio.sleep(3600)  # a client that never finishes sending
+
+    upload = asyncio.create_task(rt.client().flash(stalls(), size=64 << 20))
+    await asyncio.wait_for(sent.wait(), 30)
+    await asyncio.sleep(0.5)  # the runtime is receiving
+    started = time.monotonic()
+    await asyncio.wait_for(client.recycle(boot=False, if_generation=lease_n.generation), 20)
+    took = time.monotonic() - started
+    with pytest.raises(TransferError) as exc:
+        await asyncio.wait_for(upload, 20)
+    assert exc.value.code == "transfer_cancelled" and "upload" in exc.value.message, exc.value
+    state = await client.state()
+    assert state.disk is None and state.generation == lease_n.generation + 1
+    print(f"\nrecycle with a stalled upload under way: {took:.2f} s")
+
+
 async def test_a_second_pull_while_one_runs_is_refused_with_409(
     start_runtime: Any, registry: Any, slow_image: str
 ) -> None:
@@ -142,7 +171,9 @@ async def test_a_second_pull_while_one_runs_is_refused_with_409(
             await asyncio.wait_for(rt.client().flash_reference(f"{registry.host}/{slow_image}"), 20)
         assert exc.value.code == "transfer_in_progress" and exc.value.http_status == 409, exc.value
         assert f"{proxy.host}/{slow_image}" in exc.value.message and "wait for it" in exc.value.message
-        assert time.monotonic() - started < 5  # refused at once, not queued
+        refused = time.monotonic() - started
+        assert refused < 5  # refused at once, not queued
+        print(f"\nsecond pull refused in {refused * 1000:.0f} ms")
         assert not first.done()  # the first one was not disturbed
         first.cancel()
 
@@ -162,7 +193,9 @@ async def test_a_pull_whose_client_went_away_is_cancelled_and_never_installed(
         async def cancelled() -> bool:
             return bool(events)
 
+        left = time.monotonic()
         await until("the runtime did not cancel the pull of a client that went away", cancelled, 15)
+        print(f"\npull cancelled {time.monotonic() - left:.2f} s after its client went away")
         proxy.rate = 1 << 30
         await asyncio.sleep(2)  # a pull still running would finish and install now
     assert [e["type"] for e in events] == ["transfer_cancelled"], events
@@ -185,6 +218,7 @@ async def test_a_pull_past_its_deadline_ends_with_pull_timeout(
     assert exc.value.code == "pull_timeout", exc.value
     assert "3 s" in exc.value.message and "--pull-timeout" in exc.value.message, exc.value.message
     assert 2.5 < took < 15, took
+    print(f"\npull_timeout after {took:.2f} s (deadline 3 s)")
     assert (await client.state()).disk is None
     await asyncio.wait_for(client.flash_reference(f"{registry.host}/{slow_image}"), 120)  # nothing left held
 
@@ -257,6 +291,8 @@ async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pul
             return bool(events)
 
         await until("the pull of a lease that ended was not cancelled", cancelled, 60)
+        print(f"\nlease ended mid-pull: pull cancelled {time.monotonic() - lease.released_at:.2f} s after the "
+              f"release ({events[0]['data']['reason']})")
         proxy.rate = 1 << 30
         await asyncio.sleep(2)  # a pull still running would finish and install now
     with contextlib.suppress(ProcessLookupError):
