@@ -129,9 +129,16 @@ class PortForward(_Model):
 
 
 class Network(_Model):
-    """User-mode (slirp) networking: needs no privilege and no host bridge."""
+    """The guest's NIC: QEMU's user-mode networking (no privilege, no host bridge), every frame the
+    guest sends checked by the runtime first (docs/spec.md)."""
 
     enabled: StrictBool = True
+    #: let the guest reach the pod's loopback (slirp's 10.0.2.2, 127.0.0.1): every local listener
+    #: of the pod, the exporter's gRPC port among them. For a laptop whose guest must reach a
+    #: service of the host; never in a shared pod.
+    allow_host_loopback: StrictBool = False
+    #: let the guest reach the cloud metadata service (169.254.0.0/16, fd00:ec2::254)
+    allow_metadata: StrictBool = False
     forwards: list[PortForward] = Field(default=[], max_length=64)
 
     @field_validator("forwards")

@@ -55,7 +55,8 @@ def emulator_path(arch: str) -> str:
 
 def user_netdev(plan: BootPlan, ident: str) -> str:
     """The ``-netdev`` value of the guest's user-mode NIC ``ident``, with every port forward of
-    the spec bound to the host port the runtime resolved for it (``plan.ports``)."""
+    the spec bound to the host port the runtime resolved for it (``plan.ports``). What the guest
+    sends passes the runtime's guard first (``netguard.qemu_args``)."""
     netdev = f"user,id={ident}"
     for fwd in plan.spec.network.forwards:
         netdev += f",hostfwd=tcp:{fwd.host_address}:{plan.ports[fwd.name]}-:{fwd.guest_port}"

@@ -26,6 +26,7 @@ from ..plan import BootPlan
 from ..procs import spawn
 from .base import BackendEvent, EventSink
 from .common import emulator_path
+from .netguard import NetGuard, guarded
 from .qemu_argv import build_argv
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class QemuBackend:
         self._exited = asyncio.Event()
         #: the SHUTDOWN cause when QEMU announced a host-side end (``EXITING_CAUSES``)
         self._host_shutdown = ""
+        #: the runtime's side of the NIC's filter (``netguard``), attached before the guest runs
+        self._guard: NetGuard | None = None
 
     # ---- launch --------------------------------------------------------------------------
     async def launch(self, *, qmp_timeout: float = 30.0) -> None:
@@ -105,6 +108,9 @@ class QemuBackend:
             asyncio.create_task(self._watch_exit(), name="qemu-wait"),
         ]
         await self._connect_qmp(qmp_timeout)
+        if guarded(self.plan):
+            self._guard = NetGuard(self.plan)
+            await self._guard.attach()
         if self.plan.incoming is not None:
             await self._restore(self.plan.incoming)
 
@@ -279,7 +285,10 @@ class QemuBackend:
             await self.wait_exit(10)
 
     async def close(self) -> None:
-        """Drop the QMP connection and helper tasks (the process must be gone)."""
+        """Drop the QMP connection, the NIC's filter and helper tasks (the process must be gone)."""
+        if self._guard is not None:
+            await self._guard.close()
+            self._guard = None
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()

@@ -7,6 +7,7 @@ validated spec or from paths and ports the runtime resolved itself.
 from __future__ import annotations
 
 from ..plan import GUEST_AGENT_PORT, SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
+from . import netguard
 from .common import MACHINE, TCG_CPU, accel_option, qemu_binary, user_netdev
 
 #: id of the user-mode NIC's netdev
@@ -110,7 +111,8 @@ def _guest_agent(plan: BootPlan) -> list[str]:
 def _network(plan: BootPlan) -> list[str]:
     if not plan.spec.network.enabled:
         return ["-nic", "none"]
-    return ["-netdev", user_netdev(plan, NETDEV_ID), "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev"]
+    return ["-netdev", user_netdev(plan, NETDEV_ID), "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev",
+            *(netguard.qemu_args(plan, NETDEV_ID) if netguard.guarded(plan) else [])]
 
 
 def _can_native(plan: BootPlan) -> list[str]:

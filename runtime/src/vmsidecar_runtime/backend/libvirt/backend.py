@@ -21,6 +21,7 @@ from vmsidecar_contract.state import ExitInfo
 
 from ...plan import BootPlan
 from ..base import BackendEvent, EventSink
+from ..netguard import NetGuard, guarded
 from . import connection
 from .daemon import import_libvirt
 from .xml import render_domain
@@ -80,6 +81,8 @@ class LibvirtBackend:
         self._log_offset = 0
         #: our reset() calls whose reboot event has not arrived yet (libvirt's event does not say who)
         self._own_resets = 0
+        #: the runtime's side of the NIC's filter (``netguard``), attached before the guest runs
+        self._guard: NetGuard | None = None
 
     @property
     def uri(self) -> str | None:
@@ -119,6 +122,9 @@ class LibvirtBackend:
                  self._conn.uri)
         if not await asyncio.to_thread(self._is_active):
             self._mark_exited("the domain ended right after start")
+        elif guarded(self.plan):
+            self._guard = NetGuard(self.plan)
+            await self._guard.attach()
 
     # ---- events (libvirt's event thread → asyncio) ---------------------------------------
     def _domain_event(self, kind: str, event: int, detail: int) -> None:
@@ -264,8 +270,11 @@ class LibvirtBackend:
             await asyncio.to_thread(dom.destroy)
 
     async def close(self) -> None:
-        """Stop listening to the domain's events (the domain must be gone)."""
+        """Stop listening to the domain's events, close the NIC's filter (the domain must be gone)."""
         self._detach()
+        if self._guard is not None:
+            await self._guard.close()
+            self._guard = None
 
     def _detach(self) -> None:
         if self._unsubscribe is not None:

@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from vmsidecar_contract.errors import HostError
 
 from ...plan import SERIAL, VIRTIO_CONSOLE, BootPlan, channel_stream
+from .. import netguard
 from ..common import MACHINE, TCG_CPU, emulator_path, user_netdev
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
@@ -48,11 +49,13 @@ def _unix_chardev(devices: ET.Element, tag: str, path: str) -> ET.Element:
 
 
 def _qemu_args(plan: BootPlan) -> list[str]:
-    """Arguments libvirt 9.0 has no XML for: user networking with host port forwards."""
+    """Arguments libvirt 9.0 has no XML for: user networking with host port forwards, and the
+    filter that sends the guest's frames through the runtime (``netguard``)."""
     if not plan.spec.network.enabled:
         return []
     return ["-netdev", user_netdev(plan, NETDEV_ID),
-            "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev,addr={NIC_PCI_ADDR}"]
+            "-device", f"virtio-net-pci,netdev={NETDEV_ID},id={NETDEV_ID}-dev,addr={NIC_PCI_ADDR}",
+            *(netguard.qemu_args(plan, NETDEV_ID) if netguard.guarded(plan) else [])]
 
 
 def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> str:

@@ -1,0 +1,267 @@
+"""The guest's NIC guard: every frame the guest sends passes the runtime before QEMU's slirp.
+
+QEMU's user networking (slirp) connects whatever the guest addresses from the pod, and maps its
+own network to the pod's loopback: 10.0.2.2 (and any other 10.0.2.x but the DNS address) is the
+pod's 127.0.0.1, 10.0.2.3 is the pod's resolver on *every* port, fec0::/64 is ::1. So a guest —
+whose root is the lease holder — reaches every loopback listener of the pod (the exporter's gRPC
+port in standalone mode, health ports), and the cloud metadata service. QEMU 7.2 cannot turn the
+loopback mapping off (libslirp's ``disable_host_loopback`` is not exposed), and passt, the other
+unprivileged user-mode stack (Debian 12: 0.0~git20230309), still connects 127.0.0.1 for a guest
+that routes it out of eth0, never completes an inbound port forward here, and needs user
+namespaces that Kubernetes' default seccomp profile forbids (docs/decisions.md).
+
+So the NIC keeps slirp, and a QEMU ``filter-redirector`` on the netdev's receive queue sends each
+frame from the guest to the runtime (``net-out`` socket) instead of slirp; :class:`NetGuard`
+passes the allowed ones back (``net-in``, on to slirp) and answers the refused ones with an ICMP
+"administratively prohibited" to the guest (``net-back``: the guest's connect fails at once
+rather than timing out). slirp's frames to the guest are not filtered: they answer what passed.
+When the runtime is not connected, QEMU drops the guest's frames: the guard fails closed.
+
+What the guest may not reach (:func:`refused`): the pod's loopback (127.0.0.0/8, 0.0.0.0/8,
+::/96 with ::1, IPv4-mapped IPv6), slirp's aliases of it (new connections to 10.0.2.0/24 and
+fec0::/64, except DHCP to the gateway and DNS port 53 at 10.0.2.3 / fec0::3; the guest's side of
+a port forward's connection, which slirp shows as coming from 10.0.2.2, passes), and unless the
+spec allows it the metadata service (link-local 169.254.0.0/16, fd00:ec2::254, fd20:ce::254).
+``network.allow_host_loopback`` opens the first two again (slirp as it was).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import Network
+
+from ..plan import BootPlan
+
+log = logging.getLogger(__name__)
+
+#: slirp's guest network (QEMU's defaults, which the runtime keeps)
+SLIRP_NET = int(IPv4Address("10.0.2.0"))
+GATEWAY = "10.0.2.2"
+DNS = int(IPv4Address("10.0.2.3"))
+_GATEWAY_INT = int(IPv4Address(GATEWAY))
+SLIRP_NET6 = socket.inet_pton(socket.AF_INET6, "fec0::")[:8]
+DNS6 = socket.inet_pton(socket.AF_INET6, "fec0::3")
+#: the filter's chardevs, QEMU's ids (sockets: ``BootPlan.console_socket(id)``)
+CHARDEV_OUT, CHARDEV_IN, CHARDEV_BACK = "net-out", "net-in", "net-back"
+#: a frame larger than this is a broken stream (QEMU's frames are at most 64 KiB)
+MAX_FRAME = 1 << 17
+
+_TCP, _UDP, _ICMP, _ICMP6 = 6, 17, 1, 58
+_ETH_IPV4, _ETH_IPV6, _ETH_ARP = 0x0800, 0x86DD, 0x0806
+_V6_METADATA = frozenset(socket.inet_pton(socket.AF_INET6, a) for a in ("fd00:ec2::254", "fd20:ce::254"))
+_V6_ZERO96 = bytes(12)
+_V6_MAPPED = bytes(10) + b"\xff\xff"
+
+
+def _bare_syn(flags: int) -> bool:
+    return bool(flags & 0x02 and not flags & 0x10)
+
+
+def _refused4(frame: bytes, policy: Network) -> bool:
+    if len(frame) < 34 or frame[14] >> 4 != 4:
+        return True
+    ihl = (frame[14] & 0xF) * 4
+    proto, dst = frame[23], int.from_bytes(frame[30:34], "big")
+    if not policy.allow_metadata and dst >> 16 == 0xA9FE:  # 169.254.0.0/16
+        return True
+    if policy.allow_host_loopback:
+        return False
+    if dst >> 24 in (0, 127):
+        return True
+    if dst >> 8 != SLIRP_NET >> 8:
+        return False
+    # slirp's own network: every address is an alias of the pod's loopback or resolver
+    l4 = frame[14 + ihl:]
+    port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
+    if proto in (_TCP, _UDP) and dst == DNS and port == 53:
+        return False
+    if proto == _UDP and dst == _GATEWAY_INT and port == 67:  # DHCP renewals
+        return False
+    # a port forward's connection comes from 10.0.2.2: the guest's side of it passes
+    return not (proto == _TCP and dst == _GATEWAY_INT and len(l4) >= 14 and not _bare_syn(l4[13]))
+
+
+def _refused6(frame: bytes, policy: Network) -> bool:
+    if len(frame) < 54 or frame[14] >> 4 != 6:
+        return True
+    dst = bytes(frame[38:54])
+    if not policy.allow_metadata and dst in _V6_METADATA:
+        return True
+    if policy.allow_host_loopback:
+        return False
+    if dst[:12] in (_V6_ZERO96, _V6_MAPPED):
+        return True
+    if dst[:8] != SLIRP_NET6:
+        return False
+    next_header, l4 = frame[20], frame[54:]
+    port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
+    return not (next_header in (_TCP, _UDP) and dst == DNS6 and port == 53)
+
+
+def refused(frame: bytes, policy: Network) -> bool:
+    """Whether a frame the guest sends must not reach slirp under ``policy`` (the spec's network):
+    anything but ARP, IPv4 and IPv6, and packets to what the module doc lists."""
+    if len(frame) < 14:
+        return True
+    ethertype = int.from_bytes(frame[12:14], "big")
+    if ethertype == _ETH_ARP:
+        return False
+    if ethertype == _ETH_IPV4:
+        return _refused4(frame, policy)
+    if ethertype == _ETH_IPV6:
+        return _refused6(frame, policy)
+    return True
+
+
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def _with_checksum(packet: bytes, at: int, pseudo: bytes = b"") -> bytes:
+    return packet[:at] + struct.pack("!H", _checksum(pseudo + packet)) + packet[at + 2:]
+
+
+def refusal(frame: bytes) -> bytes | None:
+    """The ICMP "administratively prohibited" answer to a refused IPv4/IPv6 packet, from the
+    gateway to the guest, or None (nothing to answer: not IP, or ICMP itself)."""
+    eth = frame[6:12] + frame[0:6] + frame[12:14]
+    ethertype = int.from_bytes(frame[12:14], "big")
+    if ethertype == _ETH_IPV4 and len(frame) >= 34 and frame[14] >> 4 == 4:
+        ihl = (frame[14] & 0xF) * 4
+        if frame[23] == _ICMP or len(frame) < 14 + ihl:
+            return None
+        icmp = _with_checksum(struct.pack("!BBHI", 3, 13, 0, 0) + bytes(frame[14:14 + ihl + 8]), 2)
+        header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(icmp), 0, 0, 64, _ICMP, 0,
+                             socket.inet_aton(GATEWAY), bytes(frame[26:30]))
+        return eth + _with_checksum(header, 10) + icmp
+    if ethertype == _ETH_IPV6 and len(frame) >= 54 and frame[14] >> 4 == 6:
+        if frame[20] == _ICMP6:  # neighbour discovery among others: never answered
+            return None
+        src, dst = bytes(frame[38:54]), bytes(frame[22:38])  # from the refused address back
+        icmp = struct.pack("!BBHI", 1, 1, 0, 0) + bytes(frame[14:14 + 1232])
+        icmp = _with_checksum(icmp, 2, src + dst + struct.pack("!I3xB", len(icmp), _ICMP6))
+        return eth + struct.pack("!IHBB", 6 << 28, len(icmp), _ICMP6, 64) + src + dst + icmp
+    return None
+
+
+def qemu_args(plan: BootPlan, netdev: str) -> list[str]:
+    """The chardevs and the filter that send the guest's frames on ``netdev`` through the runtime
+    (QEMU serves the sockets in the private run dir; the runtime connects before the guest runs)."""
+    chardevs = [arg for ident in (CHARDEV_OUT, CHARDEV_IN, CHARDEV_BACK) for arg in
+                ("-chardev", f"socket,id={ident},path={plan.console_socket(ident)},server=on,wait=off")]
+    return [
+        *chardevs,
+        # queue rx: what the guest sends to slirp goes out to the runtime; what comes in is
+        # passed on to slirp
+        "-object", f"filter-redirector,id=netguard-out,netdev={netdev},queue=rx,outdev={CHARDEV_OUT},indev={CHARDEV_IN}",
+        # queue tx, no outdev: slirp's frames pass; the runtime's refusals come in for the guest
+        "-object", f"filter-redirector,id=netguard-back,netdev={netdev},queue=tx,indev={CHARDEV_BACK}",
+    ]
+
+
+@dataclass
+class _Pipes:
+    out: asyncio.StreamReader
+    into: asyncio.StreamWriter
+    back: asyncio.StreamWriter
+
+
+class NetGuard:
+    """The runtime's side of one QEMU's NIC filter: reads the guest's frames, passes or refuses them."""
+
+    def __init__(self, plan: BootPlan) -> None:
+        self.plan = plan
+        self.policy = plan.spec.network
+        #: frames refused since the start (for the log)
+        self.refused = 0
+        self._task: asyncio.Task[None] | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def attach(self) -> None:
+        """Connect to QEMU's three filter sockets (QEMU is up, the guest not yet running).
+
+        :raise HostError: when a socket does not answer.
+        """
+        try:
+            out_r, out_w = await asyncio.open_unix_connection(str(self.plan.console_socket(CHARDEV_OUT)))
+            self._writers.append(out_w)
+            _, in_w = await asyncio.open_unix_connection(str(self.plan.console_socket(CHARDEV_IN)))
+            self._writers.append(in_w)
+            _, back_w = await asyncio.open_unix_connection(str(self.plan.console_socket(CHARDEV_BACK)))
+            self._writers.append(back_w)
+        except OSError as e:
+            await self.close()
+            raise HostError(f"cannot attach the guest NIC's filter ({e}); check the runtime log for QEMU's stderr") from e
+        pipes = _Pipes(out_r, in_w, back_w)
+        self._task = asyncio.create_task(self._pump(pipes), name="netguard")
+
+    async def _pump(self, pipes: _Pipes) -> None:
+        buf = bytearray()
+        with contextlib.suppress(ConnectionError):
+            while chunk := await pipes.out.read(1 << 16):
+                buf += chunk
+                passed, answers, pos = bytearray(), bytearray(), 0
+                while len(buf) - pos >= 4:
+                    size = int.from_bytes(buf[pos:pos + 4], "big")
+                    if size > MAX_FRAME:
+                        log.error("the guest NIC's filter stream is broken (a %d-byte frame); the NIC stops", size)
+                        return
+                    if len(buf) - pos - 4 < size:
+                        break
+                    frame = bytes(buf[pos + 4:pos + 4 + size])
+                    if refused(frame, self.policy):
+                        self._count(frame)
+                        if (answer := refusal(frame)) is not None:
+                            answers += len(answer).to_bytes(4, "big") + answer
+                    else:
+                        passed += buf[pos:pos + 4 + size]
+                    pos += 4 + size
+                del buf[:pos]
+                for writer, data in ((pipes.into, passed), (pipes.back, answers)):
+                    if data:
+                        writer.write(data)
+                        await writer.drain()
+
+    def _count(self, frame: bytes) -> None:
+        self.refused += 1
+        if self.refused <= 5 or self.refused % 1000 == 0:
+            log.info("guest NIC: refused a frame to %s (%d so far)", _destination(frame), self.refused)
+
+    async def close(self) -> None:
+        """Stop reading and close the sockets (QEMU is gone or going). Idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for writer in self._writers:
+            writer.close()
+        self._writers = []
+
+
+def _destination(frame: bytes) -> str:
+    ethertype = int.from_bytes(frame[12:14], "big") if len(frame) >= 14 else 0
+    if ethertype == _ETH_IPV4 and len(frame) >= 34:
+        return socket.inet_ntoa(frame[30:34])
+    if ethertype == _ETH_IPV6 and len(frame) >= 54:
+        return socket.inet_ntop(socket.AF_INET6, frame[38:54])
+    return f"ethertype {ethertype:#06x}"
+
+
+def guarded(plan: BootPlan) -> bool:
+    """Whether this boot's NIC goes through the guard (always, unless the spec opens everything)."""
+    network = plan.spec.network
+    return network.enabled and not (network.allow_host_loopback and network.allow_metadata)
