@@ -24,7 +24,7 @@ from guestio import Console
 
 pytestmark = pytest.mark.timeout(300)
 
-FLOOD_SECONDS = 8
+FLOOD_SECONDS = 5
 LINES = [{"name": "button", "direction": "in"}, {"name": "led", "direction": "out"}]
 AGENT_PORT = "org.qemu.guest_agent.0"
 #: each channel flooded by a background job of the guest's shell

@@ -118,7 +118,11 @@ class ReadinessWatch:
         readiness = eff.readiness
         assert readiness.pattern is not None
         # RE2: linear in the text, so no pattern (spec or image) can stall the loop on guest output
-        pattern = compile_readiness_pattern(readiness.pattern)
+        try:
+            pattern = compile_readiness_pattern(readiness.pattern)
+        except ValueError as e:  # checked when the spec was read; a spec from before RE2 lands here
+            self._on_error(SpecError(f"{e}; set readiness.pattern in RE2 syntax"))
+            return
         seen = asyncio.Event()
         window = bytearray()
 
