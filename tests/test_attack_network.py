@@ -154,6 +154,10 @@ def _ipv4(dst: str, proto: int = 6, port: int = 80, flags: int = 0x02) -> bytes:
     return SLIRP_MAC + GUEST_MAC + b"\x08\x00" + header + l4
 
 
+def _fragment(frame: bytes) -> bytes:
+    return frame[:20] + b"\x20\x00" + frame[22:]  # more fragments follow
+
+
 def _ipv6(dst: str, next_header: int = 6, port: int = 80) -> bytes:
     l4 = struct.pack("!HHIIBBHHH", 40000, port, 1, 0, 5 << 4, 0x02, 64240, 0, 0)
     header = struct.pack("!IHBB", 6 << 28, len(l4), next_header, 64) + \
@@ -166,6 +170,7 @@ def _ipv6(dst: str, next_header: int = 6, port: int = 80) -> bytes:
     (_ipv4("10.0.2.2"), True, False),                          # slirp: the pod's 127.0.0.1
     (_ipv4("10.0.2.99", port=22), True, False),                # every other slirp alias too
     (_ipv4("10.0.2.2", flags=0x12), False, False),             # the guest's side of a port forward
+    (_fragment(_ipv4("10.0.2.2", flags=0x12)), True, False),  # a fragment hides its real flags
     (_ipv4("10.0.2.2", proto=17, port=67), False, False),      # DHCP renewal
     (_ipv4("10.0.2.3", proto=17, port=53), False, False),      # DNS
     (_ipv4("10.0.2.3", port=22), True, False),                 # slirp: the pod's resolver, any port

@@ -78,7 +78,10 @@ def _refused4(frame: bytes, policy: Network) -> bool:
         return True
     if dst >> 8 != SLIRP_NET >> 8:
         return False
-    # slirp's own network: every address is an alias of the pod's loopback or resolver
+    # slirp's own network: every address is an alias of the pod's loopback or resolver. No
+    # fragments: only a whole packet shows its real ports and TCP flags
+    if int.from_bytes(frame[20:22], "big") & 0x3FFF:
+        return True
     l4 = frame[14 + ihl:]
     port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
     if proto in (_TCP, _UDP) and dst == DNS and port == 53:
