@@ -18,7 +18,7 @@ from vmsidecar_runtime.plan import BootPlan
 def test_event_names_say_what_happened_not_which_backend() -> None:
     assert {e.value for e in BackendEvent} == {
         "guest.powered_off", "guest.reset", "guest.panicked", "guest.paused", "guest.resumed",
-        "guest.powerdown_requested", "backend.exited",
+        "guest.powerdown_requested", "guest.io_error", "backend.exited",
     }
 
 
@@ -37,6 +37,10 @@ def test_qmp_events() -> None:
     assert map_qmp_event("STOP", {}) == (BackendEvent.PAUSED, {})
     assert map_qmp_event("RESUME", {}) == (BackendEvent.RESUMED, {})
     assert map_qmp_event("GUEST_PANICKED", {"action": "pause"}) == (BackendEvent.PANICKED, {})
+    assert map_qmp_event("BLOCK_IO_ERROR", {"device": "", "node-name": "disk0", "operation": "write", "action": "stop",
+                                            "nospace": True, "reason": "No space left on device"}) == (
+        BackendEvent.IO_ERROR, {"operation": "write", "action": "stop", "nospace": True,
+                                "reason": "No space left on device"})
     assert map_qmp_event("BLOCK_JOB_COMPLETED", {}) is None
 
 
