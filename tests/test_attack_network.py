@@ -172,6 +172,7 @@ def _ipv6(dst: str, next_header: int = 6, port: int = 80) -> bytes:
     (_ipv4("10.0.2.2", flags=0x12), False, False),             # the guest's side of a port forward
     (_fragment(_ipv4("10.0.2.2", flags=0x12)), True, False),  # a fragment hides its real flags
     (_ipv4("10.0.2.2", proto=17, port=67), False, False),      # DHCP renewal
+    (_ipv4("10.0.2.2", proto=1), False, False),                # ping the gateway
     (_ipv4("10.0.2.3", proto=17, port=53), False, False),      # DNS
     (_ipv4("10.0.2.3", port=22), True, False),                 # slirp: the pod's resolver, any port
     (_ipv4("127.0.0.1"), True, False),                         # root in the guest routes loopback out
@@ -182,6 +183,7 @@ def _ipv6(dst: str, next_header: int = 6, port: int = 80) -> bytes:
     (_ipv6("::ffff:127.0.0.1"), True, False),
     (_ipv6("fec0::2"), True, False),
     (_ipv6("fec0::3", next_header=17, port=53), False, False),
+    (_ipv6("fec0::2", next_header=58), False, False),          # neighbour discovery
     (_ipv6("fd00:ec2::254"), True, True),
     (SLIRP_MAC + GUEST_MAC + b"\x08\x06" + bytes(28), False, False),  # ARP
     (SLIRP_MAC + GUEST_MAC + b"\x81\x00" + bytes(46), True, True),    # anything else (VLAN tag)

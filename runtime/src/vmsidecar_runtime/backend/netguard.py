@@ -19,7 +19,7 @@ When the runtime is not connected, QEMU drops the guest's frames: the guard fail
 
 What the guest may not reach (:func:`refused`): the pod's loopback (127.0.0.0/8, 0.0.0.0/8,
 ::/96 with ::1, IPv4-mapped IPv6), slirp's aliases of it (new connections to 10.0.2.0/24 and
-fec0::/64, except DHCP to the gateway and DNS port 53 at 10.0.2.3 / fec0::3; the guest's side of
+fec0::/64, except ICMP, DHCP to the gateway and DNS port 53 at 10.0.2.3 / fec0::3; the guest's side of
 a port forward's connection, which slirp shows as coming from 10.0.2.2, passes), and unless the
 spec allows it the metadata service (link-local 169.254.0.0/16, fd00:ec2::254, fd20:ce::254).
 ``network.allow_host_loopback`` opens the first two again (slirp as it was).
@@ -82,6 +82,8 @@ def _refused4(frame: bytes, policy: Network) -> bool:
     # fragments: only a whole packet shows its real ports and TCP flags
     if int.from_bytes(frame[20:22], "big") & 0x3FFF:
         return True
+    if proto == _ICMP:  # slirp answers pings itself or pings for real: no service is reached
+        return False
     l4 = frame[14 + ihl:]
     port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
     if proto in (_TCP, _UDP) and dst == DNS and port == 53:
@@ -105,6 +107,8 @@ def _refused6(frame: bytes, policy: Network) -> bool:
     if dst[:8] != SLIRP_NET6:
         return False
     next_header, l4 = frame[20], frame[54:]
+    if next_header == _ICMP6:  # neighbour discovery with slirp; it never forwards ICMPv6
+        return False
     port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
     return not (next_header in (_TCP, _UDP) and dst == DNS6 and port == 53)
 
