@@ -186,6 +186,7 @@ def _ipv6(dst: str, next_header: int = 6, port: int = 80) -> bytes:
     (_ipv6("fec0::2", next_header=58), False, False),          # neighbour discovery
     (_ipv6("fd00:ec2::254"), True, True),
     (SLIRP_MAC + GUEST_MAC + b"\x08\x06" + bytes(28), False, False),  # ARP
+    (SLIRP_MAC + GUEST_MAC + b"\x80\x35" + bytes(46), False, False),  # RARP: QEMU's announce after a restore
     (SLIRP_MAC + GUEST_MAC + b"\x81\x00" + bytes(46), True, True),    # anything else (VLAN tag)
 ])
 def test_guard_rules(frame: bytes, default: bool, open_loopback: bool) -> None:

@@ -55,7 +55,9 @@ CHARDEV_OUT, CHARDEV_IN, CHARDEV_BACK = "net-out", "net-in", "net-back"
 MAX_FRAME = 1 << 17
 
 _TCP, _UDP, _ICMP, _ICMP6 = 6, 17, 1, 58
-_ETH_IPV4, _ETH_IPV6, _ETH_ARP = 0x0800, 0x86DD, 0x0806
+_ETH_IPV4, _ETH_IPV6 = 0x0800, 0x86DD
+#: ARP, and RARP: QEMU's own announcements after a restore (slirp ignores them)
+_ETH_ADDRESSING = (0x0806, 0x8035)
 _V6_METADATA = frozenset(socket.inet_pton(socket.AF_INET6, a) for a in ("fd00:ec2::254", "fd20:ce::254"))
 _V6_ZERO96 = bytes(12)
 _V6_MAPPED = bytes(10) + b"\xff\xff"
@@ -115,11 +117,11 @@ def _refused6(frame: bytes, policy: Network) -> bool:
 
 def refused(frame: bytes, policy: Network) -> bool:
     """Whether a frame the guest sends must not reach slirp under ``policy`` (the spec's network):
-    anything but ARP, IPv4 and IPv6, and packets to what the module doc lists."""
+    anything but (R)ARP, IPv4 and IPv6, and packets to what the module doc lists."""
     if len(frame) < 14:
         return True
     ethertype = int.from_bytes(frame[12:14], "big")
-    if ethertype == _ETH_ARP:
+    if ethertype in _ETH_ADDRESSING:
         return False
     if ethertype == _ETH_IPV4:
         return _refused4(frame, policy)
