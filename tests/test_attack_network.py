@@ -28,7 +28,7 @@ from fixtures.runtime import BACKENDS
 from guestio import Console
 from vmsidecar_contract.spec import Network, VmSpec
 from vmsidecar_runtime.backend.libvirt.xml import render_domain
-from vmsidecar_runtime.backend.netguard import refusal, refused
+from vmsidecar_runtime.backend.netguard import qemu_args, refusal, refused
 from vmsidecar_runtime.backend.qemu_argv import NETDEV_ID, build_argv
 from vmsidecar_runtime.plan import BootPlan
 
@@ -231,3 +231,26 @@ def test_both_backends_route_the_nic_through_the_guard() -> None:
     opened = replace(plan, spec=VmSpec(image="file:/x.qcow2",
                                        network=Network(allow_host_loopback=True, allow_metadata=True)))
     assert not [a for a in build_argv(opened) if a.startswith("filter-redirector")]
+
+
+async def test_an_unattached_guard_drops_the_guests_frames(
+    start_runtime: Any, tiny_image: Any, listeners: tuple[Listener, Listener], tmp_path: Path
+) -> None:
+    """Fails closed: with nobody on the filter's sockets (the runtime's side gone), QEMU drops what
+    the guest sends rather than passing it to slirp. The same arguments as a guarded boot, on a NIC
+    of the test's own (extra_args) that the runtime does not attach to."""
+    _, outside = listeners
+    run_dir = tmp_path / "guard"
+    run_dir.mkdir()
+    plan = BootPlan(spec=VmSpec(), accel="tcg", disk=Path("/x"), disk_format="qcow2", run_dir=run_dir)
+    nic = ["-netdev", "user,id=lone0", "-device", "virtio-net-pci,netdev=lone0", *qemu_args(plan, "lone0")]
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
+                              "network": {"enabled": False}, "extra_args": nic})
+    await rt.client().wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    await con.wake()
+    # no DHCP answer comes back; a static address tries the outside directly
+    await con.run("sleep 2; ip addr add 10.0.2.15/24 dev eth0; ip route add default via 10.0.2.2")
+    got = await _nc(con, outside.address, outside.port)
+    assert outside.token not in got and not outside.peers, f"a frame passed an unattached guard: {got!r}"
+    await con.close()
