@@ -85,7 +85,8 @@ def test_pull_carries_the_annotations_of_the_chain_also_from_the_cache(
     index_path = cache / "index.json"
     entries = json.loads(index_path.read_text())
     for entry in entries.values():
-        entry.pop("annotations", None)
+        if isinstance(entry, dict):  # "used:" keys hold a time (the cache budget's LRU)
+            entry.pop("annotations", None)
     index_path.write_text(json.dumps(entries))
     assert pull(first, cache, arch="x86_64").annotations == {PATTERN: "one"}
 
