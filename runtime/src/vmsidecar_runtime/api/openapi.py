@@ -127,9 +127,9 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
                    "timeout seconds have passed. Any phase.",
         "parameters": [{"name": "types", "in": "query", "schema": {"type": "string"},
                         "description": "comma-separated event types, exact names (phase, spec, pulled, flashed, "
-                                       "transfer_cancelled, claimed, recycled, "
+                                       "transfer_cancelled, claimed, recycled, boot, powerdown_timeout, "
                                        "guest.powered_off, guest.reset, guest.paused, guest.resumed, guest.panicked, "
-                                       "guest.powerdown_requested, backend.exited)"},
+                                       "guest.powerdown_requested, guest.io_error, backend.exited)"},
                        {"name": "timeout", "in": "query",
                         "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_EVENTS_TIMEOUT},
                         "description": "end the stream after this many seconds (default: stream until the client leaves)"}],
