@@ -150,7 +150,8 @@ class ImageError(VmsidecarError):
     codes = {
         "bad_manifest": "the manifest or index is not a disk image vmsidecar can use",
         "bad_disk": "the disk is not a qcow2 or raw disk image, is empty, truncated or corrupt",
-        "unsafe_disk": "a qcow2 that names a backing file or an external data file (QEMU would open a host path)",
+        "unsafe_disk": "a qcow2 that names a backing file or an external data file, or a disk declared raw that "
+                       "is another format in disguise (QEMU would open a host path)",
         "disk_too_large": "over the virtual or decompressed size limit",
         "bad_compression": "a compressed layer or stream that does not decompress",
         "unsupported_compression": "a compression other than zstd, gzip and xz",
