@@ -32,6 +32,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
+from fixtures.attack import loopback_server
 from fixtures.openapi_check import DOC_PATH, VALIDATOR
 
 pytestmark = pytest.mark.timeout(900)
@@ -88,12 +89,8 @@ async def tcp_bridge(socket: Path) -> AsyncIterator[int]:
             return
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with loopback_server(handle) as port:
+        yield port
 
 
 async def schemathesis_run(port: int, workdir: Path, mode: str) -> tuple[dict[str, Any], list[dict[str, Any]], str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -25,10 +24,10 @@ from typing import Any
 import pytest
 
 from fixtures.faults import ThrottleProxy, wait_phase
+from fixtures.registry import push_incompressible
 from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import PullTimeoutError, TransferError
-from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,13 +46,7 @@ def image_cache(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def slow_image(registry: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 16 MiB incompressible qcow2 in the registry (through the proxy it takes minutes)."""
-    work = tmp_path_factory.mktemp("slow-image")
-    raw = work / "big.raw"
-    raw.write_bytes(os.urandom(16 << 20))
-    big = work / "big.qcow2"
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(big)], check=True, timeout=60)
-    raw.unlink()
-    push_artifact(big, f"{registry.host}/{SLOW_REPO}", compression=None)
+    push_incompressible(registry, SLOW_REPO, tmp_path_factory.mktemp("slow-image"))
     return SLOW_REPO
 
 

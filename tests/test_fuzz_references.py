@@ -25,7 +25,7 @@ import json
 import socket
 import string
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from fixtures.attack import loopback_server
 from fixtures.openapi_check import VALIDATOR
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
 from vmsidecar_contract.errors import VmsidecarError, registry
@@ -62,8 +63,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.asynccontextmanager
-async def not_http() -> AsyncIterator[int]:
+def not_http() -> contextlib.AbstractAsyncContextManager[int]:
     """A loopback server that answers every connection with garbage and hangs up: not a registry."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -73,12 +73,7 @@ async def not_http() -> AsyncIterator[int]:
             await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        await server.wait_closed()
+    return loopback_server(handle)
 
 
 def references(hosts: list[str]) -> st.SearchStrategy[str]:

@@ -6,10 +6,8 @@ whose backlog is full."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,13 +16,13 @@ import pytest
 from test_console_hub import FakeChardev
 
 from fixtures.faults import ThrottleProxy, wait_phase
+from fixtures.registry import push_incompressible
 from guestio import Console
 from vmsidecar_contract.errors import GuestError, StateError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime import ports
 from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub
 from vmsidecar_runtime.controller import RuntimePaths, VmController
-from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -143,12 +141,7 @@ async def test_a_vm_powered_on_during_a_flash_pull_is_not_powered_off_by_the_fla
     the lock after it: a VM powered on while the image was still downloading is refused with
     ``wrong_phase`` and keeps running on its old disk (before the fix, the flash powered it off)."""
     # 16 MiB of random data: cannot compress, and through the proxy below it takes minutes to pull
-    raw = tmp_path / "big.raw"
-    raw.write_bytes(os.urandom(16 << 20))
-    big = tmp_path / "big.qcow2"
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(big)], check=True, timeout=60)
-    raw.unlink()
-    push_artifact(big, f"{registry.host}/races/flash-mid-pull:1", compression=None)
+    push_incompressible(registry, "races/flash-mid-pull:1", tmp_path)
 
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"})
     client = rt.client()
