@@ -3,21 +3,26 @@ loopback listeners (the exporter's gRPC port in standalone mode, health ports) a
 metadata service through its NIC.
 
 A real tiny guest, from its own shell: the pod's loopback (through the gateway, and with root's
-routing tricks straight to 127.0.0.1) must stay out of reach, while a listener on this machine's
-own non-loopback address — standing for "the outside" — must still answer. Nothing here talks to
-an address outside this machine: the metadata address is refused by the runtime's filter before
-any packet leaves, which the guest sees as an immediate "No route to host".
+routing tricks straight to 127.0.0.1) and the pod's own address must stay out of reach, while a
+listener in a network namespace the test makes (a veth pair, 198.18.0.0/15: standing for "the
+outside") must still answer. Nothing here talks to an address outside this machine: the metadata
+address is refused by the runtime's filter before any packet leaves, which the guest sees as an
+immediate "No route to host".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import random
 import re
 import socket
 import struct
 import subprocess
+import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,7 @@ from fixtures.runtime import BACKENDS
 from guestio import Console
 from vmsidecar_contract.spec import Network, VmSpec
 from vmsidecar_runtime.backend.libvirt.xml import render_domain
-from vmsidecar_runtime.backend.netguard import qemu_args, refusal, refused
+from vmsidecar_runtime.backend.netguard import LocalAddresses, qemu_args, refusal, refused
 from vmsidecar_runtime.backend.qemu_argv import NETDEV_ID, build_argv
 from vmsidecar_runtime.plan import BootPlan
 
@@ -70,19 +75,82 @@ def _own_address() -> str | None:
     return m.group(1) if m else None
 
 
-@pytest.fixture
-async def listeners() -> AsyncIterator[tuple[Listener, Listener]]:
-    """(loopback listener standing for the exporter's gRPC port, listener on this machine's own
-    non-loopback address standing for the outside)."""
-    own = _own_address()
-    if own is None:
-        pytest.skip("this machine has no global IPv4 address to stand for the outside")
-    loop, loop_server = await _listen("127.0.0.1")
-    outside, outside_server = await _listen(own)
+#: answers each connection with the token and logs the peer (runs inside the outside namespace)
+_OUTSIDE_SERVER = """
+import socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 0))
+s.listen(16)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, peer = s.accept()
+    c.sendall((sys.argv[2] + "\\n").encode())
+    c.close()
+    open(sys.argv[3], "a").write(peer[0] + "\\n")
+"""
+
+
+@dataclass
+class Outside(Listener):
+    """A listener in a network namespace of its own, reached through a veth pair: another host."""
+
+    log: Path = Path("/dev/null")
+
+    @property
+    def connected(self) -> list[str]:
+        return self.log.read_text().split() if self.log.exists() else []
+
+
+@contextlib.contextmanager
+def outside_host(workdir: Path) -> Iterator[Outside]:
+    """A namespace ``vmsc-out-PID`` joined to this one by a veth pair on a random /30 of
+    198.18.0.0/15 (the benchmarking range: no real host has it), with a listener on its side."""
+    name, host_if, peer_if = f"vmsc-out-{os.getpid()}", f"vmsco{os.getpid() % 100000}", "eth0"
+    base = f"198.{18 + random.randrange(2)}.{random.randrange(256)}.{random.randrange(64) * 4}"
+    prefix, last = base.rsplit(".", 1)
+    ours, theirs = f"{prefix}.{int(last) + 1}", f"{prefix}.{int(last) + 2}"
+    steps = [["ip", "netns", "add", name],
+             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", peer_if, "netns", name],
+             ["ip", "addr", "add", f"{ours}/30", "dev", host_if], ["ip", "link", "set", host_if, "up"],
+             ["ip", "-n", name, "addr", "add", f"{theirs}/30", "dev", peer_if],
+             ["ip", "-n", name, "link", "set", peer_if, "up"], ["ip", "-n", name, "link", "set", "lo", "up"]]
+    server = None
     try:
-        yield loop, outside
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make the outside host ({' '.join(step)}: {done.stderr.strip()}): "
+                            "this test needs root (CAP_NET_ADMIN) to create a network namespace")
+        outside = Outside(theirs, log=workdir / "outside-peers.log")
+        server = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c", _OUTSIDE_SERVER, theirs,
+                                   outside.token, str(outside.log)], stdout=subprocess.PIPE, text=True)
+        assert server.stdout is not None
+        outside.port = int(server.stdout.readline())
+        yield outside
     finally:
-        for server in (loop_server, outside_server):
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+async def listeners(tmp_path: Path) -> AsyncIterator[tuple[Listener, Outside, Listener | None]]:
+    """(loopback listener standing for the exporter's gRPC port, the outside host's listener, a
+    listener on this machine's own non-loopback address — the pod's — when it has one)."""
+    servers = []
+    loop, server = await _listen("127.0.0.1")
+    servers.append(server)
+    own = None
+    if (address := _own_address()) is not None:
+        own, server = await _listen(address)
+        servers.append(server)
+    try:
+        with outside_host(tmp_path) as outside:
+            yield loop, outside, own
+    finally:
+        for server in servers:
             server.close()
             await server.wait_closed()
 
@@ -93,9 +161,9 @@ async def _nc(con: Console, address: str, port: int) -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_guest_reaches_outside_but_not_pod_loopback_nor_metadata(
-    start_runtime: Any, tiny_image: Any, listeners: tuple[Listener, Listener], backend: str
+    start_runtime: Any, tiny_image: Any, listeners: tuple[Listener, Outside, Listener | None], backend: str
 ) -> None:
-    loop, outside = listeners
+    loop, outside, own = listeners
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"}, backend=backend)
     client = rt.client()
     await client.wait_ready(180)
@@ -118,9 +186,10 @@ async def test_guest_reaches_outside_but_not_pod_loopback_nor_metadata(
     # the gateway must not be the pod's loopback (slirp maps 10.0.2.2 to 127.0.0.1)
     got = await _nc(con, gateway.group(1), loop.port)
     assert loop.token not in got, f"the guest reached the pod's loopback through the gateway {gateway.group(1)}: {got!r}"
-    # nor must the pod's own address lead to a listener bound to loopback
-    got = await _nc(con, outside.address, loop.port)
-    assert loop.token not in got, f"the guest reached the pod's loopback through {outside.address}: {got!r}"
+    # nor the pod's own address (a listener bound to 0.0.0.0, like a standalone exporter's, is there)
+    if own is not None:
+        got = await _nc(con, own.address, own.port)
+        assert own.token not in got and not own.peers, f"the guest reached the pod's own address {own.address}: {got!r}"
 
     # root in the guest sends to 127.0.0.1 out of eth0: the NIC's backend must not connect it to
     # the pod's loopback (passt of Debian 12 does, even with --no-map-gw)
@@ -195,6 +264,18 @@ def test_guard_rules(frame: bytes, default: bool, open_loopback: bool) -> None:
     assert refused(frame, Network(allow_host_loopback=True, allow_metadata=True)) is (frame[12:14] == b"\x81\x00")
 
 
+def test_the_pods_own_addresses_are_refused_like_its_loopback() -> None:
+    local = LocalAddresses(frozenset({int.from_bytes(socket.inet_aton("10.88.0.7"), "big")}),
+                           frozenset({socket.inet_pton(socket.AF_INET6, "fd00::7")}))
+    for frame in (_ipv4("10.88.0.7"), _ipv6("fd00::7")):
+        assert refused(frame, Network()) is False  # another host's address
+        assert refused(frame, Network(), local) is True  # the pod's own
+        assert refused(frame, Network(allow_host_loopback=True), local) is False
+    assert refused(_ipv4("10.88.0.8"), Network(), local) is False
+    # the kernel's own tables: this namespace's loopback is among them
+    assert int.from_bytes(socket.inet_aton("127.0.0.1"), "big") in LocalAddresses.read().v4
+
+
 def test_refusal_is_an_icmp_the_guest_accepts() -> None:
     syn = _ipv4("169.254.169.254")
     answer = refusal(syn)
@@ -234,12 +315,12 @@ def test_both_backends_route_the_nic_through_the_guard() -> None:
 
 
 async def test_an_unattached_guard_drops_the_guests_frames(
-    start_runtime: Any, tiny_image: Any, listeners: tuple[Listener, Listener], tmp_path: Path
+    start_runtime: Any, tiny_image: Any, listeners: tuple[Listener, Outside, Listener | None], tmp_path: Path
 ) -> None:
     """Fails closed: with nobody on the filter's sockets (the runtime's side gone), QEMU drops what
     the guest sends rather than passing it to slirp. The same arguments as a guarded boot, on a NIC
     of the test's own (extra_args) that the runtime does not attach to."""
-    _, outside = listeners
+    _, outside, _ = listeners
     run_dir = tmp_path / "guard"
     run_dir.mkdir()
     plan = BootPlan(spec=VmSpec(), accel="tcg", disk=Path("/x"), disk_format="qcow2", run_dir=run_dir)
@@ -252,5 +333,5 @@ async def test_an_unattached_guard_drops_the_guests_frames(
     # no DHCP answer comes back; a static address tries the outside directly
     await con.run("sleep 2; ip addr add 10.0.2.15/24 dev eth0; ip route add default via 10.0.2.2")
     got = await _nc(con, outside.address, outside.port)
-    assert outside.token not in got and not outside.peers, f"a frame passed an unattached guard: {got!r}"
+    assert outside.token not in got and not outside.connected, f"a frame passed an unattached guard: {got!r}"
     await con.close()

@@ -133,9 +133,9 @@ class Network(_Model):
     guest sends checked by the runtime first (docs/spec.md)."""
 
     enabled: StrictBool = True
-    #: let the guest reach the pod's loopback (slirp's 10.0.2.2, 127.0.0.1): every local listener
-    #: of the pod, the exporter's gRPC port among them. For a laptop whose guest must reach a
-    #: service of the host; never in a shared pod.
+    #: let the guest reach the pod's loopback (slirp's 10.0.2.2, 127.0.0.1) and the pod's own
+    #: addresses: every local listener of the pod, the exporter's gRPC port among them. For a
+    #: laptop whose guest must reach a service of the host; never in a shared pod.
     allow_host_loopback: StrictBool = False
     #: let the guest reach the cloud metadata service (169.254.0.0/16, fd00:ec2::254)
     allow_metadata: StrictBool = False

@@ -18,11 +18,13 @@ rather than timing out). slirp's frames to the guest are not filtered: they answ
 When the runtime is not connected, QEMU drops the guest's frames: the guard fails closed.
 
 What the guest may not reach (:func:`refused`): the pod's loopback (127.0.0.0/8, 0.0.0.0/8,
-::/96 with ::1, IPv4-mapped IPv6), slirp's aliases of it (new connections to 10.0.2.0/24 and
+::/96 with ::1, IPv4-mapped IPv6), the pod's own addresses (every local address of the runtime's
+network namespace — a listener bound to 0.0.0.0, like a standalone exporter's gRPC port, answers
+there too; re-read every few seconds, as a laptop's change), slirp's aliases of it (new connections to 10.0.2.0/24 and
 fec0::/64, except ICMP, DHCP to the gateway and DNS port 53 at 10.0.2.3 / fec0::3; the guest's side of
 a port forward's connection, which slirp shows as coming from 10.0.2.2, passes), and unless the
 spec allows it the metadata service (link-local 169.254.0.0/16, fd00:ec2::254, fd20:ce::254).
-``network.allow_host_loopback`` opens the first two again (slirp as it was).
+``network.allow_host_loopback`` opens the first three again (slirp as it was).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import contextlib
 import logging
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from ipaddress import IPv4Address
+from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import Network
@@ -63,11 +67,45 @@ _V6_ZERO96 = bytes(12)
 _V6_MAPPED = bytes(10) + b"\xff\xff"
 
 
+#: how often the pod's own addresses are read again (a laptop's Wi-Fi changes them)
+LOCAL_REFRESH_S = 5.0
+
+
+@dataclass(frozen=True)
+class LocalAddresses:
+    """The addresses of the runtime's own network namespace (the pod's, or the laptop's)."""
+
+    v4: frozenset[int] = frozenset()
+    v6: frozenset[bytes] = frozenset()
+
+    @classmethod
+    def read(cls, proc: Path = Path("/proc/net")) -> LocalAddresses:
+        """From the kernel's tables: IPv4 ``LOCAL`` routes (fib_trie), IPv6 interface addresses."""
+        v4: set[int] = set()
+        with contextlib.suppress(OSError):
+            last = None
+            for line in (proc / "fib_trie").read_text().splitlines():
+                text = line.strip()
+                if text.startswith(("|--", "+--")):
+                    last = text[3:].strip().split("/")[0]
+                elif text == "/32 host LOCAL" and last:
+                    with contextlib.suppress(ValueError):
+                        v4.add(int(IPv4Address(last)))
+        v6: set[bytes] = set()
+        with contextlib.suppress(OSError, ValueError):
+            for line in (proc / "if_inet6").read_text().splitlines():
+                v6.add(bytes.fromhex(line.split()[0]))
+        return cls(frozenset(v4), frozenset(v6))
+
+
+NO_LOCAL = LocalAddresses()
+
+
 def _bare_syn(flags: int) -> bool:
     return bool(flags & 0x02 and not flags & 0x10)
 
 
-def _refused4(frame: bytes, policy: Network) -> bool:
+def _refused4(frame: bytes, policy: Network, local: LocalAddresses) -> bool:
     if len(frame) < 34 or frame[14] >> 4 != 4:
         return True
     ihl = (frame[14] & 0xF) * 4
@@ -76,7 +114,7 @@ def _refused4(frame: bytes, policy: Network) -> bool:
         return True
     if policy.allow_host_loopback:
         return False
-    if dst >> 24 in (0, 127):
+    if dst >> 24 in (0, 127) or dst in local.v4:
         return True
     if dst >> 8 != SLIRP_NET >> 8:
         return False
@@ -96,7 +134,7 @@ def _refused4(frame: bytes, policy: Network) -> bool:
     return not (proto == _TCP and dst == _GATEWAY_INT and len(l4) >= 14 and not _bare_syn(l4[13]))
 
 
-def _refused6(frame: bytes, policy: Network) -> bool:
+def _refused6(frame: bytes, policy: Network, local: LocalAddresses) -> bool:
     if len(frame) < 54 or frame[14] >> 4 != 6:
         return True
     dst = bytes(frame[38:54])
@@ -104,7 +142,7 @@ def _refused6(frame: bytes, policy: Network) -> bool:
         return True
     if policy.allow_host_loopback:
         return False
-    if dst[:12] in (_V6_ZERO96, _V6_MAPPED):
+    if dst[:12] in (_V6_ZERO96, _V6_MAPPED) or dst in local.v6:
         return True
     if dst[:8] != SLIRP_NET6:
         return False
@@ -115,18 +153,19 @@ def _refused6(frame: bytes, policy: Network) -> bool:
     return not (next_header in (_TCP, _UDP) and dst == DNS6 and port == 53)
 
 
-def refused(frame: bytes, policy: Network) -> bool:
-    """Whether a frame the guest sends must not reach slirp under ``policy`` (the spec's network):
-    anything but (R)ARP, IPv4 and IPv6, and packets to what the module doc lists."""
+def refused(frame: bytes, policy: Network, local: LocalAddresses = NO_LOCAL) -> bool:
+    """Whether a frame the guest sends must not reach slirp under ``policy`` (the spec's network)
+    in a pod whose own addresses are ``local``: anything but (R)ARP, IPv4 and IPv6, and packets to
+    what the module doc lists."""
     if len(frame) < 14:
         return True
     ethertype = int.from_bytes(frame[12:14], "big")
     if ethertype in _ETH_ADDRESSING:
         return False
     if ethertype == _ETH_IPV4:
-        return _refused4(frame, policy)
+        return _refused4(frame, policy, local)
     if ethertype == _ETH_IPV6:
-        return _refused6(frame, policy)
+        return _refused6(frame, policy, local)
     return True
 
 
@@ -196,6 +235,8 @@ class NetGuard:
         self.policy = plan.spec.network
         #: frames refused since the start (for the log)
         self.refused = 0
+        self._local = LocalAddresses.read()
+        self._local_read_at = time.monotonic()
         self._task: asyncio.Task[None] | None = None
         self._writers: list[asyncio.StreamWriter] = []
 
@@ -231,7 +272,7 @@ class NetGuard:
                     if len(buf) - pos - 4 < size:
                         break
                     frame = bytes(buf[pos + 4:pos + 4 + size])
-                    if refused(frame, self.policy):
+                    if refused(frame, self.policy, self._local_addresses()):
                         self._count(frame)
                         if (answer := refusal(frame)) is not None:
                             answers += len(answer).to_bytes(4, "big") + answer
@@ -243,6 +284,11 @@ class NetGuard:
                     if data:
                         writer.write(data)
                         await writer.drain()
+
+    def _local_addresses(self) -> LocalAddresses:
+        if time.monotonic() - self._local_read_at > LOCAL_REFRESH_S:
+            self._local, self._local_read_at = LocalAddresses.read(), time.monotonic()
+        return self._local
 
     def _count(self, frame: bytes) -> None:
         self.refused += 1
