@@ -174,6 +174,23 @@ async def test_a_token_realm_on_another_host_gets_no_credentials(start_runtime: 
     assert f"token service {realm.host}" in error.message and "another host" in error.message, error.message
 
 
+async def test_a_plain_http_token_realm_is_never_asked(start_runtime: Any, tmp_path: Path) -> None:
+    """The lease holder's registry (listed insecure here, standing for any registry it controls)
+    answers ``401 Bearer realm="http://<metadata-like host>/latest/meta-data/…"``: the runtime must
+    not fetch a plain-HTTP URL of the attacker's choosing (before: it did, anonymously — a request
+    into the pod's loopback or the cloud metadata service on the lease holder's word)."""
+    with fakes(2) as (registry, metadata):
+        registry.answer = challenge(f'Bearer realm="http://{metadata.host}/latest/meta-data/iam/",service="s"')
+        metadata.answer = token_service
+        env = {**pool_env(tmp_path, "registry.pool.example"), "VMSIDECAR_INSECURE_REGISTRIES": registry.host}
+        rt = await start_runtime(SPEC, env=env)
+        error = await flash(rt, f"oci://{registry.host}/x:y")
+    assert registry.requests, "the runtime never asked the lease holder's registry: the attack did not happen"
+    assert metadata.requests == [], f"the runtime fetched the realm {metadata.host}: {metadata.requests}"
+    assert error.code == "registry_unauthorized"
+    assert "plain HTTP" in error.message, error.message
+
+
 async def test_an_https_registry_is_never_asked_over_http(start_runtime: Any, tmp_path: Path) -> None:
     """Credentials for host A, which is not listed as insecure, and A is a plain-HTTP server on
     loopback: the runtime speaks TLS to it and fails (before: loopback meant plain HTTP, and the

@@ -201,7 +201,7 @@ class OrasRegistry(oras.provider.Registry):
 
         The registry's own credentials go to a realm on the registry's own host[:port]; a realm on
         another host gets the auth entry for that host, else is asked anonymously (public
-        registries hand out anonymous pull tokens); a plain-HTTP realm gets credentials only when
+        registries hand out anonymous pull tokens); a plain-HTTP realm is asked at all only when
         its host is listed as insecure (or is the registry, spoken to in HTTP on purpose).
         """
         self.withheld = None
@@ -221,15 +221,16 @@ class OrasRegistry(oras.provider.Registry):
                     f"host, which vmsidecar never sends {self.host}'s credentials to; if {realm_key} is that "
                     f"registry's token service, add an entry for {realm_key} to the auth file"
                 )
-        if creds is not None and scheme == "http":
-            allowed = self._config.is_insecure(realm_key) or (realm_key == self.host and self.plain_http)
-            if not allowed:
-                self.withheld = (
-                    f"registry {self.host} named the token service {realm} in plain HTTP, which is not listed as "
-                    f"insecure, so no credentials were sent to it; use an HTTPS token service, or list {realm_key} "
-                    "as insecure if it is plain HTTP on purpose"
-                )
-                creds = None
+        # a plain-HTTP realm is a URL of the registry's choosing fetched in the clear: the pod's
+        # loopback or the cloud metadata service (HTTP only) on a lease holder's word. Only a host
+        # listed as insecure on purpose (or the registry itself, spoken to in HTTP on purpose) is asked
+        if scheme == "http" and not (self._config.is_insecure(realm_key) or (realm_key == self.host and self.plain_http)):
+            self.withheld = (
+                f"registry {self.host} named the token service {realm} in plain HTTP, which is not listed as "
+                f"insecure, so vmsidecar did not ask it; use an HTTPS token service, or list {realm_key} "
+                "as insecure if it is plain HTTP on purpose"
+            )
+            return None
         query = {k: params[k] for k in ("service", "scope") if params.get(k)}
         headers = {"Accept": "application/json"}
         if creds is not None:
