@@ -61,6 +61,9 @@ class VirtualMachine(Driver):
     graceful_timeout: float = 60.0
     #: flashing a running VM powers it off first (False: refuse with a clear message)
     flash_power_off: bool = True
+    #: let ``flash``/``dump`` URLs name this pod (loopback) or link-local addresses (the cloud
+    #: metadata service): for a laptop serving its own disks; never in a shared pod
+    allow_local_urls: bool = False
     link: RuntimeLink = field(init=False, repr=False)
     _spec: VmSpec | None = field(init=False, default=None, repr=False)
 
