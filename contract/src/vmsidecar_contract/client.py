@@ -15,11 +15,18 @@ from typing import Any, Protocol
 import aiohttp
 
 from . import errors
+from .blocking import (
+    STOPPED_GRACE_S,
+    ReadyWait,
+    RuntimeUnavailableError,
+    error_from_body,
+    stream_error,
+    unavailable,
+)
 from .spec import VmSpec
 from .state import VmState
 
-#: how long a Stopped VM is given to start booting before ``wait_ready`` gives up
-STOPPED_GRACE_S = 5.0
+__all__ = ["STOPPED_GRACE_S", "Observer", "RuntimeClient", "RuntimeUnavailableError", "error_from_body", "observe"]
 
 
 class Observer(Protocol):
@@ -44,18 +51,6 @@ def observe(observer: Observer | None) -> Observer | None:
     global _observer
     previous, _observer = _observer, observer
     return previous
-
-
-class RuntimeUnavailableError(errors.VmsidecarError):
-    """The runtime's API socket is missing or does not answer."""
-
-    code = "runtime_unavailable"
-    http_status = 503
-
-
-def error_from_body(body: dict[str, Any], status: int) -> errors.VmsidecarError:
-    """Rebuild the runtime's exception (its class and fields) from an error body."""
-    return errors.from_wire(body, status)
 
 
 class RuntimeClient:
@@ -88,13 +83,7 @@ class RuntimeClient:
         return self._session
 
     def _unavailable(self, e: Exception) -> RuntimeUnavailableError:
-        if not self.socket_path.exists():
-            why = f"{self.socket_path} does not exist"
-        else:
-            why = f"{self.socket_path} does not answer ({type(e).__name__})"
-        return RuntimeUnavailableError(
-            f"the vmsidecar runtime is not reachable: {why}; start it (vmsidecar-runtime serve) or fix the socket path"
-        )
+        return unavailable(self.socket_path, e)
 
     async def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
         if _observer:
@@ -206,9 +195,8 @@ class RuntimeClient:
                         progress(int(line["done"]), line.get("total"))
                     elif line["type"] == "result":
                         return VmState.model_validate(line["state"])
-                    elif line["type"] == "error":  # after the 200: the status its class answers with
-                        cls = errors.registry().get(str(line.get("error")), errors.VmsidecarError)
-                        raise error_from_body(line, cls.http_status)
+                    elif line["type"] == "error":
+                        raise stream_error(line)
         except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
             raise self._unavailable(e) from e
         raise errors.VmsidecarError("the runtime ended the pull stream without a result; check the runtime log")
@@ -261,22 +249,11 @@ class RuntimeClient:
         :raise TimeoutError: when it is not Ready in time.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        stopped_since: float | None = None
+        wait = ReadyWait(timeout, stopped_grace, loop.time())
         while True:
             state = await self.state()
-            if state.phase.value == "Ready":
+            if wait.ready(state.phase.value, state.last_error, loop.time()):
                 return state
-            if state.phase.value in ("Error", "Crashed") and state.last_error:
-                raise error_from_body(state.last_error, 500)
-            # Stopped is also the moment between a start (or a recycle) and its boot: only a
-            # Stopped that lasts means no boot is coming.
-            stopped_since = (stopped_since or loop.time()) if state.phase.value == "Stopped" else None
-            if stopped_since is not None and loop.time() - stopped_since > stopped_grace:
-                raise errors.GuestError(f"the VM is {state.phase.value} and nothing is booting it; power it on "
-                                        "(j vm power on, or POST /v1/vm/power {\"action\": \"on\"})")
-            if loop.time() > deadline:
-                raise TimeoutError(f"VM not Ready after {timeout:.0f} s (phase {state.phase.value})")
             await asyncio.sleep(poll)
 
 

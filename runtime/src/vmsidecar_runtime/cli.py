@@ -1,39 +1,39 @@
 """``vmsidecar-runtime``: serve, and the client commands that talk to a serving runtime.
 
 Human output by default, ``--json`` for scripts. Errors print one line and exit 2.
+
+The client commands start in ~0.1 s: they import the blocking client and nothing of the runtime
+(no server, no OCI code, no QEMU backend, no pydantic; tests/test_cli_imports.py); ``serve`` and its
+``--help`` import the runtime (docs/decisions.md, "Issue 21 — fast CLI").
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import sys
 import termios
 import tty
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR, BlockingRuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
-from vmsidecar_contract.spec import spec_from_sources
-from vmsidecar_contract.state import VmState
-
-from .hostpaths import ENV as HOST_PATHS_ENV
-from .hostpaths import HostPathPolicy
-from .image import limits
-from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET, configure_budget
-from .serve import DEFAULT_PULL_TIMEOUT_S, DEFAULT_SHARED, default_paths, serve, setup_logging
 
 PULL_TIMEOUT_ENV = "VMSIDECAR_PULL_TIMEOUT"
 
-#: environment that configures the process, not the VM spec
-_PROCESS_ENV = {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
-                "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV, limits.MAX_DISK_SIZE_ENV,
-                PULL_TIMEOUT_ENV}
+
+def _process_env() -> set[str]:
+    """Environment that configures the process, not the VM spec."""
+    from .hostpaths import ENV as HOST_PATHS_ENV  # here: the client commands import no runtime module
+    from .image import limits
+    from .oci.cache import BUDGET_ENV
+
+    return {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
+            "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV, limits.MAX_DISK_SIZE_ENV,
+            PULL_TIMEOUT_ENV, BUDGET_ENV}
 
 
 def _seconds(text: str) -> float:
@@ -48,30 +48,32 @@ def _seconds(text: str) -> float:
 
 
 def _default_socket() -> Path:
-    return Path(os.environ.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED)) / "api.sock"
+    return Path(os.environ.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED_DIR)) / "api.sock"
 
 
-def _print_state(state: VmState, as_json: bool) -> None:
+def _print_state(state: dict[str, Any], as_json: bool) -> None:
+    """The state as the runtime sent it (``GET /v1/vm``, model ``VmState``)."""
     if as_json:
-        print(state.model_dump_json(indent=2))
+        print(json.dumps(state, indent=2, ensure_ascii=False))
         return
-    print(f"phase:      {state.phase.value}")
-    print(f"generation: {state.generation}")
-    if state.image:
-        print(f"image:      {state.image}")
-    if state.image_digest:
-        print(f"digest:     {state.image_digest}")
-    if state.accel:
-        print(f"accel:      {state.accel} ({state.accel_reason})")
-    if state.readiness is not None:
-        print(f"readiness:  {state.readiness.pattern!r} on {state.readiness.console} (from the {state.readiness_source})")
-    t = state.timings
-    if t.ready is not None:
-        print(f"boot:       first console byte {t.first_console_byte} s, ready {t.ready} s")
-    for name, addr in state.forwards.items():
+    print(f"phase:      {state['phase']}")
+    print(f"generation: {state['generation']}")
+    if state.get("image"):
+        print(f"image:      {state['image']}")
+    if state.get("image_digest"):
+        print(f"digest:     {state['image_digest']}")
+    if state.get("accel"):
+        print(f"accel:      {state['accel']} ({state.get('accel_reason')})")
+    if (readiness := state.get("readiness")) is not None:
+        print(f"readiness:  {readiness['pattern']!r} on {readiness['console']} "
+              f"(from the {state.get('readiness_source')})")
+    t = state.get("timings") or {}
+    if t.get("ready") is not None:
+        print(f"boot:       first console byte {t.get('first_console_byte')} s, ready {t['ready']} s")
+    for name, addr in (state.get("forwards") or {}).items():
         print(f"forward:    {name} -> {addr}")
-    if state.last_error:
-        print(f"last error: {state.last_error['message']}")
+    if state.get("last_error"):
+        print(f"last error: {state['last_error']['message']}")
 
 
 def _progress() -> tuple[Callable[[int, int | None], None], Callable[[], None]]:
@@ -89,6 +91,8 @@ def _progress() -> tuple[Callable[[int, int | None], None], Callable[[], None]]:
 
 async def _console(socket: Path) -> None:
     """Attach the terminal to a console socket; Ctrl-] detaches."""
+    import asyncio  # here: only this command runs an event loop
+
     reader, writer = await asyncio.open_unix_connection(str(socket))
     loop = asyncio.get_running_loop()
     stdin_fd = sys.stdin.fileno()
@@ -124,46 +128,56 @@ async def _console(socket: Path) -> None:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
 
 
-async def _client_command(args: argparse.Namespace) -> int:
-    async with RuntimeClient(args.socket) as client:
-        if args.command == "status":
-            _print_state(await client.state(), args.json)
-        elif args.command == "power":
-            graceful = None if args.action in ("on", "reset") else not args.hard
-            _print_state(await client.power(args.action, graceful=graceful, timeout=args.timeout), args.json)
-        elif args.command == "recycle":
-            _print_state(await client.recycle(boot=not args.no_boot), args.json)
-        elif args.command == "pull":
-            update, finish = _progress()
-            try:
-                state = await client.flash_reference(args.reference, power_off=args.power_off, progress=update)
-            finally:
-                finish()
-            _print_state(state, args.json)
-        elif args.command == "flash":
-            _print_state(await client.flash(Path(args.file), power_off=args.power_off), args.json)
-        elif args.command == "dump":
-            size = await client.dump(Path(args.file), fmt=args.format)
-            print(json.dumps({"file": args.file, "bytes": size}) if args.json else f"wrote {size} bytes to {args.file}")
-        elif args.command == "wait-ready":
-            _print_state(await client.wait_ready(args.timeout), args.json)
-        elif args.command == "ready":
-            healthy = await client.healthy()
-            state = await client.state() if healthy else None
-            ready = state is not None and state.phase.value == "Ready"
-            if not args.quiet:
-                print(state.phase.value if state else "runtime not reachable")
-            return 0 if ready else 1
-        elif args.command == "shutdown":
-            await client.shutdown()
-            print(json.dumps({"status": "shutting-down"}) if args.json else "runtime shutting down")
-        elif args.command == "console":
-            name = "console.sock" if args.stream == "ttyS0" else f"{args.stream}.sock"
-            await _console(Path(args.socket).parent / name)
+def _client_command(args: argparse.Namespace) -> int:
+    client = BlockingRuntimeClient(args.socket)
+    if args.command == "status":
+        _print_state(client.state(), args.json)
+    elif args.command == "power":
+        graceful = None if args.action in ("on", "reset") else not args.hard
+        _print_state(client.power(args.action, graceful=graceful, timeout=args.timeout), args.json)
+    elif args.command == "recycle":
+        _print_state(client.recycle(boot=not args.no_boot), args.json)
+    elif args.command == "pull":
+        update, finish = _progress()
+        try:
+            state = client.flash_reference(args.reference, power_off=args.power_off, progress=update)
+        finally:
+            finish()
+        _print_state(state, args.json)
+    elif args.command == "flash":
+        _print_state(client.flash(Path(args.file), power_off=args.power_off), args.json)
+    elif args.command == "dump":
+        size = client.dump(Path(args.file), fmt=args.format)
+        print(json.dumps({"file": args.file, "bytes": size}) if args.json else f"wrote {size} bytes to {args.file}")
+    elif args.command == "wait-ready":
+        _print_state(client.wait_ready(args.timeout), args.json)
+    elif args.command == "ready":
+        state = client.state() if client.healthy() else None
+        if not args.quiet:
+            print(state["phase"] if state else "runtime not reachable")
+        return 0 if state is not None and state["phase"] == "Ready" else 1
+    elif args.command == "shutdown":
+        client.shutdown()
+        print(json.dumps({"status": "shutting-down"}) if args.json else "runtime shutting down")
+    elif args.command == "console":
+        import asyncio  # here: only this command runs an event loop
+
+        name = "console.sock" if args.stream == "ttyS0" else f"{args.stream}.sock"
+        asyncio.run(_console(Path(args.socket).parent / name))
     return 0
 
 
 def _serve_command(args: argparse.Namespace) -> int:
+    # here, not at the top: the client commands must not pay for the runtime (docs/decisions.md, issue 21)
+    import asyncio
+
+    from vmsidecar_contract.spec import spec_from_sources
+
+    from .hostpaths import HostPathPolicy
+    from .image import limits
+    from .oci.cache import configure_budget
+    from .serve import default_paths, serve, setup_logging
+
     setup_logging(args.log_format, args.log_level)
     configure_budget(args.cache_budget)
     if args.max_disk_size is not None:
@@ -182,7 +196,7 @@ def _serve_command(args: argparse.Namespace) -> int:
                                "timeout": args.ready_timeout}.items() if v is not None}
     overrides["readiness"] = ready or None  # merged field by field over the file's and env's
     spec_given = args.spec or any(v is not None for v in overrides.values()) or any(
-        k.startswith("VMSIDECAR_") and k not in _PROCESS_ENV | registry_auth.PROCESS_ENV for k in os.environ)
+        k.startswith("VMSIDECAR_") and k not in _process_env() | registry_auth.PROCESS_ENV for k in os.environ)
     spec = spec_from_sources(Path(args.spec) if args.spec else None, overrides) if spec_given else None
     paths = default_paths(
         Path(args.shared_dir) if args.shared_dir else None,
@@ -194,15 +208,13 @@ def _serve_command(args: argparse.Namespace) -> int:
                              grace=args.grace, pull_timeout=args.pull_timeout))
 
 
-_PROCESS_ENV.add(BUDGET_ENV)
+def _serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The options of ``serve``; their defaults come from the runtime's modules."""
+    from .controller.disk_ops import DEFAULT_PULL_TIMEOUT_S  # here: only serve pays for these imports
+    from .image import limits
+    from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET
+    from .serve import DEFAULT_SHARED
 
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (exposed for docs and tests)."""
-    p = argparse.ArgumentParser(prog="vmsidecar-runtime", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("serve", help="run the runtime (pull, boot, serve the API)")
     s.add_argument("--spec", help="VM spec file (YAML or JSON); also VMSIDECAR_SPEC")
     s.add_argument("--image", help="image reference (OCI, oci-layout:DIR[:TAG], file:PATH)")
     s.add_argument("--arch")
@@ -246,6 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a registry spoken to in plain HTTP (repeatable; also VMSIDECAR_INSECURE_REGISTRIES); "
                         "none by default, not even loopback")
 
+
+def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests); without ``serve_options`` for the client
+    commands, which then import nothing of the runtime."""
+    p = argparse.ArgumentParser(prog="vmsidecar-runtime", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the runtime (pull, boot, serve the API)")
+    if serve_options:
+        _serve_arguments(s)
+
     def client_parser(name: str, help_: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)
         c.add_argument("--socket", default=str(_default_socket()), help="runtime API socket")
@@ -278,19 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(coro: Coroutine[Any, Any, int]) -> int:
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(coro)
-    return 130
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # "serve" anywhere (even as a file name) builds the whole parser: slower, still right
+    args = build_parser(serve_options="serve" in argv).parse_args(argv)
     try:
         if args.command == "serve":
             return _serve_command(args)
-        return _run(_client_command(args))
+        try:
+            return _client_command(args)
+        except KeyboardInterrupt:
+            return 130
+        except TimeoutError as e:  # wait-ready's deadline: a verdict, not a crash
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     except VmsidecarError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
