@@ -21,13 +21,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
-from jumpstarter.common.utils import launch_shell
-from jumpstarter.config.exporter import ExporterConfigV1Alpha1
-
-from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
+
+if TYPE_CHECKING:
+    from vmsidecar_contract.client import RuntimeClient
 
 #: the largest readiness timeout a spec or image may set (seconds)
 MAX_READY_TIMEOUT = 3600.0
@@ -36,6 +35,8 @@ PULL_ALLOWANCE = 600.0
 
 
 def _exporter_config(path: Path, socket: Path, recycle: str) -> Path:
+    import yaml  # here and below: --help and argument errors answer without jumpstarter, aiohttp, yaml
+
     path.write_text(yaml.safe_dump({
         "apiVersion": "jumpstarter.dev/v1alpha1",
         "kind": "ExporterConfig",
@@ -80,6 +81,8 @@ async def _wait_ready(socket: Path, proc: subprocess.Popen[bytes], timeout: floa
         if time.monotonic() - started > 30:
             raise SystemExit(f"vmsidecar-runtime did not start; see {log}")
         await asyncio.sleep(0.1)
+    from vmsidecar_contract.client import RuntimeClient
+
     async with RuntimeClient(socket) as client:
         try:
             await _say_accel(client, started + timeout)
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds = asyncio.run(_wait_ready(shared / "api.sock", runtime, wait, log))
         print(f"vmsidecar: guest ready in {seconds:.1f} s; try `j vm console start-console` "
               "(Ctrl-B three times to leave), `j vm power cycle`, `j vm storage flash FILE`", file=sys.stderr)
+        from jumpstarter.common.utils import launch_shell
+        from jumpstarter.config.exporter import ExporterConfigV1Alpha1
+
         config = ExporterConfigV1Alpha1.load_path(
             _exporter_config(work / "exporter.yaml", shared / "api.sock", args.recycle))
         os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"  # `j` for the shell
