@@ -27,13 +27,14 @@ PULL_TIMEOUT_ENV = "VMSIDECAR_PULL_TIMEOUT"
 
 def _process_env() -> set[str]:
     """Environment that configures the process, not the VM spec."""
+    from .api.health import HEALTH_LISTEN_ENV
     from .hostpaths import ENV as HOST_PATHS_ENV  # here: the client commands import no runtime module
     from .image import limits
     from .oci.cache import BUDGET_ENV
 
     return {"VMSIDECAR_SHARED_DIR", "VMSIDECAR_CACHE_DIR", "VMSIDECAR_STATE_DIR", "VMSIDECAR_SOCKET_OWNER",
             "VMSIDECAR_LOG_FORMAT", "VMSIDECAR_LOG_LEVEL", HOST_PATHS_ENV, limits.MAX_DISK_SIZE_ENV,
-            PULL_TIMEOUT_ENV, BUDGET_ENV}
+            PULL_TIMEOUT_ENV, BUDGET_ENV, HEALTH_LISTEN_ENV}
 
 
 def _seconds(text: str) -> float:
@@ -204,12 +205,17 @@ def _serve_command(args: argparse.Namespace) -> int:
         Path(args.state_dir) if args.state_dir else None,
     )
     host_paths = HostPathPolicy.from_sources(args.allow_host_paths)
+    if args.health_listen:
+        from .api.health import parse_listen
+
+        parse_listen(args.health_listen)  # a bad address stops the runtime now, not after it pulled and booted
     return asyncio.run(serve(spec, paths, allow_extra_args=args.allow_extra_args, host_paths=host_paths,
-                             grace=args.grace, pull_timeout=args.pull_timeout))
+                             grace=args.grace, pull_timeout=args.pull_timeout, health_listen=args.health_listen))
 
 
 def _serve_arguments(s: argparse.ArgumentParser) -> None:
     """The options of ``serve``; their defaults come from the runtime's modules."""
+    from .api.health import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG
     from .controller.disk_ops import DEFAULT_PULL_TIMEOUT_S  # here: only serve pays for these imports
     from .image import limits
     from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET
@@ -257,6 +263,9 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--insecure-registry", action="append", default=[], metavar="HOST[:PORT]",
                    help="a registry spoken to in plain HTTP (repeatable; also VMSIDECAR_INSECURE_REGISTRIES); "
                         "none by default, not even loopback")
+    s.add_argument(HEALTH_LISTEN_FLAG, metavar="HOST:PORT", default=os.environ.get(HEALTH_LISTEN_ENV) or None,
+                   help="also serve GET /healthz and /readyz, and nothing else, on this TCP address for httpGet "
+                        f"probes (e.g. 0.0.0.0:8081 in a pod; default: none; also {HEALTH_LISTEN_ENV})")
 
 
 def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import VmSpec
 
 from . import procs
+from .api.health import serve_health
 from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
@@ -181,8 +182,12 @@ async def _reap_orphans(stop: asyncio.Event) -> None:
 
 async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
                 host_paths: HostPathPolicy | None = None, grace: float = 30.0,
-                pull_timeout: float = DEFAULT_PULL_TIMEOUT_S) -> int:
-    """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code."""
+                pull_timeout: float = DEFAULT_PULL_TIMEOUT_S, health_listen: str | None = None) -> int:
+    """Run the runtime until SIGTERM/SIGINT or ``POST /v1/shutdown``; returns the exit code.
+
+    ``health_listen`` (``HOST:PORT``): also serve ``/healthz`` and ``/readyz``, and nothing else, on TCP
+    for the kubelet's httpGet probes (``api/health.py``).
+    """
     restrict_umask()
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     try:
@@ -207,12 +212,16 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner = None
+    health = None
     reaper = asyncio.create_task(_reap_orphans(stop)) if os.getpid() == 1 else None
     started = time.monotonic()
     try:
         await vm.start()
         runner = await serve_api(vm, paths.shared / "api.sock")
         log.info("serving %s (state %s, cache %s)", paths.shared / "api.sock", paths.state, paths.cache)
+        if health_listen:
+            health, bound = await serve_health(vm, health_listen)
+            log.info("health probes on http://%s:%d (/healthz, /readyz only)", *bound)
         shutdown_wait = asyncio.create_task(vm.shutdown_requested.wait())
         stop_wait = asyncio.create_task(stop.wait())
         await asyncio.wait({shutdown_wait, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
@@ -227,6 +236,8 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
         return 0
     finally:
         stop.set()
+        if health is not None:
+            await health.cleanup()
         if runner is not None:
             await runner.cleanup()
         (paths.shared / "api.sock").unlink(missing_ok=True)

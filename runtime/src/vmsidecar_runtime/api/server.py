@@ -23,15 +23,15 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from vmsidecar_contract.errors import RequestError, VmsidecarError
-from vmsidecar_contract.models import Accepted, Health, PowerRequest, PullRequest, RecycleRequest
+from vmsidecar_contract.models import Accepted, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_contract.state import Phase
 
 from ..controller import VmController
 from ..perms import share
+from .health import CONTROLLER, healthz, readyz  # the same handlers serve the health-only listener
 
 log = logging.getLogger(__name__)
-CONTROLLER = web.AppKey("controller", VmController)
 #: how often an idle event stream checks that its client is still there
 EVENTS_IDLE_CHECK_S = 1.0
 #: the largest JSON request body (a spec at every list's maximum fits); larger is a 413. Disk
@@ -405,19 +405,6 @@ async def post_shutdown(request: web.Request) -> web.Response:
     vm = _vm(request)
     await vm.shutdown()
     return web.json_response(Accepted(status="shutting-down").model_dump(), status=202)
-
-
-async def healthz(request: web.Request) -> web.Response:
-    """Liveness: the runtime answers."""
-    return web.json_response(Health(status="ok", phase=_vm(request).phase.value).model_dump())
-
-
-async def readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 once the guest is Ready, else 503."""
-    vm = _vm(request)
-    ready = vm.phase == Phase.READY
-    body = Health(status="ready" if ready else "not-ready", phase=vm.phase.value)
-    return web.json_response(body.model_dump(), status=200 if ready else 503)
 
 
 #: (method, path, handler): the OpenAPI test checks this table against docs/api/openapi.json
