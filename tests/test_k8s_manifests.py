@@ -46,7 +46,7 @@ def test_manifest_validates(path: Path) -> None:
 
 def test_pod_template_for_podman_validates() -> None:
     text = (ROOT / "container" / "pod.yaml").read_text()
-    values = {"NAME": "vmsidecar", "PORT": "19090", "RECYCLE": "InPlaceReuse", "MEMORY": "512M",
+    values = {"NAME": "vmsidecar", "PORT": "19090", "HEALTH_PORT": "8081", "RECYCLE": "InPlaceReuse", "MEMORY": "512M",
               "IMAGE": "127.0.0.1:5000/vm/tiny:1", "RUNTIME_IMAGE": "r", "EXPORTER_IMAGE": "e"}
     for key, value in values.items():
         text = text.replace("${" + key + "}", value)
@@ -135,3 +135,63 @@ def test_every_emptydir_is_bounded_and_the_cache_budget_fits_its_volume(name: st
     if request := claim.get("resources", {}).get("requests", {}).get("storage"):
         # room left for a pull in progress and a snapshot being captured
         assert budget <= parse_size(request) * 0.85, f"{name}: cache budget {budget} over its {request} volume"
+
+
+#: where the runtime serves its health-only listener in every pod we ship (api/health.py)
+HEALTH_PORT = 8081
+
+
+def _runtime_container(spec: dict) -> dict:
+    return next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "runtime")
+
+
+def _podman_template() -> dict:
+    """container/pod.yaml itself (what Kubernetes would run), before scripts/pod adapts it to podman."""
+    text = (ROOT / "container" / "pod.yaml").read_text()
+    for key in ("NAME", "PORT", "HEALTH_PORT", "RECYCLE", "MEMORY", "IMAGE", "RUNTIME_IMAGE", "EXPORTER_IMAGE"):
+        text = text.replace("${" + key + "}", {"PORT": "19090", "HEALTH_PORT": str(HEALTH_PORT)}.get(key, "x"))
+    return next(d for d in yaml.safe_load_all(text) if d["kind"] == "Pod")["spec"]
+
+
+@pytest.mark.parametrize("name", ["pod.yaml", "pod-sidecar.yaml"])
+def test_the_runtimes_probes_are_http_gets_on_the_health_port(name: str) -> None:
+    """Issue 21 item 2: an exec of ``vmsidecar-runtime ready`` cost 1.1-1.7 s of CPU every 2 s; an
+    httpGet on the health-only listener costs the runtime one request (bench/probes.py)."""
+    spec = _podman_template() if name == "pod.yaml" else _pod_specs()[name]
+    runtime = _runtime_container(spec)
+    env = {e["name"]: e.get("value") for e in runtime.get("env", [])}
+    assert env.get("VMSIDECAR_HEALTH_LISTEN") == f"0.0.0.0:{HEALTH_PORT}", env  # the kubelet probes the pod IP
+    for kind, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        probe = runtime.get(kind)
+        assert probe and probe.get("httpGet") == {"path": path, "port": HEALTH_PORT}, (name, kind, probe)
+        assert "exec" not in probe
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            command = (c.get(kind) or {}).get("exec", {}).get("command", [])
+            assert not any("vmsidecar-runtime" in part for part in command), (name, c["name"], kind)
+
+
+def test_the_pool_pods_probes_are_the_provisioners() -> None:
+    """The pool samples cannot set probes: upstream's CRDs have no such field and its provisioner
+    renders the runtime container without any (so it costs nothing). If a newer CRD adds one, set
+    httpGet probes on the health port in the samples and VMSIDECAR_HEALTH_LISTEN in the runtime's env."""
+    for crd in CRDS.glob("*.yaml"):
+        text = crd.read_text()
+        assert "Probe" not in text and "httpGet" not in text, crd.name
+
+
+def test_scripts_pod_keeps_what_podman_can_run() -> None:
+    """podman 4.3 ignores readinessProbe and runs a livenessProbe as ``curl`` in the container (the
+    runtime image has none): scripts/pod drops the liveness probe and publishes the health port on
+    the host's loopback; with --host-network the listener itself binds the loopback."""
+    spec = _pod_specs()["pod.yaml"]
+    runtime = _runtime_container(spec)
+    assert "livenessProbe" not in runtime and runtime["readinessProbe"]["httpGet"]["port"] == HEALTH_PORT
+    assert {"containerPort": HEALTH_PORT, "hostPort": HEALTH_PORT, "hostIP": "127.0.0.1"} in runtime["ports"]
+    rendered = subprocess.run([str(ROOT / "scripts" / "pod"), "render", "--image", "r/x:1", "--host-network",
+                               "--health-port", "18081", "--insecure-registry", "127.0.0.1:5000"],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    runtime = _runtime_container(next(d for d in yaml.safe_load_all(rendered) if d["kind"] == "Pod")["spec"])
+    env = {e["name"]: e["value"] for e in runtime["env"]}
+    assert env == {"VMSIDECAR_HEALTH_LISTEN": "127.0.0.1:18081", "VMSIDECAR_INSECURE_REGISTRIES": "127.0.0.1:5000"}
+    assert "ports" not in runtime and runtime["readinessProbe"]["httpGet"]["port"] == 18081
