@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fixtures.jmp import free_port
+
 ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "CONTAINERS_CONF": str(ROOT / "container" / "containers.conf")}
 VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
@@ -51,7 +53,9 @@ class Pod:
         # the test registry on the host's loopback speaks plain HTTP: configured as insecure on purpose
         hosts = [h for h in os.environ.get("VMSIDECAR_INSECURE_REGISTRIES", "").split(",") if h]
         insecure = [arg for h in hosts for arg in ("--insecure-registry", h)]
-        run("scripts/pod", "up", "--name", self.name, "--host-network", *insecure, *args)
+        # the host's network: a free loopback port for the health listener, as for the exporter's
+        run("scripts/pod", "up", "--name", self.name, "--host-network", "--health-port", str(free_port()), *insecure,
+            *args)
         return started
 
     def wait_ready(self, timeout: float = 300) -> None:
