@@ -32,7 +32,8 @@ def _argv(script: str, module: str) -> list[str]:
 
 
 def _run(script: str, module: str, *args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    result = subprocess.run([*_argv(script, module), *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*_argv(script, module), *args], capture_output=True, text=True, timeout=60,
+                            stdin=subprocess.DEVNULL)
     imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:") and "|" in line}
     result.stderr = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
@@ -96,6 +97,7 @@ async def test_client_commands_against_a_runtime_import_nothing_heavy(start_runt
         (["flash", str(not_a_disk)], 2, "error: the flashed image is not a disk image"),
         (["dump", str(tmp_path / "out.qcow2")], 2, "error: the runtime has no VM spec yet"),
         (["pull", "registry.invalid/x:1"], 2, "error: the runtime has no VM spec yet"),
+        (["console"], 2, f"error: the vmsidecar runtime is not reachable: {rt.shared / 'console.sock'} does not exist"),
         (["status", "--socket", str(tmp_path / "nowhere.sock")], 2,
          f"error: the vmsidecar runtime is not reachable: {tmp_path / 'nowhere.sock'} does not exist"),
     ]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR, BlockingRuntimeClient
+from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR, BlockingRuntimeClient, unavailable
 from vmsidecar_contract.errors import VmsidecarError
 
 PULL_TIMEOUT_ENV = "VMSIDECAR_PULL_TIMEOUT"
@@ -163,8 +163,11 @@ def _client_command(args: argparse.Namespace) -> int:
     elif args.command == "console":
         import asyncio  # here: only this command runs an event loop
 
-        name = "console.sock" if args.stream == "ttyS0" else f"{args.stream}.sock"
-        asyncio.run(_console(Path(args.socket).parent / name))
+        path = Path(args.socket).parent / ("console.sock" if args.stream == "ttyS0" else f"{args.stream}.sock")
+        try:
+            asyncio.run(_console(path))
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise unavailable(path, e) from e
     return 0
 
 
