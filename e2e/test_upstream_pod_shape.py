@@ -9,6 +9,7 @@ controller on the host's loopback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -41,7 +42,11 @@ def _render(name: str, images: dict[str, str], config: Path) -> str:
                 {"name": "runtime", "image": images["runtime"],
                  "securityContext": {"runAsUser": 0, "runAsNonRoot": False},
                  "env": [{"name": "JUMPSTARTER_EXEC_LOG_FIELDS",
-                          "value": f"component=exporter,exporter={name},namespace=default"}],
+                          "value": f"component=exporter,exporter={name},namespace=default"},
+                         # the test registry on the host's loopback speaks plain HTTP: named on purpose
+                         # (a pool's registry speaks HTTPS and needs nothing here)
+                         {"name": "VMSIDECAR_INSECURE_REGISTRIES",
+                          "value": os.environ.get("VMSIDECAR_INSECURE_REGISTRIES", "")}],
                  "volumeMounts": [shared]},
                 {"name": "exporter", "image": images["exporter"],
                  "command": ["jmp", "run", "--exporter-config", "/etc/jumpstarter/exporters/config.yaml"],

@@ -32,7 +32,7 @@ MiB = 1 << 20
 LEASE_ONE = PIPE_UNTIL + r"""
 j vm power on
 pipe_until 'secret-2-written' work1.txt '\necho lease1-secret > /data/secret; sync; (sleep 7777 &); echo secret-$((1+1))-written\n'
-kill -KILL {pid}
+pkill -KILL -P {pid}; kill -KILL {pid}  # jmp run and the exporter child it forked: nothing of it survives
 """
 
 LEASE_TWO = PIPE_UNTIL + r"""
