@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import VmSpec
 
@@ -37,7 +38,8 @@ from .perms import restrict_umask, share
 
 log = logging.getLogger("vmsidecar_runtime")
 
-DEFAULT_SHARED = Path("/shared/vmsidecar")
+#: the contract's default: the CLI's client commands find the socket there without importing this module
+DEFAULT_SHARED = DEFAULT_SHARED_DIR
 
 
 def data_root() -> Path:
