@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from vmsidecar_contract.spec import load_spec
-from vmsidecar_runtime.oci.cache import BUDGET_ENV, DEFAULT_BUDGET, parse_size
+from vmsidecar_runtime.image.limits import parse_size
+from vmsidecar_runtime.oci.cache import BUDGET_ENV, DEFAULT_BUDGET
 
 ROOT = Path(__file__).parents[1]
 CRDS = ROOT / "tests" / "data" / "upstream-crds"  # vendored; source and commit in its README

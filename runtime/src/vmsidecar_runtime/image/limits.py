@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from vmsidecar_contract.errors import HostError
 
 KIB, MIB, GIB, TIB, PIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
+_FACTORS = {"": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB, "P": PIB}
 #: the setting's default: far above the disks of test rigs, far below a node's volume
 DEFAULT_MAX_DISK_SIZE = 64 * GIB
 MAX_DISK_SIZE_ENV = "VMSIDECAR_MAX_DISK_SIZE"
@@ -29,20 +30,23 @@ MAX_DISK_SIZE_FLAG = "--max-disk-size"
 #: how messages name the setting
 SETTING = f"{MAX_DISK_SIZE_FLAG} ({MAX_DISK_SIZE_ENV})"
 
-_SIZE = re.compile(r"(\d+)\s*([KMGTP]?)(?:I?B)?", re.IGNORECASE)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:IB?|B)?", re.IGNORECASE)
 _configured: int | None = None
 
 
 def parse_size(text: str) -> int:
-    """``64G``, ``64GiB``, ``512M``, ``1T`` or a byte count (binary units), as bytes.
+    """Bytes from ``64G``, ``64GiB``, ``10Gi`` (Kubernetes), ``1.5 TiB``, ``512M`` or a byte count
+    (binary units either way); the one size parser of the runtime's settings.
 
     :raise ValueError: for anything else, or zero.
     """
     match = _SIZE.fullmatch(text.strip())
-    if not match or int(match.group(1)) == 0:
-        raise ValueError(f"{text!r} is not a size")
-    factor = {"": 1, "K": KIB, "M": MIB, "G": GIB, "T": TIB, "P": PIB}[match.group(2).upper()]
-    return int(match.group(1)) * factor
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write e.g. 64GiB, 512MiB or a number of bytes")
+    size = int(float(match.group(1)) * _FACTORS[match.group(2).upper()])
+    if size == 0:
+        raise ValueError(f"{text!r} is not a size; give a positive size")
+    return size
 
 
 def setting_error(source: str, text: str) -> HostError:

@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -48,6 +47,7 @@ from typing import Any
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_runtime.image.digest import sha256_digest
+from vmsidecar_runtime.image.limits import parse_size
 from vmsidecar_runtime.image.sniff import DiskFormat
 
 log = logging.getLogger(__name__)
@@ -56,19 +56,7 @@ GiB = 1 << 30
 #: what the image cache (disks and memory snapshots) may hold when nothing else is said
 DEFAULT_BUDGET = 20 * GiB
 BUDGET_ENV = "VMSIDECAR_CACHE_BUDGET"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": GiB, "t": 1 << 40}
 _budget: int | None = None
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``20GiB``, ``512M``, ``10Gi``, ``1.5 GiB`` or a plain number (binary units either way).
-
-    :raise ValueError: naming the accepted forms.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:ib?|b)?\s*", text.lower())
-    if not m:
-        raise ValueError(f"{text!r} is not a size; write e.g. 20GiB, 512MiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def set_budget(size: int | None) -> None:
