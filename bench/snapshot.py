@@ -510,9 +510,20 @@ def write_docs(res: Results, guests: list[Guest], runs: int, load: tuple[str, st
                   markdown_table(HEADER, table_rows(res, guest.name)), "",
                   markdown_table(["from the runtime's state (medians)", "value"], detail_rows(res, guest.name)), ""]
     parts += ["## Goals (tiny guest)", "", *goal_lines(res), "", "## What each leg measures", "", LEG_NOTES, ""]
-    DOC.write_text("\n".join(parts))
+    generated = {p.removeprefix("## ") for p in parts if p.startswith("## ")}
+    DOC.write_text("\n".join(parts) + kept_sections(generated))
     SVG.write_text(svg_chart(res, guests, runs))
     print(f"wrote {DOC.relative_to(ROOT)} and {SVG.relative_to(ROOT)}")
+
+
+def kept_sections(generated: set[str]) -> str:
+    """The sections of docs/performance.md that other benchmarks own (CLI start, probes, …), kept as
+    they are: this script rewrites only its own."""
+    if not DOC.exists():
+        return ""
+    sections = DOC.read_text().split("\n## ")[1:]
+    kept = [s for s in sections if s.split("\n", 1)[0] not in generated]
+    return "".join("\n## " + s.rstrip("\n") + "\n" for s in kept)
 
 
 def disk_line(guest: Guest) -> str:
