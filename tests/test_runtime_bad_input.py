@@ -148,3 +148,18 @@ async def test_good_flash_boots_the_new_image(start_runtime: Any, tiny_image: An
     await client.power("on")
     state = await client.wait_ready(180)
     assert state.generation == 1 and state.image_digest == ready.image_digest
+
+
+def test_a_shared_dir_too_deep_for_its_sockets_is_named_with_the_fix(tmp_path: Path) -> None:
+    # a unix socket's path holds at most 107 bytes: the runtime says so before it binds anything,
+    # rather than dying mid-start with "AF_UNIX path too long" (QEMU's own sockets are in a short
+    # private run dir; the state and cache dirs hold no socket)
+    deep = tmp_path / ("d" * 40) / ("e" * 20)
+    argv = [shutil.which("vmsidecar-runtime") or "vmsidecar-runtime", "serve", "--shared-dir", str(deep),
+            "--cache-dir", str(tmp_path / "cache"), "--state-dir", str(tmp_path / "state"),
+            "--image", "file:/nonexistent.qcow2"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and "Traceback" not in message, message
+    assert str(deep) in message and "108" in message and "--shared-dir" in message, message

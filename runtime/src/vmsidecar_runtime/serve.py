@@ -82,6 +82,10 @@ def default_paths(shared: Path | None = None, cache: Path | None = None, state: 
     return RuntimePaths(shared=shared, cache=cache, state=state, run=run)
 
 
+#: bytes of a unix socket's path on Linux (sockaddr_un.sun_path is 108, with the terminating NUL)
+SUN_PATH_MAX = 107
+
+
 def prepare_dirs(paths: RuntimePaths) -> None:
     """Create the shared, cache and state directories, or say which one this UID cannot use.
 
@@ -104,6 +108,15 @@ def prepare_dirs(paths: RuntimePaths) -> None:
                 f"(chown {uid}:{gid} {path}; in a pod: an emptyDir or a volume with fsGroup {gid}) or pass another "
                 f"{flag}"
             )
+    # the deepest socket the shared dir will hold: a channel with the longest name the spec allows
+    deepest = paths.stream_socket("channel-" + "x" * 31)
+    if len(os.fsencode(deepest)) > SUN_PATH_MAX:
+        raise HostError(
+            f"the shared directory {paths.shared} is too deep for its sockets: a unix socket's path holds at most "
+            f"{SUN_PATH_MAX} bytes (108 with the NUL), and {deepest} has {len(os.fsencode(deepest))}; pass a "
+            f"--shared-dir of at most {len(os.fsencode(paths.shared)) - len(os.fsencode(deepest)) + SUN_PATH_MAX} "
+            "bytes (e.g. /shared/vmsidecar)"
+        )
 
 
 class JsonFormatter(logging.Formatter):
