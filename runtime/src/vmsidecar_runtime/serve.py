@@ -35,6 +35,7 @@ from .controller.disk_ops import DEFAULT_PULL_TIMEOUT_S
 from .hostpaths import HostPathPolicy
 from .oci.cache import DiskCache
 from .perms import restrict_umask, share
+from .plan import stream_names
 
 log = logging.getLogger("vmsidecar_runtime")
 
@@ -86,6 +87,24 @@ def default_paths(shared: Path | None = None, cache: Path | None = None, state: 
 SUN_PATH_MAX = 107
 
 
+def check_socket_room(paths: RuntimePaths, spec: VmSpec | None) -> None:
+    """Refuse a shared dir too deep for the sockets it will hold (the API's and the spec's streams),
+    before binding any, rather than dying mid-start with ``AF_UNIX path too long``.
+
+    :raise HostError: naming the deepest socket, the limit and the longest --shared-dir that fits.
+    """
+    sockets = [paths.shared / "api.sock", paths.shared / "gpio.sock"]
+    sockets += [paths.stream_socket(name) for name in (stream_names(spec) if spec is not None else [])]
+    deepest = max(sockets, key=lambda p: len(os.fsencode(p)))
+    size = len(os.fsencode(deepest))
+    if size > SUN_PATH_MAX:
+        raise HostError(
+            f"the shared directory {paths.shared} is too deep for its sockets: a unix socket's path holds at most "
+            f"{SUN_PATH_MAX} bytes (108 with the NUL), and {deepest} has {size}; pass a --shared-dir of at most "
+            f"{len(os.fsencode(paths.shared)) - size + SUN_PATH_MAX} bytes (e.g. /shared/vmsidecar)"
+        )
+
+
 def prepare_dirs(paths: RuntimePaths) -> None:
     """Create the shared, cache and state directories, or say which one this UID cannot use.
 
@@ -108,15 +127,6 @@ def prepare_dirs(paths: RuntimePaths) -> None:
                 f"(chown {uid}:{gid} {path}; in a pod: an emptyDir or a volume with fsGroup {gid}) or pass another "
                 f"{flag}"
             )
-    # the deepest socket the shared dir will hold: a channel with the longest name the spec allows
-    deepest = paths.stream_socket("channel-" + "x" * 31)
-    if len(os.fsencode(deepest)) > SUN_PATH_MAX:
-        raise HostError(
-            f"the shared directory {paths.shared} is too deep for its sockets: a unix socket's path holds at most "
-            f"{SUN_PATH_MAX} bytes (108 with the NUL), and {deepest} has {len(os.fsencode(deepest))}; pass a "
-            f"--shared-dir of at most {len(os.fsencode(paths.shared)) - len(os.fsencode(deepest)) + SUN_PATH_MAX} "
-            "bytes (e.g. /shared/vmsidecar)"
-        )
 
 
 class JsonFormatter(logging.Formatter):
@@ -207,6 +217,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     try:
         prepare_dirs(paths)
+        check_socket_room(paths, spec)
         lock.acquire()
         await asyncio.to_thread(DiskCache(paths.cache).evict)  # a budget lowered since the last run
     except HostError:
