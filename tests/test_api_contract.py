@@ -12,7 +12,8 @@ import pytest
 
 from fixtures.openapi_check import VALIDATOR
 from vmsidecar_runtime.api.openapi import build_document
-from vmsidecar_runtime.api.server import QUERY_PARAMS, ROUTES
+from vmsidecar_runtime.api.parsing import QUERY_PARAMS
+from vmsidecar_runtime.api.server import ROUTES
 
 DOC_PATH = Path(__file__).parents[1] / "docs" / "api" / "openapi.json"
 DOC = build_document()

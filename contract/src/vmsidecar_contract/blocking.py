@@ -4,7 +4,8 @@ Same API, same error classes and messages as :class:`vmsidecar_contract.client.R
 over :mod:`http.client` (stdlib): a CLI command pays ~0.02 s of imports here against ~0.35 s for
 aiohttp, asyncio and the pydantic models (docs/decisions.md, "Issue 21 — fast CLI"). Answers are
 the runtime's JSON as dicts. What both clients must agree on (the unavailable error, error bodies,
-the wait-ready verdict) is defined here, and ``client`` imports it.
+the wait-ready verdict) is defined here, and ``client`` imports it. Methods and paths come from
+the endpoint table (``endpoints``, plain data: no pydantic).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from . import endpoints as api
 from . import errors
+from .endpoints import Endpoint
 
 #: how long a Stopped VM is given to start booting before ``wait_ready`` gives up
 STOPPED_GRACE_S = 5.0
@@ -111,9 +114,10 @@ class BlockingRuntimeClient:
         self.socket_path = Path(socket_path)
         self._timeout = timeout
 
-    def _open(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
+    def _open(self, endpoint: Endpoint, *, body: Any = None, params: Mapping[str, str] | None = None,
               headers: Mapping[str, str] | None = None) -> http.client.HTTPResponse:
-        """Send a request; an answer other than 200 is read whole and raised."""
+        """Send a request and return the answer's head."""
+        method, path = endpoint.method, endpoint.path
         conn = _UnixConnection(self.socket_path, self._timeout)
         hdrs = dict(headers or {})
         if body is not None and not hasattr(body, "read"):
@@ -125,8 +129,9 @@ class BlockingRuntimeClient:
             conn.close()
             raise unavailable(self.socket_path, e) from e
 
-    def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
-        resp = self._open(method, path, **kwargs)
+    def _request(self, endpoint: Endpoint, **kwargs: Any) -> Any:
+        """The answer's JSON; a status other than the row's success is raised as its error."""
+        resp = self._open(endpoint, **kwargs)
         try:
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:
@@ -134,14 +139,14 @@ class BlockingRuntimeClient:
         finally:
             resp.close()
         body = json.loads(raw) if raw.strip() else {}
-        if resp.status not in ok:
+        if resp.status != endpoint.status:
             raise error_from_body(body if isinstance(body, dict) else {}, resp.status)
         return body
 
-    def _stream(self, method: str, path: str, **kwargs: Any) -> http.client.HTTPResponse:
+    def _stream(self, endpoint: Endpoint, **kwargs: Any) -> http.client.HTTPResponse:
         """The head of a streamed answer; an error answer is read whole and raised."""
-        resp = self._open(method, path, **kwargs)
-        if resp.status != 200:
+        resp = self._open(endpoint, **kwargs)
+        if resp.status != endpoint.status:
             raw = resp.read()
             resp.close()
             raise error_from_body(json.loads(raw) if raw.strip() else {}, resp.status)
@@ -149,34 +154,34 @@ class BlockingRuntimeClient:
 
     def state(self) -> dict[str, Any]:
         """``GET /v1/vm``."""
-        return dict(self._request("GET", "/v1/vm"))
+        return dict(self._request(api.GET_VM))
 
     def power(self, action: str, *, graceful: bool | None = None, timeout: float = 60.0) -> dict[str, Any]:
         """``POST /v1/vm/power``."""
         body: dict[str, Any] = {"action": action, "timeout": timeout}
         if graceful is not None:
             body["graceful"] = graceful
-        return dict(self._request("POST", "/v1/vm/power", body=body))
+        return dict(self._request(api.POST_POWER, body=body))
 
     def recycle(self, *, boot: bool = True) -> dict[str, Any]:
         """``POST /v1/vm/recycle``."""
-        return dict(self._request("POST", "/v1/vm/recycle", body={"boot": boot}))
+        return dict(self._request(api.POST_RECYCLE, body={"boot": boot}))
 
     def shutdown(self) -> None:
         """``POST /v1/shutdown``: the guest stops and the runtime exits 0."""
-        self._request("POST", "/v1/shutdown", ok=(202,))
+        self._request(api.POST_SHUTDOWN)
 
     def flash(self, path: Path, *, power_off: bool = False) -> dict[str, Any]:
         """``PUT /v1/vm/disk`` with a local file."""
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
         with open(path, "rb") as fh:
-            return dict(self._request("PUT", "/v1/vm/disk", body=fh, headers=headers,
+            return dict(self._request(api.PUT_DISK, body=fh, headers=headers,
                                       params={"power_off": "true" if power_off else "false"}))
 
     def flash_reference(self, reference: str, *, power_off: bool = False,
                         progress: Callable[[int, int | None], None] | None = None) -> dict[str, Any]:
         """``POST /v1/vm/disk/pull``: the runtime pulls and flashes; progress lines feed ``progress``."""
-        resp = self._stream("POST", "/v1/vm/disk/pull", body={"reference": reference, "power_off": power_off})
+        resp = self._stream(api.POST_PULL, body={"reference": reference, "power_off": power_off})
         try:
             for raw in resp:
                 line = json.loads(raw)
@@ -194,7 +199,7 @@ class BlockingRuntimeClient:
 
     def dump(self, dest: Path, *, fmt: str = "qcow2") -> int:
         """``GET /v1/vm/disk`` into ``dest``; returns the byte count."""
-        resp = self._stream("GET", "/v1/vm/disk", params={"format": fmt})
+        resp = self._stream(api.GET_DISK, params={"format": fmt})
         total = 0
         tmp = dest.with_name(dest.name + ".part")
         try:
@@ -214,7 +219,7 @@ class BlockingRuntimeClient:
     def healthy(self) -> bool:
         """Whether ``/healthz`` answers."""
         try:
-            self._request("GET", "/healthz")
+            self._request(api.GET_HEALTHZ)
             return True
         except RuntimeUnavailableError:
             return False

@@ -1,12 +1,15 @@
 """The API client: one implementation, used by the CLI and by the Jumpstarter drivers.
 
-Errors come back as the same exception classes the runtime raised, with the runtime's message
-verbatim, so a ``j`` user reads exactly what the runtime said.
+Each method calls one row of the endpoint table (``endpoints``); tests/test_endpoint_table.py
+checks that the methods reach every row. Errors come back as the same exception classes the
+runtime raised, with the runtime's message verbatim, so a ``j`` user reads exactly what the
+runtime said.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from . import endpoints as api
 from . import errors
 from .blocking import (
     STOPPED_GRACE_S,
@@ -23,6 +27,8 @@ from .blocking import (
     stream_error,
     unavailable,
 )
+from .endpoints import Endpoint
+from .models import Health
 from .spec import VmSpec
 from .state import VmState
 
@@ -85,7 +91,9 @@ class RuntimeClient:
     def _unavailable(self, e: Exception) -> RuntimeUnavailableError:
         return unavailable(self.socket_path, e)
 
-    async def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+    async def _request(self, endpoint: Endpoint, *, ok: tuple[int, ...] = (), **kwargs: Any) -> Any:
+        """The answer's JSON; a status other than the row's success (or ``ok``) is raised as its error."""
+        method, path = endpoint.method, endpoint.path
         if _observer:
             _observer.request(method, path, kwargs.get("json"))
         try:
@@ -94,34 +102,45 @@ class RuntimeClient:
                 if _observer:
                     _observer.response(method, path, resp.status, resp.headers, raw)
                 body = json.loads(raw) if raw.strip() else {}
-                if resp.status not in ok:
+                if resp.status != endpoint.status and resp.status not in ok:
                     raise error_from_body(body if isinstance(body, dict) else {}, resp.status)
                 return body
         except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError) as e:
             raise self._unavailable(e) from e
 
-    @staticmethod
-    async def _check_stream(method: str, path: str, resp: aiohttp.ClientResponse, body: Any = None) -> None:
-        """The head of a streamed answer; an error answer is read whole and raised."""
+    @contextlib.asynccontextmanager
+    async def _stream(self, endpoint: Endpoint, **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A streamed answer, from its head on; an error answer is read whole and raised."""
+        method, path = endpoint.method, endpoint.path
         if _observer:
-            _observer.request(method, path, body)
-        if resp.status != 200:
-            raw = await resp.read()
+            _observer.request(method, path, kwargs.get("json"))
+        async with self._http().request(method, path, **kwargs) as resp:
+            if resp.status != endpoint.status:
+                raw = await resp.read()
+                if _observer:
+                    _observer.response(method, path, resp.status, resp.headers, raw)
+                raise error_from_body(json.loads(raw) if raw.strip() else {}, resp.status)
             if _observer:
-                _observer.response(method, path, resp.status, resp.headers, raw)
-            raise error_from_body(json.loads(raw) if raw.strip() else {}, resp.status)
-        if _observer:
-            _observer.response(method, path, resp.status, resp.headers, None)
+                _observer.response(method, path, resp.status, resp.headers, None)
+            yield resp
+
+    @staticmethod
+    async def _lines(endpoint: Endpoint, resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+        """The JSON objects of an NDJSON answer."""
+        async for raw in resp.content:
+            if _observer:
+                _observer.line(endpoint.method, endpoint.path, resp.status, raw)
+            yield json.loads(raw)
 
     # ---- state and spec ------------------------------------------------------------------
     async def state(self) -> VmState:
         """``GET /v1/vm``."""
-        return VmState.model_validate(await self._request("GET", "/v1/vm"))
+        return VmState.model_validate(await self._request(api.GET_VM))
 
     async def get_spec(self) -> VmSpec | None:
         """``GET /v1/vm/spec``; None when the runtime has none yet."""
         try:
-            return VmSpec.model_validate(await self._request("GET", "/v1/vm/spec"))
+            return VmSpec.model_validate(await self._request(api.GET_SPEC))
         except errors.VmsidecarError as e:
             if e.code == "not_found":
                 return None
@@ -130,7 +149,7 @@ class RuntimeClient:
     async def put_spec(self, spec: VmSpec | dict[str, Any]) -> VmState:
         """``PUT /v1/vm/spec`` (idempotent)."""
         data = spec.to_json() if isinstance(spec, VmSpec) else spec  # keeps what readiness leaves unset
-        return VmState.model_validate(await self._request("PUT", "/v1/vm/spec", json=data))
+        return VmState.model_validate(await self._request(api.PUT_SPEC, json=data))
 
     # ---- power ---------------------------------------------------------------------------
     async def power(self, action: str, *, graceful: bool | None = None, timeout: float = 60.0) -> VmState:
@@ -138,22 +157,22 @@ class RuntimeClient:
         body: dict[str, Any] = {"action": action, "timeout": timeout}
         if graceful is not None:
             body["graceful"] = graceful
-        return VmState.model_validate(await self._request("POST", "/v1/vm/power", json=body))
+        return VmState.model_validate(await self._request(api.POST_POWER, json=body))
 
     async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """``POST /v1/vm/recycle``."""
         body: dict[str, Any] = {"boot": boot}
         if if_generation is not None:
             body["if_generation"] = if_generation
-        return VmState.model_validate(await self._request("POST", "/v1/vm/recycle", json=body))
+        return VmState.model_validate(await self._request(api.POST_RECYCLE, json=body))
 
     async def claim(self) -> VmState:
         """``POST /v1/vm/lease``: a generation no earlier lease has used."""
-        return VmState.model_validate(await self._request("POST", "/v1/vm/lease"))
+        return VmState.model_validate(await self._request(api.POST_LEASE))
 
     async def shutdown(self) -> None:
         """``POST /v1/shutdown``: the guest stops and the runtime exits 0."""
-        await self._request("POST", "/v1/shutdown", ok=(202,))
+        await self._request(api.POST_SHUTDOWN)
 
     # ---- disk ----------------------------------------------------------------------------
     async def flash(
@@ -176,7 +195,7 @@ class RuntimeClient:
             body = data
             if size is not None:
                 headers["Content-Length"] = str(size)
-        result = await self._request("PUT", "/v1/vm/disk", params=params, data=body, headers=headers)
+        result = await self._request(api.PUT_DISK, params=params, data=body, headers=headers)
         return VmState.model_validate(result)
 
     async def flash_reference(
@@ -185,12 +204,8 @@ class RuntimeClient:
         """``POST /v1/vm/disk/pull``: the runtime pulls and flashes; progress lines feed ``progress``."""
         body = {"reference": reference, "power_off": power_off}
         try:
-            async with self._http().post("/v1/vm/disk/pull", json=body) as resp:
-                await self._check_stream("POST", "/v1/vm/disk/pull", resp, body)
-                async for raw in resp.content:
-                    if _observer:
-                        _observer.line("POST", "/v1/vm/disk/pull", resp.status, raw)
-                    line = json.loads(raw)
+            async with self._stream(api.POST_PULL, json=body) as resp:
+                async for line in self._lines(api.POST_PULL, resp):
                     if line["type"] == "progress" and progress:
                         progress(int(line["done"]), line.get("total"))
                     elif line["type"] == "result":
@@ -204,16 +219,14 @@ class RuntimeClient:
     async def dump(self, dest: Path, *, fmt: str = "qcow2") -> int:
         """``GET /v1/vm/disk`` into ``dest``; returns the byte count."""
         try:
-            async with self._http().get("/v1/vm/disk", params={"format": fmt}) as resp:
-                await self._check_stream("GET", "/v1/vm/disk", resp)
+            async with self._stream(api.GET_DISK, params={"format": fmt}) as resp:
                 return await _save(resp.content.iter_chunked(1 << 20), dest)
         except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
             raise self._unavailable(e) from e
 
     async def dump_chunks(self, *, fmt: str = "qcow2") -> AsyncIterator[bytes]:
         """``GET /v1/vm/disk`` as a byte stream."""
-        async with self._http().get("/v1/vm/disk", params={"format": fmt}) as resp:
-            await self._check_stream("GET", "/v1/vm/disk", resp)
+        async with self._stream(api.GET_DISK, params={"format": fmt}) as resp:
             async for chunk in resp.content.iter_chunked(1 << 20):
                 yield chunk
 
@@ -223,22 +236,23 @@ class RuntimeClient:
         params = {"types": ",".join(types)} if types else None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         try:
-            async with self._http().get("/v1/events", params=params, timeout=timeout) as resp:
-                await self._check_stream("GET", "/v1/events", resp)
-                async for raw in resp.content:
-                    if _observer:
-                        _observer.line("GET", "/v1/events", resp.status, raw)
-                    yield json.loads(raw)
+            async with self._stream(api.GET_EVENTS, params=params, timeout=timeout) as resp:
+                async for event in self._lines(api.GET_EVENTS, resp):
+                    yield event
         except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
             raise self._unavailable(e) from e
 
     async def healthy(self) -> bool:
         """Whether ``/healthz`` answers."""
         try:
-            await self._request("GET", "/healthz")
+            await self._request(api.GET_HEALTHZ)
             return True
         except RuntimeUnavailableError:
             return False
+
+    async def readiness(self) -> Health:
+        """``GET /readyz``: ready or not (the 503 of not-ready is an answer here, not an error)."""
+        return Health.model_validate(await self._request(api.GET_READYZ, ok=(503,)))
 
     async def wait_ready(self, timeout: float = 300.0, *, poll: float = 0.25,
                          stopped_grace: float = STOPPED_GRACE_S) -> VmState:

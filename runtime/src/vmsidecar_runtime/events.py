@@ -1,6 +1,7 @@
 """Event bus: one filtered queue per listener, scoped with ``async with``.
 
-Serves both API subscribers (``GET /v1/events``) and internal waits.
+Serves both API subscribers (``GET /v1/events``) and internal waits. Every event is a contract
+``Event``, its data checked against its type's model (``vmsidecar_contract.events.EVENTS``).
 """
 
 from __future__ import annotations
@@ -11,16 +12,9 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from pydantic import BaseModel
+from vmsidecar_contract.events import Event
 
-
-class Event(BaseModel):
-    """One thing that happened to the VM."""
-
-    type: str
-    time: float
-    generation: int
-    data: dict[str, Any] = {}
+__all__ = ["Event", "EventBus"]
 
 
 class EventBus:
@@ -32,7 +26,10 @@ class EventBus:
         self.generation = 0
 
     def publish(self, type_: str, **data: Any) -> Event:
-        """Send an event to every listener interested in its type."""
+        """Send an event to every listener interested in its type.
+
+        :raise pydantic.ValidationError: for a type or data the contract does not document (a bug).
+        """
         event = Event(type=type_, time=time.time(), generation=self.generation, data=data)
         for queue, types in list(self._queues):
             if types is None or type_ in types:

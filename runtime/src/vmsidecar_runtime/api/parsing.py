@@ -1,0 +1,114 @@
+"""Requests held to what docs/api/openapi.json says, no looser.
+
+JSON bodies need ``Content-Type: application/json``, UTF-8 and at most ``MAX_JSON_BODY`` bytes;
+booleans are JSON booleans; a query parameter the operation does not have (or one given twice) is
+an error. Every refusal names the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from vmsidecar_contract.endpoints import ENDPOINTS
+from vmsidecar_contract.errors import RequestError
+
+#: query parameters per (method, path), from the endpoint table; any other is a 400 (a typo must
+#: not pass silently)
+QUERY_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {(e.method, e.path): e.query_names for e in ENDPOINTS
+                                                       if e.query}
+#: JSON is UTF-8 (RFC 8259); a body that names another charset is refused rather than guessed at
+_JSON_CHARSETS = {None, "utf-8", "utf8", "us-ascii"}
+M = TypeVar("M", bound=BaseModel)
+
+
+class HttpRefusal(Exception):
+    """A refusal at the HTTP level (415 here; 413 comes from aiohttp), sent as code ``http_error``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def check_query(request: web.Request) -> None:
+    """Refuse a query parameter the operation does not have, or one given twice (which would win?)."""
+    resource = request.match_info.route.resource
+    known = QUERY_PARAMS.get((request.method, resource.canonical if resource else ""), ())
+    for name in request.query:
+        if name not in known:
+            use = f"it takes {', '.join(known)}" if known else "it takes no query parameters"
+            raise RequestError(f"{request.method} {request.path} has no query parameter {name!r}; {use} "
+                               "(see docs/api/openapi.json)")
+        if len(request.query.getall(name)) > 1:
+            raise RequestError(f"query parameter {name!r} is given {len(request.query.getall(name))} times; give it once")
+
+
+def require_disk_image_type(request: web.Request) -> None:
+    """A disk image declared as anything but ``application/octet-stream`` is a 415 (none declared is fine)."""
+    ctype = request.headers.get("Content-Type")
+    if ctype is not None and request.content_type != "application/octet-stream":
+        raise HttpRefusal(415, f"the disk image was sent with Content-Type {ctype!r}; send it as application/octet-stream "
+                               "(curl: -T FILE -H 'Content-Type: application/octet-stream')")
+
+
+def _require_json_type(request: web.Request) -> None:
+    """A non-empty JSON body must say so: a form or a file sent by mistake is a 415, not parsed."""
+    if not request.body_exists:
+        return
+    ctype = request.headers.get("Content-Type")
+    if ctype is None or request.content_type != "application/json":
+        sent = f"Content-Type {ctype!r}" if ctype else "no Content-Type"
+        raise HttpRefusal(415, f"the request body has {sent}; send JSON with Content-Type: application/json "
+                               "(curl: -H 'Content-Type: application/json')")
+
+
+async def json_body(request: web.Request) -> Any:
+    """The body as JSON (``{}`` when empty); every way it can be malformed is a 400 (415: not
+    declared as JSON, 413: too large)."""
+    _require_json_type(request)
+    charset = request.charset.lower() if request.charset else None
+    if charset not in _JSON_CHARSETS:
+        raise RequestError(f"the request declares charset={request.charset!r}; send the JSON body as UTF-8 "
+                           "(Content-Type: application/json)")
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not UTF-8 (byte {e.start} is 0x{raw[e.start]:02x}); "
+                           "send UTF-8 JSON") from e
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                           "send a JSON object") from e
+    except RecursionError as e:
+        raise RequestError("request body nests too deeply to be a request; send a flat JSON object") from e
+
+
+def _not_json(name: str) -> Any:
+    # Python's json reads NaN and Infinity; JSON (RFC 8259) has neither
+    raise RequestError(f"request body is not valid JSON ({name} is not a JSON number); send a finite number")
+
+
+async def parse(request: web.Request, model: type[M]) -> M:
+    """The JSON body as the operation's request model; a body that does not fit is a 400 naming each field."""
+    data = await json_body(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()]
+        raise RequestError(f"invalid request body: {'; '.join(parts)}; see docs/api/openapi.json") from e
+
+
+def bool_query(request: web.Request, name: str) -> bool:
+    """A boolean query parameter: exactly ``true`` or ``false``, as the document's boolean (no 1/yes)."""
+    value = request.query.get(name, "false")
+    if value not in ("true", "false"):
+        raise RequestError(f"query parameter {name}={value!r} is not a boolean; use true or false")
+    return value == "true"
