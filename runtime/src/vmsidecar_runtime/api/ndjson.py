@@ -20,7 +20,8 @@ from vmsidecar_contract.endpoints import MEDIA_TYPES
 from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.state import VmState
 
-#: the least time between two progress lines (and how often the stream checks for its client)
+#: the least time between two progress lines (and how often the stream checks for its client); the
+#: result line is written as soon as the work ends
 PROGRESS_INTERVAL_S = 0.2
 Progress = Callable[[int, int | None], None]
 
@@ -69,8 +70,16 @@ async def progress_stream(request: web.Request, work: Callable[[Progress], Corou
                 cancel("its client went away")
                 await asyncio.wait({task})
                 return response
-            with contextlib.suppress(asyncio.TimeoutError):
-                line = await asyncio.wait_for(queue.get(), PROGRESS_INTERVAL_S)
+            # woken by a progress line or by the work's end, whichever first (the result line is
+            # not held back by the interval), and at least every interval to look for the client
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, task}, timeout=PROGRESS_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()  # an item it had not taken stays in the queue
+                with contextlib.suppress(asyncio.CancelledError):
+                    await getter
+            if getter.done() and not getter.cancelled():
+                line = getter.result()
                 now = loop.time()
                 if now - last_sent >= PROGRESS_INTERVAL_S or line.get("done") == line.get("total"):
                     await write_line(response, line)
