@@ -219,7 +219,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 def _serve_arguments(s: argparse.ArgumentParser) -> None:
     """The options of ``serve``; their defaults come from the runtime's modules."""
     from .api.health import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG
-    from .controller.disk_ops import DEFAULT_PULL_TIMEOUT_S  # here: only serve pays for these imports
+    from .controller.transfers import DEFAULT_PULL_TIMEOUT_S  # here: only serve pays for these imports
     from .image import limits
     from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET
     from .serve import DEFAULT_SHARED

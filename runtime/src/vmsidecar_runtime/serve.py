@@ -31,7 +31,7 @@ from .api.health import serve_health
 from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
-from .controller.disk_ops import DEFAULT_PULL_TIMEOUT_S
+from .controller.transfers import DEFAULT_PULL_TIMEOUT_S
 from .hostpaths import HostPathPolicy
 from .oci.cache import DiskCache
 from .perms import restrict_umask, share

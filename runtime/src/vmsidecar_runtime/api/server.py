@@ -22,7 +22,6 @@ from vmsidecar_contract.endpoints import MAX_EVENTS_TIMEOUT, MAX_JSON_BODY, Endp
 from vmsidecar_contract.errors import RequestError, VmsidecarError
 from vmsidecar_contract.models import Accepted, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
-from vmsidecar_contract.state import BOOTABLE, LIVE, require
 
 from ..controller import VmController
 from ..perms import share
@@ -170,10 +169,7 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
     get it."""
     vm = _vm(request)
     req = await parse(request, PullRequest)
-    vm.host_paths.check_reference(req.reference)  # before the 200 of the stream: a refusal is a 400
-    if vm.phase in LIVE and not req.power_off:
-        require(vm.phase, BOOTABLE, "flash the disk", hint="or send power_off=true to power it off first")
-    transfer = vm.begin_transfer(f"the flash from {req.reference}")
+    transfer = vm.reserve_flash(req.reference, power_off=req.power_off)  # before the 200: refusals are 4xx
     return await progress_stream(
         request,
         lambda progress: vm.flash_reference(req.reference, power_off=req.power_off, progress=progress,

@@ -1,0 +1,98 @@
+"""How the guest boots on its disk: from a memory snapshot, or cold; and a capture's continuation.
+
+``Boot`` runs the steps ``SnapshotOps`` decides on, with ``Machine`` for the backend and ``Disks``
+for the overlay. It reports the moment the guest runs through ``running`` (the controller's phase
+Running, before a restored guest's clock is set); every other outcome is returned: whether the
+guest is Ready already (restored) or its readiness is to be watched (cold).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+
+from ..backend import Backend
+from ..snapshots import CONSOLES, Snapshot
+from .disks import Disks
+from .machine import Machine
+from .snapshot_ops import SnapshotOps
+from .streams import GuestStreams
+
+
+class Boot:
+    """Restore or cold boot, and the capture of a pristine boot."""
+
+    def __init__(self, disks: Disks, streams: GuestStreams, machine: Machine, snapshots: SnapshotOps,
+                 running: Callable[[], None]) -> None:
+        self._disks = disks
+        self._streams = streams
+        self._machine = machine
+        self._snapshots = snapshots
+        self._running = running
+
+    async def start(self, spec: VmSpec) -> bool:
+        """Boot ``spec`` on the current disk: restore the snapshot when this fresh overlay of the
+        spec's image has one (True: the guest is Ready), else cold (False: watch its readiness).
+
+        :raise VmsidecarError: the guest cannot start (the caller stops what is left and fails).
+        """
+        accel = self._machine.choose_accel(spec)
+        snap = self._snapshots.plan(spec, accel.accel)
+        if snap is not None and await self._restore(spec, snap):
+            return True
+        await self._cold(spec)
+        return False
+
+    async def _cold(self, spec: VmSpec) -> None:
+        """Boot the guest from its disk; the readiness watch decides when it is Ready."""
+        overlay = await self._disks.overlay()
+        self._machine.begin_boot("power-on")
+        self._snapshots.booting_cold()
+        await self._launch(spec, overlay)
+
+    async def _launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None) -> None:
+        await self._machine.launch(spec, overlay, incoming)
+        self._running()
+
+    async def _restore(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool = True) -> bool:
+        """Run from ``snap`` (a new boot, or the captured boot continuing); on refusal discard it
+        and return False (the caller boots cold)."""
+        started = time.monotonic()
+        if not await self._snapshots.verify(snap):  # never handed to QEMU
+            return False
+        try:
+            # a fresh overlay on the snapshot's frozen disk; a new boot shows the pristine boot's
+            # scrollback (a capture continues the boot it interrupted)
+            overlay = await self._disks.overlay(self._snapshots.overlay_backing(snap))
+            if new_boot:
+                self._machine.begin_boot("restore")
+                self._streams.preload({name: snap.console(name) for name in CONSOLES})
+            await self._launch(spec, overlay, snap.memory)
+        except VmsidecarError as e:
+            await self._machine.stop()
+            await self._snapshots.refused(snap, e)
+            return False
+        assert self._machine.plan is not None
+        await self._snapshots.restored(snap, started, self._machine.plan.guest_agent_socket, new_boot=new_boot)
+        return True
+
+    async def capture(self, spec: VmSpec, key: str, backend: Backend) -> bool:
+        """At the first Ready of a pristine cold boot: snapshot the guest, then let the same boot go
+        on from the snapshot (which proves it loads). Ready at once (True) unless the snapshot could
+        not be stored or restored: the guest then boots cold again (False)."""
+        assert self._machine.plan is not None
+        capture = await self._snapshots.save(key, backend, self._machine.plan.guest_agent_socket)
+        if capture is None:  # the backend cannot snapshot this guest: it runs on
+            return True
+        consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
+        await self._machine.stop()
+        snap = await self._snapshots.commit(capture, consoles)
+        if snap is not None and await self._restore(spec, snap, new_boot=False):
+            self._snapshots.captured(capture, snap)
+            return True
+        await self._cold(spec)
+        return False

@@ -1,0 +1,53 @@
+"""Leases: which lease has the VM, and what a lease leaves behind.
+
+A lease is tied to the runtime's generation (docs/architecture.md, "Leases and recycling"); the
+controller bumps it at every recycle and decides when a claim or a recycle happens. ``Lease`` keeps
+whether the current generation is claimed, refuses a recycle meant for an earlier generation, and
+clears what an ending lease leaves.
+
+The exporter claims when it hands a lease out, before the lease can do anything (CAN and network
+forwards reach the guest without a runtime call).
+"""
+
+from __future__ import annotations
+
+from vmsidecar_contract.errors import GenerationChangedError
+
+from ..events import EventBus
+from .disks import Disks
+from .streams import GuestStreams
+
+
+class Lease:
+    """The claim of the current generation, and the clearing of a lease's leftovers."""
+
+    def __init__(self, disks: Disks, streams: GuestStreams, events: EventBus) -> None:
+        self._disks = disks
+        self._streams = streams
+        self._events = events
+        #: a lease has the current generation (no capture starts; the next claim recycles first)
+        self.claimed = False
+
+    def require_generation(self, if_generation: int | None) -> None:
+        """:raise GenerationChangedError: ``if_generation`` is no longer the current one (an earlier
+        recycle already happened, e.g. the next lease claimed the VM first)."""
+        generation = self._events.generation
+        if if_generation is not None and if_generation != generation:
+            raise GenerationChangedError(
+                f"generation {if_generation} was already recycled (now {generation}); nothing to do")
+
+    def claim_unclaimed(self) -> bool:
+        """Claim the current generation if no lease has it yet; False when an earlier lease claimed
+        it (the claim then recycles first, so a new lease never sees the previous one)."""
+        if self.claimed:
+            return False
+        self.claimed = True
+        return True
+
+    async def clear(self, *, claim: bool) -> None:
+        """Drop what the ending lease left (the guest is stopped): its overlay, flashed disks and
+        UEFI vars, all scrollback, every console client. ``claim``: the next generation is the
+        claiming lease's from the start (its boot is never captured, no other claim can take it)."""
+        await self._disks.discard_lease()
+        self._streams.clear_for_next_lease()
+        self.claimed = claim

@@ -1,0 +1,201 @@
+"""The hypervisor side of the guest: one backend per boot, and what belongs to one boot.
+
+``Machine`` builds a boot's plan, launches the backend paused, attaches the guest streams and lets
+the guest run; it resets, presses the ACPI power button, stops and kills. It counts boots and keeps
+each boot's timings. It never changes the phase: the backend's events go to the ``on_event`` it
+was given (the controller's state machine), and its methods return what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from vmsidecar_contract.errors import GuestError, HostError, VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.state import ExitInfo, Timings
+
+from .. import ports
+from ..accel import AccelChoice, choose_accel
+from ..backend import Backend, BackendEvent, BackendFactory, EventSink
+from ..events import EventBus
+from ..firmware import prepare_firmware
+from ..plan import BootPlan
+from .paths import RuntimePaths
+from .streams import GuestStreams
+
+log = logging.getLogger(__name__)
+
+#: RESET events this soon after a boot started belong to that boot (see ``is_new_boot``)
+RESET_COALESCE_S = 1.0
+#: launches tried when a forward's host port is taken between its choice and QEMU's bind
+PORT_ATTEMPTS = 3
+
+
+def disk_io_error(data: dict[str, Any], paths: RuntimePaths) -> HostError:
+    """What a guest paused by a host I/O error on its disk (``guest.io_error``, action stop) is told."""
+    why = data.get("reason") or "I/O error"
+    if data.get("nospace"):
+        return HostError(
+            f"the state volume is full: the guest's disk overlay {paths.overlay} cannot grow ({why}), so the guest "
+            f"is paused; recycle to drop this lease's disk changes (a power cycle keeps them), and give the state "
+            f"directory {paths.state} a larger volume (the emptyDir's sizeLimit, --state-dir) if the guest needs more")
+    return HostError(f"the guest's disk could not be {'read' if data.get('operation') == 'read' else 'written'} on "
+                     f"the host ({why}), so the guest is paused; check the volume of {paths.state} and recycle")
+
+
+class Machine:
+    """The backend of the current boot (at most one), the boot counter and this boot's timings."""
+
+    def __init__(self, paths: RuntimePaths, streams: GuestStreams, events: EventBus,
+                 backend_factory: BackendFactory, on_event: EventSink) -> None:
+        self._paths = paths
+        self._streams = streams
+        self._events = events
+        self._factory = backend_factory
+        self._on_event = on_event
+        self.backend: Backend | None = None
+        self.plan: BootPlan | None = None
+        self.accel: AccelChoice | None = None
+        #: the backend is being ended on purpose: its power-off or exit is no crash
+        self.expect_exit = False
+        self.last_exit: ExitInfo | None = None
+        self.timings = Timings()
+        #: boots since the runtime started (power-on, reset, guest reboot): scrollback, first-byte
+        #: time and readiness belong to one boot, so a reader can never take the last boot for this one
+        self.boot_count = 0
+        self._boot_started = 0.0
+
+    @property
+    def alive(self) -> bool:
+        """Whether a backend process/domain exists and runs."""
+        return self.backend is not None and self.backend.alive
+
+    def choose_accel(self, spec: VmSpec) -> AccelChoice:
+        """KVM or TCG for the next boot, with the reason."""
+        self.accel = choose_accel(spec.accel, spec.arch)
+        return self.accel
+
+    # ---- per boot ------------------------------------------------------------------------
+    def begin_boot(self, reason: str) -> None:
+        """A new boot starts: its own scrollback, first-byte time and readiness timings."""
+        self.boot_count += 1
+        self._boot_started = time.monotonic()
+        self.timings = Timings(launched_at=time.time(), pull=self.timings.pull)
+        self._streams.new_boot()
+        self._events.publish("boot", boot=self.boot_count, reason=reason)
+
+    def is_new_boot(self) -> bool:
+        """Whether a RESET event starts a boot. Our own system_reset, and the one or two resets
+        SeaBIOS adds within ~50 ms of it, belong to the boot already begun; so does a reset before
+        the boot printed anything. No guest reboots within a second of starting."""
+        return self._streams.boot_has_output() and time.monotonic() - self._boot_started > RESET_COALESCE_S
+
+    def ready(self) -> Timings:
+        """This boot is Ready: its timings, now complete."""
+        first = self._streams.first_byte_at()
+        self.timings = self.timings.model_copy(update={
+            "ready": round(time.monotonic() - self._boot_started, 3),
+            "first_console_byte": round(first - self._boot_started, 3) if first else None,
+        })
+        return self.timings
+
+    def record_pull(self, seconds: float) -> None:
+        self.timings = self.timings.model_copy(update={"pull": seconds})
+
+    def forget_lease(self) -> None:
+        """A new lease: no timing or exit of the previous one shows."""
+        self.timings = Timings()
+        self.last_exit = None
+
+    # ---- the backend ---------------------------------------------------------------------
+    async def launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None) -> None:
+        """Start the backend paused, attach every stream, then let the guest run.
+
+        A free host port for a forward is only free until QEMU binds it: another process may take
+        it in between. QEMU then refuses the forwarding rule and exits; the launch is retried on
+        new ports.
+
+        :raise HostError: the backend cannot start.
+        """
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            plan = self._new_plan(spec, overlay, incoming)
+            self.plan = plan
+            self.expect_exit = False
+            self.last_exit = None
+            self.backend = self._factory(plan, self._on_event)
+            await self._streams.before_launch(plan)
+            try:
+                await self.backend.launch()
+                break
+            except HostError as e:
+                if "host forwarding rule" not in e.message or attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("a forward's host port was taken before QEMU bound it; retrying on new ports")
+                await self.stop()
+        assert self.backend is not None
+        await self._streams.attach(plan)
+        await self.backend.resume()
+
+    def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None) -> BootPlan:
+        assert self.accel is not None
+        return BootPlan(spec=spec, accel=self.accel.accel, disk=overlay, disk_format="qcow2",
+                        run_dir=self._paths.run, ports=ports.allocate(spec.network.forwards),
+                        firmware=prepare_firmware(spec, self._paths.state), incoming=incoming)
+
+    async def reset(self) -> None:
+        """Hard reset, like the reset button."""
+        assert self.backend is not None
+        await self.backend.reset()
+
+    async def powerdown(self, timeout: float) -> bool:
+        """Press the ACPI power button and wait for the guest to power off; False on timeout."""
+        backend = self.backend
+        assert backend is not None
+        self.expect_exit = True
+        async with self._events.listen({BackendEvent.POWERED_OFF, BackendEvent.EXITED}) as queue:
+            try:
+                await backend.powerdown()
+                await asyncio.wait_for(queue.get(), timeout)
+                return True
+            except (VmsidecarError, OSError, EOFError):
+                return False
+            except TimeoutError:
+                log.warning("guest ignored ACPI power-down for %.0f s; forcing it off", timeout)
+                self._events.publish("powerdown_timeout", timeout=timeout)
+                return False
+
+    async def stop(self) -> None:
+        """End the backend process, bounded; the streams stop draining (their clients stay)."""
+        backend = self.backend
+        if backend is None:
+            return
+        self.expect_exit = True
+        await backend.quit(timeout=5 if backend.alive else 1)
+        self.last_exit = backend.exit_info
+        await self._streams.detach()
+        self.backend = None
+
+    async def kill(self) -> None:
+        """SIGKILL the backend, whatever it was doing."""
+        backend = self.backend
+        if backend is not None and backend.alive:
+            await backend.kill()
+
+    async def crashed(self) -> GuestError:
+        """The backend exited without being asked to: record how, drop it, and say what happened."""
+        backend = self.backend
+        assert backend is not None
+        info = backend.exit_info or ExitInfo()
+        why = info.reason  # libvirt knows no exit status, only why the domain stopped
+        info.reason = f"{backend.label} exited without being asked to"
+        self.last_exit = info
+        await self._streams.detach()
+        self.backend = None
+        how = (f"signal {info.signal}" if info.signal else f"exit code {info.returncode}"
+               if info.returncode is not None or not why else why)
+        tail = " | ".join(info.stderr_tail[-3:]) or "no output"
+        return GuestError(f"{backend.label} died unexpectedly ({how}; stderr: {tail}); power on again to recover")

@@ -1,0 +1,56 @@
+"""The state machine's state: the phase, the power lock, the last error.
+
+One ``PhaseMachine`` per VM, owned by ``VmController`` and handed to the collaborators that move
+the phase (``Power``, ``DiskOps``). Every operation takes ``lock`` (requests are serialized, so
+there are never two hypervisors) and checks its phase at the door (``require``); every change of
+phase is published as a ``phase`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from vmsidecar_contract.errors import SpecError, VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.state import Phase, require
+
+from ..events import EventBus
+
+log = logging.getLogger(__name__)
+
+
+class PhaseMachine:
+    """The phase of the VM, its power lock and the error that ended the last boot."""
+
+    def __init__(self, events: EventBus) -> None:
+        self._events = events
+        self.phase = Phase.STOPPED
+        self.lock = asyncio.Lock()
+        self.last_error: VmsidecarError | None = None
+
+    def set(self, phase: Phase, **data: Any) -> None:
+        """Move to ``phase`` (published with ``data``; staying in a phase publishes nothing)."""
+        if phase != self.phase:
+            log.info("phase %s -> %s", self.phase.value, phase.value)
+            self.phase = phase
+            self._events.publish("phase", phase=phase.value, **data)
+
+    def fail(self, phase: Phase, error: VmsidecarError) -> None:
+        """Move to Error or Crashed because of ``error`` (kept as ``last_error``)."""
+        self.last_error = error
+        log.error("%s", error.message)
+        self.set(phase, error=error.to_dict())
+
+    def require(self, allowed: frozenset[Phase], operation: str, *, hint: str = "") -> None:
+        """:raise StateError: (409) unless the phase is one of ``allowed``."""
+        require(self.phase, allowed, operation, hint=hint)
+
+
+def require_spec(spec: VmSpec | None) -> VmSpec:
+    """:raise SpecError: (no_spec) the runtime has no spec yet."""
+    if spec is None:
+        raise SpecError("the runtime has no VM spec yet; PUT /v1/vm/spec or start it with --spec/--image",
+                        code="no_spec")
+    return spec

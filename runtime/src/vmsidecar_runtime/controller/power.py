@@ -1,0 +1,199 @@
+"""The guest's power: boot, stop, reset, and what the backend and the readiness watch report.
+
+``Power`` moves the phase through a boot (Pulling, Starting, Running, Ready; Stopping, Stopped;
+Error, Crashed). Callers hold the power lock (``PhaseMachine.lock``) and have checked the phase at
+the door; what happens on its own (the guest powers off, reboots, crashes, becomes Ready, a
+capture at Ready) takes the lock here. How the guest boots is ``Boot``'s; the backend process is
+``Machine``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vmsidecar_contract.canhost import check_native_can
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.state import LIVE, Phase
+
+from ..backend import Backend, BackendEvent, BackendFactory
+from ..disk import DiskImage
+from ..events import EventBus
+from .boot import Boot
+from .disks import Disks, Progress
+from .lease import Lease
+from .machine import Machine, disk_io_error
+from .paths import RuntimePaths
+from .phase import PhaseMachine, require_spec
+from .readiness import ReadinessWatch
+from .snapshot_ops import SnapshotOps
+from .streams import GuestStreams
+from .transfers import Transfer, Transfers
+
+
+class Power:
+    """Boots and stops the guest, and follows it between operations."""
+
+    def __init__(self, paths: RuntimePaths, phases: PhaseMachine, events: EventBus, disks: Disks,
+                 streams: GuestStreams, snapshots: SnapshotOps, lease: Lease, transfers: Transfers,
+                 backend_factory: BackendFactory) -> None:
+        self._paths = paths
+        self._phases = phases
+        self._events = events
+        self._disks = disks
+        self._streams = streams
+        self._snapshots = snapshots
+        self._lease = lease
+        self._transfers = transfers
+        self.machine = Machine(paths, streams, events, backend_factory, self._on_backend_event)
+        self._boot = Boot(disks, streams, self.machine, snapshots, running=self._running)
+        self._readiness = ReadinessWatch(self._mark_ready, lambda e: phases.fail(Phase.ERROR, e))
+        #: the spec of the current boot (readiness is re-armed with it when the guest reboots)
+        self._spec: VmSpec | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- under the caller's lock ---------------------------------------------------------
+    async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
+                   transfer: Transfer | None = None) -> DiskImage:
+        """Pull an image (``Transfers.pull``), its time kept in the timings."""
+        disk, seconds = await self._transfers.pull(spec, reference, progress=progress, transfer=transfer)
+        self.machine.record_pull(seconds)
+        return disk
+
+    async def ensure_disk(self, spec: VmSpec | None) -> DiskImage:
+        """The disk to boot, pulling the spec's image first (phase Pulling) when none is there.
+
+        :raise VmsidecarError: the pull failed, or there is no spec to pull (phase Error).
+        """
+        if self._disks.current is None:
+            previous = self._phases.phase
+            self._phases.set(Phase.PULLING)
+            try:
+                self._disks.base = await self.pull(require_spec(spec))
+            except VmsidecarError as e:
+                self._phases.fail(Phase.ERROR, e)
+                raise
+            self._phases.set(previous if previous != Phase.PULLING else Phase.STOPPED)
+        assert self._disks.current is not None
+        return self._disks.current
+
+    async def boot(self, spec: VmSpec) -> None:
+        """Boot a fresh overlay of the disk (pulled first when needed): restored, or cold and watched.
+
+        :raise VmsidecarError: the boot failed (phase Error, the backend stopped).
+        """
+        await self.stop(graceful=False)  # a leftover from Error/Crashed
+        try:
+            check_native_can(spec)
+            await self.ensure_disk(spec)
+            self._spec = spec
+            self._phases.set(Phase.STARTING)
+            if await self._boot.start(spec):
+                self._set_ready()
+            else:
+                self._readiness.arm(spec, self._streams.hubs, self._disks.current)
+        except VmsidecarError as e:
+            await self.stop(graceful=False)
+            self._phases.fail(Phase.ERROR, e)
+            raise
+
+    async def stop(self, *, graceful: bool, timeout: float = 60.0) -> None:
+        """End the backend, if any: ACPI first when ``graceful`` and the guest is Ready (bounded by
+        ``timeout``). The phase stays Stopping; the caller says what comes next."""
+        if self.machine.backend is None:
+            return
+        self._readiness.disarm()
+        if self.machine.alive:
+            # A guest still booting has nothing to save and usually no ACPI handler yet: stop it hard.
+            graceful = graceful and self._phases.phase == Phase.READY
+            self._phases.set(Phase.STOPPING, graceful=graceful)
+            if graceful:
+                await self.machine.powerdown(timeout)
+        await self.machine.stop()
+
+    async def off(self, *, graceful: bool, timeout: float) -> None:
+        """Power off a guest that runs (or failed while running), and be Stopped."""
+        if self._phases.phase in LIVE or self._phases.phase == Phase.ERROR:
+            await self.stop(graceful=graceful, timeout=timeout)
+        self._phases.set(Phase.STOPPED)
+
+    async def reset(self) -> None:
+        """Hard reset of a live guest: a new boot on the same disk, watched for readiness."""
+        assert self._spec is not None
+        self._readiness.disarm()
+        self.machine.begin_boot("reset")
+        await self.machine.reset()
+        self._phases.set(Phase.RUNNING, reason="reset")
+        self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)
+
+    # ---- on its own ----------------------------------------------------------------------
+    def _running(self) -> None:
+        accel = self.machine.accel
+        assert accel is not None
+        self._phases.set(Phase.RUNNING, accel=accel.accel, accel_reason=accel.reason)
+
+    def _mark_ready(self) -> None:
+        """The readiness watch saw the pattern: Ready, unless this boot first captures a snapshot
+        (never once a lease has the guest: its activity must not reach the snapshot)."""
+        key = self._snapshots.take_capture()
+        if key is not None and not self._lease.claimed:
+            self._spawn(self._capture(key))
+            return
+        if key is not None:
+            self._snapshots.abandon_capture()
+        self._set_ready()
+
+    def _set_ready(self) -> None:
+        self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
+
+    async def _capture(self, key: str) -> None:
+        async with self._phases.lock:
+            backend = self.machine.backend
+            if backend is None or self._phases.phase != Phase.RUNNING or self._spec is None:
+                return  # powered off or failed while waiting for the lock
+            if self._lease.claimed:
+                self._snapshots.abandon_capture()
+                self._set_ready()
+                return
+            with self._snapshots.capturing():
+                if await self._boot.capture(self._spec, key, backend):
+                    self._set_ready()
+                else:
+                    self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)
+
+    def _on_backend_event(self, event: BackendEvent, data: dict[str, Any]) -> None:
+        self._events.publish(event.value, **data)
+        machine, phase = self.machine, self._phases.phase
+        backend = machine.backend
+        if event == BackendEvent.POWERED_OFF and backend is not None and not machine.expect_exit:
+            # The guest powered itself off (or answered ACPI): the backend waits; end it.
+            machine.expect_exit = True
+            self._spawn(self._guest_powered_off(backend, data))
+        elif event == BackendEvent.RESET and phase in (Phase.RUNNING, Phase.READY) and machine.is_new_boot():
+            assert self._spec is not None
+            machine.begin_boot("guest reboot")
+            self._phases.set(Phase.RUNNING, reason="guest reset")
+            self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)
+        elif event == BackendEvent.EXITED and backend is not None and not machine.expect_exit:
+            self._spawn(self._backend_crashed(backend))
+        elif event == BackendEvent.IO_ERROR and data.get("action") == "stop" and phase in LIVE:
+            self._readiness.disarm()
+            self._phases.fail(Phase.ERROR, disk_io_error(data, self._paths))
+
+    async def _guest_powered_off(self, backend: Backend, data: dict[str, Any]) -> None:
+        async with self._phases.lock:
+            if self.machine.backend is backend:
+                await self.stop(graceful=False)
+                self._phases.set(Phase.STOPPED, reason=data.get("reason", "guest-shutdown"))
+
+    async def _backend_crashed(self, backend: Backend) -> None:
+        async with self._phases.lock:
+            if self.machine.backend is backend:
+                self._readiness.disarm()
+                self._phases.fail(Phase.CRASHED, await self.machine.crashed())

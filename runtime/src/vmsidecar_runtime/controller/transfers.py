@@ -1,0 +1,184 @@
+"""Disk transfers: pull an image, receive an upload flash; one at a time per VM, within a deadline.
+
+``Transfers`` moves the bytes and installs nothing: ``DiskOps`` decides when a transfer runs and
+installs what arrived. The files themselves are ``Disks``' job.
+
+A disk transfer (a flash by reference, an upload flash) belongs to the lease it started in: one at
+a time per VM (a second is a 409), bounded by the runtime's pull deadline, cancelled when its
+lease ends (recycle), when the next lease claims the VM or when its client goes away, and never
+installed once cancelled or once the generation it started in is gone. A pull runs in a worker
+thread that cannot be interrupted from outside: it is told to stop (``Transfer.abort``) and does at
+its next chunk, removing its partial file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterable, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from vmsidecar_contract.errors import PullTimeoutError, TransferError
+from vmsidecar_contract.spec import VmSpec
+
+from ..disk import DiskImage
+from ..events import EventBus
+from .disks import Disks, Progress
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: default deadline of one pull or upload flash, start to end (serve --pull-timeout): a registry
+#: that trickles must not hold a VM (and a lease's recycle) for ever
+DEFAULT_PULL_TIMEOUT_S = 1800.0
+
+
+class _Abandoned(BaseException):
+    """Raised in a pull's worker thread at its next chunk once the pull was given up. A
+    BaseException, so no ``except Exception`` on the way turns it into an image error; the pull's
+    own clean-up (``except BaseException``) removes the partial file."""
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One disk transfer of a lease: what it is, the generation it belongs to, how to stop it."""
+
+    what: str
+    generation: int
+    #: set when the transfer is given up: the pull's worker thread stops at its next chunk
+    abort: threading.Event = field(default_factory=threading.Event)
+    #: why it was cancelled (None while it may still be installed)
+    reason: str | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def cancel(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.abort.set()
+        self.cancelled.set()
+
+
+class Transfers:
+    """The VM's one disk transfer slot and the pull deadline.
+
+    ``events`` carries the generation a transfer is owned by (bumped by every recycle) and receives
+    ``pulled`` and ``transfer_cancelled``.
+    """
+
+    def __init__(self, disks: Disks, events: EventBus, pull_timeout: float) -> None:
+        self._disks = disks
+        self._events = events
+        #: seconds one pull or upload flash may take (serve --pull-timeout)
+        self.pull_timeout = pull_timeout
+        #: the one disk transfer under way (a lease's flash), cancelled when its lease ends
+        self._transfer: Transfer | None = None
+
+    # ---- the transfer slot ---------------------------------------------------------------
+    def begin(self, what: str) -> Transfer:
+        """Reserve the VM's one disk transfer for the current generation (the caller ends it).
+
+        :raise TransferError: while another transfer is under way (409 transfer_in_progress).
+        """
+        current = self._transfer
+        if current is not None:
+            raise TransferError(
+                f"{current.what} is still under way on this VM, and a VM takes one disk transfer at a time; "
+                "wait for it to end (or end the lease, which cancels it), then flash again")
+        self._transfer = Transfer(what, self._events.generation)
+        return self._transfer
+
+    def end(self, transfer: Transfer) -> None:
+        if self._transfer is transfer:
+            self._transfer = None
+
+    def cancel(self, reason: str, transfer: Transfer | None = None) -> None:
+        """Give up the transfer under way (only ``transfer``, when named): nothing of it is installed.
+        The slot is free at once; the transfer's own call ends with ``transfer_cancelled``."""
+        current = self._transfer
+        if current is None or (transfer is not None and current is not transfer):
+            return
+        self._transfer = None
+        current.cancel(reason)
+        log.warning("%s cancelled: %s", current.what, reason)
+        self._events.publish("transfer_cancelled", what=current.what, generation=current.generation, reason=reason)
+
+    def check(self, transfer: Transfer) -> None:
+        """Before installing: a cancelled transfer, or one of a generation since recycled, is thrown away.
+
+        :raise TransferError: (transfer_cancelled) naming why.
+        """
+        if transfer.reason is None and transfer.generation != self._events.generation:
+            transfer.cancel(f"the lease it belonged to ended (generation {transfer.generation} was recycled)")
+        if transfer.reason is not None:
+            raise TransferError(f"{transfer.what} was cancelled: {transfer.reason}; nothing of it was installed",
+                                code="transfer_cancelled")
+
+    async def _bounded(self, work: Awaitable[T], what: str, transfer: Transfer | None, abort: threading.Event) -> T:
+        """Await ``work`` within the pull deadline, unless ``transfer`` is cancelled first.
+
+        :raise PullTimeoutError: past the deadline; :raise TransferError: cancelled.
+        """
+        task = asyncio.ensure_future(work)
+        waiters: set[asyncio.Future[Any]] = {task}
+        stop = asyncio.ensure_future(transfer.cancelled.wait()) if transfer is not None else None
+        if stop is not None:
+            waiters.add(stop)
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=self.pull_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stop is not None:
+                stop.cancel()
+            if not task.done():
+                abort.set()  # a worker thread stops at its next chunk
+                task.cancel()
+                await asyncio.wait({task})  # its clean-up (partial files) runs before the answer
+        if transfer is not None and transfer.reason is not None:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: it is thrown away with the transfer
+            self.check(transfer)
+        if task in done:
+            return task.result()
+        raise PullTimeoutError(
+            f"{what} did not finish within {self.pull_timeout:g} s, the runtime's deadline for one pull; nothing "
+            "was installed; use a closer or faster registry (or send the image faster), or raise the deadline "
+            "with vmsidecar-runtime serve --pull-timeout SECONDS (VMSIDECAR_PULL_TIMEOUT)")
+
+    # ---- transfers -----------------------------------------------------------------------
+    async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
+                   transfer: Transfer | None = None) -> tuple[DiskImage, float]:
+        """Pull an image into the cache (or reuse it): the base disk and the seconds it took, within
+        the pull deadline and unless ``transfer`` is cancelled first. Nothing is installed.
+
+        :raise ImageError: for every pull failure, with the cause and the fix.
+        :raise PullTimeoutError: past the deadline. :raise TransferError: ``transfer`` was cancelled.
+        """
+        abort = transfer.abort if transfer is not None else threading.Event()
+
+        def report(done: int, total: int | None) -> None:  # the worker thread, at every chunk
+            if abort.is_set():
+                raise _Abandoned
+            if progress is not None:
+                progress(done, total)
+
+        what = f"the pull of {reference or spec.image}"
+        disk, pulled, seconds = await self._bounded(self._disks.pull(spec, reference, progress=report), what,
+                                                    transfer, abort)
+        self._events.publish("pulled", reference=disk.source, digest=pulled.digest, cached=pulled.cached,
+                             bytes_downloaded=pulled.bytes_downloaded)
+        return disk, round(seconds, 3)
+
+    async def receive(self, chunks: AsyncIterable[bytes], transfer: Transfer, *, expected_size: int | None,
+                      expected_digest: str | None) -> Any:
+        """Receive and verify an upload flash into a temp file, within the pull deadline; nothing
+        changes yet.
+
+        :raise ImageError: a bad image. :raise PullTimeoutError: past the deadline.
+        :raise TransferError: ``transfer`` was cancelled meanwhile.
+        """
+        received = await self._bounded(
+            self._disks.receive_flash(chunks, expected_size=expected_size, expected_digest=expected_digest),
+            "the upload flash", transfer, transfer.abort)
+        self.check(transfer)
+        return received
