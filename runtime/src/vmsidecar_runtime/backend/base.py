@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from vmsidecar_contract.state import ExitInfo
@@ -58,8 +58,10 @@ class Backend(Protocol):
     name: str
     #: what died, for messages: ``"QEMU"`` | ``"the libvirt domain"``
     label: str
-    #: whether ``save_state`` works and ``launch`` honours ``plan.incoming`` (memory snapshots)
-    supports_snapshots: bool
+    #: whether ``save_state`` works and ``launch`` honours ``plan.incoming`` (memory snapshots); a
+    #: class attribute: the snapshot decision asks it before a boot (``factory.supports_snapshots``),
+    #: and without it every boot is cold, with the reason in the state's ``snapshot`` field
+    supports_snapshots: ClassVar[bool]
     #: how the process/domain ended, once it has (``None`` while it runs)
     exit_info: ExitInfo | None
 

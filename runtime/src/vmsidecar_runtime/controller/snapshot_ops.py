@@ -5,8 +5,9 @@
 the steps it decides on. The rules:
 
 - **Restore** when a boot starts on a fresh overlay of the spec's own image (a cold start or a
-  recycle, not a flashed disk, not a power cycle within a lease) and the cache has the snapshot
-  for this spec, image, QEMU and accelerator. A refused snapshot is discarded: the guest boots cold.
+  recycle, not a flashed disk, not a power cycle within a lease), the backend can restore memory
+  (``supports_snapshots``) and the cache has the snapshot for this spec, image, QEMU and
+  accelerator. A refused snapshot is discarded: the guest boots cold.
 - **Capture** at the first Ready of such a cold boot, unless a lease has already claimed the
   guest (its activity must never reach the snapshot; the exporter claims when it hands a lease
   out, so no capture starts after that, and a claim waits for one already under way). The guest is paused, its state written,
@@ -24,7 +25,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from vmsidecar_contract.state import SnapshotInfo
 
 from ..backend import Backend, guest_agent
 from ..backend.common import TCG_CPU
+from ..backend.factory import supports_snapshots
 from ..disk import DiskImage
 from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, snapshot_key
 from .disks import Disks
@@ -70,9 +72,11 @@ class Capture:
 class SnapshotOps:
     """When to restore or capture, why not, and the snapshot store behind it."""
 
-    def __init__(self, paths: RuntimePaths, disks: Disks) -> None:
+    def __init__(self, paths: RuntimePaths, disks: Disks,
+                 backend_supports_snapshots: Callable[[str], bool] = supports_snapshots) -> None:
         self._paths = paths
         self._disks = disks
+        self._supports = backend_supports_snapshots
         self._store = SnapshotStore(paths.cache)
         self.info = SnapshotInfo()
         #: key of the snapshot the current cold boot should capture at its first Ready
@@ -94,8 +98,8 @@ class SnapshotOps:
         reason = None
         if spec.snapshot == "off":
             reason = "snapshot: off in the spec"
-        elif spec.backend != "qemu":
-            reason = "the libvirt backend has no memory snapshots yet"
+        elif not self._supports(spec.backend):
+            reason = f"the {spec.backend} backend has no memory snapshots yet"
         elif spec.arch != "x86_64":  # only x86_64 gets a vmgenid (backend/qemu_argv.py): decisions.md
             reason = f"{spec.arch}: no vmgenid, the guest's RNG would repeat — cold boot"
         elif self._disks.flashed is not None or base is None:
