@@ -58,14 +58,15 @@ class Power:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # ---- under the caller's lock ---------------------------------------------------------
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
                    transfer: Transfer | None = None) -> DiskImage:
-        """Pull an image (``Transfers.pull``), its time kept in the timings."""
+        """Pull an image (``Transfers.pull``; no lock needed, nothing is installed), its time kept
+        in the timings."""
         disk, seconds = await self._transfers.pull(spec, reference, progress=progress, transfer=transfer)
         self.machine.record_pull(seconds)
         return disk
 
+    # ---- under the caller's lock ---------------------------------------------------------
     async def ensure_disk(self, spec: VmSpec | None) -> DiskImage:
         """The disk to boot, pulling the spec's image first (phase Pulling) when none is there.
 
