@@ -113,7 +113,7 @@ class RuntimeProcess:
         if self.proc.poll() is not None:
             raise self._exited("before it served")
         if time.monotonic() > deadline:
-            raise RuntimeStartError(f"vmsidecar-runtime did not serve {self.socket} within {timeout:.0f} s; "
+            raise RuntimeStartError(f"vmsidecar-runtime did not serve {self.socket} within {timeout:g} s; "
                                     f"{self._log_says()}")
 
     async def wait_serving(self, timeout: float = SERVE_TIMEOUT_S, *, poll: float = 0.05) -> None:
