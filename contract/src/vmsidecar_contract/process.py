@@ -68,17 +68,19 @@ class RuntimeProcess:
 
     @classmethod
     def start(cls, root: Path, *, spec: Path | Mapping[str, Any] | None = None, cache: Path | None = None,
-              args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Self:
+              args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+              command: Sequence[str] | None = None, cwd: Path | None = None) -> Self:
         """Start ``serve`` and return at once (then ``wait_serving`` or ``wait_ready``).
 
         Its sockets go to ``root/shared``, its overlay and logs to ``root/state``, its output to
         ``root/runtime.log``; a spec given as a mapping is written to ``root/spec.json``. ``cache``
         None: the runtime's default cache. ``args``: more ``serve`` options. ``env`` None: this
-        process's environment (see ``clean_environ``).
+        process's environment (see ``clean_environ``). ``command``: the runtime's command line up
+        to ``serve`` when not ``runtime_command()`` (another installation, behind ``setpriv``).
         """
         root.mkdir(parents=True, exist_ok=True)
         shared, state, log = root / "shared", root / "state", root / "runtime.log"
-        argv = [*runtime_command(), "serve", "--shared-dir", str(shared), "--state-dir", str(state)]
+        argv = [*(command or runtime_command()), "serve", "--shared-dir", str(shared), "--state-dir", str(state)]
         if cache is not None:
             argv += ["--cache-dir", str(cache)]
         if isinstance(spec, Mapping):
@@ -90,7 +92,7 @@ class RuntimeProcess:
         argv += args
         with open(log, "wb") as fh:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                    env=None if env is None else dict(env))
+                                    env=None if env is None else dict(env), cwd=cwd)
         return cls(proc, shared, state, log)
 
     @property
