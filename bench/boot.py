@@ -9,34 +9,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess
 
 
-async def _serve_until_ready(work: Path, spec: dict, cache: Path) -> tuple[subprocess.Popen[bytes], float]:
-    shared = work / "shared"
-    work.mkdir(parents=True, exist_ok=True)
-    spec_file = work / "spec.json"
-    spec_file.write_text(json.dumps(spec))
+async def _serve_until_ready(work: Path, spec: dict, cache: Path) -> tuple[RuntimeProcess, float]:
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(spec_file), "--shared-dir",
-         str(shared), "--cache-dir", str(cache), "--state-dir", str(work / "state")],
-        stdout=subprocess.DEVNULL, stderr=open(work / "runtime.log", "wb"),  # noqa: SIM115
-    )
-    while not (shared / "api.sock").exists():
-        await asyncio.sleep(0.02)
-    async with RuntimeClient(shared / "api.sock") as client:
-        await client.wait_ready(300, poll=0.05)
-    return proc, time.monotonic() - started
+    rt = RuntimeProcess.start(work, spec=spec, cache=cache)
+    try:
+        await rt.wait_ready(300, poll=0.05)
+    except BaseException:
+        rt.stop()
+        raise
+    return rt, time.monotonic() - started
 
 
 async def bench(image: str, runs: int, backend: str) -> dict[str, float]:
@@ -48,23 +39,21 @@ async def bench(image: str, runs: int, backend: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="vmsidecar-bench-") as tmp:
         cache = Path(tmp) / "cache"
         # warm the cache once: the benchmark measures boots, not pulls
-        proc, first = await _serve_until_ready(Path(tmp) / "warm", spec, cache)
-        proc.terminate()
-        proc.wait(60)
+        rt, first = await _serve_until_ready(Path(tmp) / "warm", spec, cache)
+        rt.stop()
         print(f"warm-up (pull + boot): {first:.2f} s")
         for i in range(runs):
             work = Path(tmp) / f"run{i}"
 
-            proc, seconds = await _serve_until_ready(work, spec, cache)
+            rt, seconds = await _serve_until_ready(work, spec, cache)
             cold.append(seconds)
-            async with RuntimeClient(work / "shared" / "api.sock") as client:
-                t0 = time.monotonic()
-                await client.recycle()
-                await client.wait_ready(300, poll=0.05)
-                recycle.append(time.monotonic() - t0)
-            proc.terminate()
-            proc.wait(60)
-            create += [float(s) for s in re.findall(r"created paused in ([0-9.]+) s", (work / "runtime.log").read_text())]
+            with rt:
+                async with RuntimeClient(rt.socket) as client:
+                    t0 = time.monotonic()
+                    await client.recycle()
+                    await client.wait_ready(300, poll=0.05)
+                    recycle.append(time.monotonic() - t0)
+            create += [float(s) for s in re.findall(r"created paused in ([0-9.]+) s", rt.log_text())]
             print(f"run {i + 1}: start→Ready {cold[-1]:.2f} s, recycle→Ready {recycle[-1]:.2f} s")
     result = {"cold_median": statistics.median(cold), "recycle_median": statistics.median(recycle)}
     result["ratio"] = result["recycle_median"] / result["cold_median"]

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vmsidecar_contract.process import RuntimeProcess
+
 BIN = Path(sys.executable).parent
 GOAL_S = 0.25
 
@@ -77,17 +79,10 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vmsidecar-bench-cli-"))
-    sock = work / "shared" / "api.sock"
-    runtime = subprocess.Popen([str(BIN / "vmsidecar-runtime"), "serve", "--shared-dir", str(work / "shared"),
-                                "--state-dir", str(work / "state"), "--cache-dir", str(work / "cache")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runtime = RuntimeProcess.start(work, cache=work / "cache")
+    sock = runtime.socket
     try:
-        deadline = time.monotonic() + 60
-        while subprocess.run([str(BIN / "vmsidecar-runtime"), "status", "--socket", str(sock)],
-                             capture_output=True).returncode != 0:
-            if time.monotonic() > deadline or runtime.poll() is not None:
-                raise SystemExit("the runtime did not serve within 60 s")
-            time.sleep(0.2)
+        runtime.wait_serving_blocking()
         print(f"{'command':40} {'median s':>9} {'min s':>7} {'/goal':>6} {'RSS MB':>7} {'imports s':>9}")
         tops = []
         for name, argv in _commands(str(sock), work):
@@ -101,8 +96,7 @@ def main() -> int:
         for name, top in tops:
             print(f"  {name}: " + ", ".join(f"{module} {s:.3f}" for s, module in top))
     finally:
-        runtime.terminate()
-        runtime.wait(30)
+        runtime.stop(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

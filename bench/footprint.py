@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError, clean_environ
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -44,7 +43,7 @@ class Instance:
     index: int
     root: Path
     port: int
-    runtime: subprocess.Popen[bytes] | None = None
+    runtime: RuntimeProcess | None = None
     exporter: subprocess.Popen[bytes] | None = None
     ready_s: float = 0.0
     mem: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -97,14 +96,8 @@ def _exporter_config(inst: Instance) -> Path:
 
 def _start(inst: Instance, image: str, memory: str, cache: Path, exporter: str, snapshot: str) -> None:
     (inst.root / "shared").mkdir(parents=True)
-    spec = inst.root / "spec.json"
-    spec.write_text(json.dumps({"image": image, "memory": memory, "snapshot": snapshot}))
-    serve = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(spec),
-             "--shared-dir", str(inst.root / "shared"), "--state-dir", str(inst.root / "state"),
-             "--cache-dir", str(cache)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_") or k == "VMSIDECAR_TCG_TB_SIZE"}
-    with open(inst.root / "runtime.log", "wb") as fh:
-        inst.runtime = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    inst.runtime = RuntimeProcess.start(inst.root, spec={"image": image, "memory": memory, "snapshot": snapshot},
+                                        cache=cache, env=clean_environ(keep=["VMSIDECAR_TCG_TB_SIZE"]))
     run = ([sys.executable, "-m", "jumpstarter_driver_vmsidecar.exporter_run"] if exporter == "single"
            else [str(BIN / "jmp")])
     run += ["run", "--exporter-config", str(_exporter_config(inst)), "--tls-grpc-listener",
@@ -115,13 +108,11 @@ def _start(inst: Instance, image: str, memory: str, cache: Path, exporter: str, 
 
 
 async def _ready(inst: Instance, started: float, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not inst.socket.exists():
-        if time.monotonic() > deadline or (inst.runtime and inst.runtime.poll() is not None):
-            raise SystemExit(f"instance {inst.index}: runtime did not start; see {inst.root}/runtime.log")
-        await asyncio.sleep(0.2)
-    async with RuntimeClient(inst.socket) as client:
-        await client.wait_ready(timeout)
+    assert inst.runtime
+    try:
+        await inst.runtime.wait_ready(timeout)
+    except RuntimeStartError as e:
+        raise SystemExit(f"instance {inst.index}: {e}") from None
     inst.ready_s = time.monotonic() - started
 
 
@@ -135,8 +126,8 @@ def _session(inst: Instance) -> None:
 
 def _measure(inst: Instance) -> None:
     assert inst.runtime and inst.exporter
-    inst.mem["runtime"] = _mem(inst.runtime.pid)
-    qemu = [p for p, c in _children(inst.runtime.pid) if c.startswith("qemu-system")]
+    inst.mem["runtime"] = _mem(inst.runtime.proc.pid)
+    qemu = [p for p, c in _children(inst.runtime.proc.pid) if c.startswith("qemu-system")]
     inst.mem["qemu"] = _mem(qemu[0]) if qemu else (0.0, 0.0)
     parts = [inst.exporter.pid] + [p for p, _ in _children(inst.exporter.pid)]
     mems = [_mem(p) for p in parts]
@@ -145,14 +136,20 @@ def _measure(inst: Instance) -> None:
 
 
 def _stop(instances: list[Instance]) -> None:
-    procs = [p for i in instances for p in (i.exporter, i.runtime) if p and p.poll() is None]
-    for p in procs:
+    # every process signalled first, then waited for: the guests stop in parallel
+    exporters = [i.exporter for i in instances if i.exporter and i.exporter.poll() is None]
+    runtimes = [i.runtime for i in instances if i.runtime]
+    for p in exporters:
         p.send_signal(signal.SIGTERM)
-    for p in procs:
+    for rt in runtimes:
+        rt.terminate()
+    for p in exporters:
         try:
             p.wait(90)
         except subprocess.TimeoutExpired:
             p.kill()
+    for rt in runtimes:
+        rt.stop(timeout=90)
 
 
 def _tiny_image() -> str:

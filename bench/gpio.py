@@ -26,8 +26,6 @@ import contextlib
 import json
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -35,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.client import RuntimeClient
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the console helper the tests use
-from guestio import Console
+from vmsidecar_contract.process import RuntimeProcess
+from vmsidecar_images.console import Console
 
 LINES = [{"name": "button", "direction": "in"}, {"name": "led", "direction": "out"}]
 LOOPS = 20  # guest-side loop length: busybox time has 10 ms resolution
@@ -155,13 +152,12 @@ async def guest_round_trips(gpio: Path, con: Console, responder: tuple[str, str]
     return samples
 
 
-async def measure(shared: Path, spec: dict[str, Any], runs: int) -> None:
+async def measure(rt: RuntimeProcess, spec: dict[str, Any], runs: int) -> None:
     """Every measurement, on a booted guest."""
-    while not (shared / "api.sock").exists():
-        await asyncio.sleep(0.05)
+    await rt.wait_ready(300, poll=0.05)
+    shared = rt.shared
     gpio = shared / "gpio.sock"
-    async with RuntimeClient(shared / "api.sock") as client:
-        await client.wait_ready(300, poll=0.05)
+    async with RuntimeClient(rt.socket) as client:
         report("host: API state call (over api.sock)", await timed(client.state, runs * 3))
     report("host: gpio.sock set (connect + JSON + model + eventq)",
            await timed(lambda: request(gpio, {"op": "set", "line": "button", "value": 0}), runs * 3))
@@ -211,16 +207,8 @@ async def bench(image: str, runs: int) -> None:
     spec = {"image": image, "memory": "256M", "gpio": LINES}
     with tempfile.TemporaryDirectory(prefix="vmsidecar-bench-gpio-") as tmp:
         work = Path(tmp)
-        (work / "spec.json").write_text(json.dumps(spec))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(work / "spec.json"),
-             "--shared-dir", str(work / "shared"), "--cache-dir", str(work / "cache"), "--state-dir",
-             str(work / "state")], stdout=subprocess.DEVNULL, stderr=open(work / "runtime.log", "wb"))  # noqa: SIM115
-        try:
-            await measure(work / "shared", spec, runs)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        with RuntimeProcess.start(work, spec=spec, cache=work / "cache") as rt:
+            await measure(rt, spec, runs)
 
 
 def main() -> None:

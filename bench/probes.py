@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vmsidecar_contract.process import RuntimeProcess, clean_environ
+
 GOAL_S = 0.020
 TICK = os.sysconf("SC_CLK_TCK")
 BATCH = 20
@@ -56,24 +58,28 @@ def http_get(port: int, path: str) -> int:
         conn.close()
 
 
-def start_runtime(root: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_")}
-    argv = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--shared-dir", str(root / "shared"),
-            "--cache-dir", str(root / "cache"), "--state-dir", str(root / "state"),
-            "--health-listen", f"127.0.0.1:{port}"]
-    with open(root / "runtime.log", "wb") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the runtime exited {proc.returncode}: {(root / 'runtime.log').read_text()[-2000:]}")
-        try:
-            if http_get(port, "/healthz") == 200 and (root / "shared" / "api.sock").exists():
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("the runtime did not serve within 60 s")
+def health_answers(port: int) -> bool:
+    try:
+        return http_get(port, "/healthz") == 200
+    except OSError:
+        return False
+
+
+def start_runtime(root: Path, port: int) -> RuntimeProcess:
+    """A runtime without a spec, with its health-only listener on ``port``, serving."""
+    rt = RuntimeProcess.start(root, cache=root / "cache", args=["--health-listen", f"127.0.0.1:{port}"],
+                              env=clean_environ())
+    try:
+        rt.wait_serving_blocking()
+        deadline = time.monotonic() + 10  # the listener starts just after the API
+        while not health_answers(port):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the health listener did not answer within 10 s:\n{rt.log_text()[-2000:]}")
+            time.sleep(0.05)
+    except BaseException:
+        rt.stop()
+        raise
+    return rt
 
 
 def measure_http(pid: int, port: int, requests: int) -> list[float]:
@@ -107,7 +113,8 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vmsidecar-probes-"))
     port = free_port()
-    proc = start_runtime(root, port)
+    rt = start_runtime(root, port)
+    proc = rt.proc
     try:
         time.sleep(1.0)  # start-up work done
         idle_before = cpu_s(proc.pid)
@@ -116,8 +123,7 @@ def main() -> None:
         http = measure_http(proc.pid, port, args.requests)
         cpu, rss, runtime_side = measure_exec(proc.pid, root / "shared" / "api.sock", args.execs)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        rt.stop(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
     h, e = statistics.median(http), statistics.median(cpu)
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; runtime idle {idle * 1000:.1f} ms CPU/s")

@@ -34,13 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess
 from vmsidecar_contract.state import VmState
 from vmsidecar_runtime.accel import AccelChoice, choose_accel
 from vmsidecar_runtime.backend.common import MACHINE, TCG_CPU, qemu_binary
@@ -179,59 +180,19 @@ async def bare_boot(guest: Guest, accel: AccelChoice, work: Path) -> float:
 
 # ---- legs 2-4: vmsidecar ---------------------------------------------------------------------
 
-@dataclass
-class Runtime:
-    """One ``vmsidecar-runtime serve`` process."""
-
-    proc: subprocess.Popen[bytes]
-    shared: Path
-    log: Path
-
-    def stop(self) -> None:
-        """SIGTERM, then wait (the guest gets a short graceful stop); kill if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def start_runtime(guest: Guest, work: Path, cache: Path) -> Runtime:
-    """Start ``serve`` on its own shared and state dirs under ``work``."""
-    work.mkdir(parents=True)
-    spec = work / "spec.json"
+@asynccontextmanager
+async def ready_runtime(guest: Guest, work: Path, cache: Path, res: Results,
+                        leg: str) -> AsyncIterator[tuple[RuntimeProcess, VmState]]:
+    """``serve`` on its own shared and state dirs under ``work``, Ready; start → Ready is recorded as ``leg``."""
     # Ready on the marker itself, as legs 1 and 5 time it (the default pattern also takes a login or
     # shell prompt, which the Debian guest shows on ttyS0 just before its marker).
-    spec.write_text(json.dumps({"image": f"file:{guest.disk}", "memory": guest.memory,
-                                "readiness": {"pattern": MARKER.decode()}}))
-    log = work / "runtime.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(spec),
-             "--shared-dir", str(work / "shared"), "--cache-dir", str(cache), "--state-dir", str(work / "state"),
-             "--grace", "5"],  # the stop is not measured; a short grace keeps the benchmark short
-            stdout=subprocess.DEVNULL, stderr=err,
-        )
-    return Runtime(proc, work / "shared", log)
-
-
-async def until_ready(rt: Runtime, timeout: float) -> VmState:
-    """Wait for the API socket, then poll ``GET /v1/vm`` until Ready."""
-    sock = rt.shared / "api.sock"
-    deadline = time.monotonic() + timeout
-    while not sock.exists():
-        if rt.proc.poll() is not None or time.monotonic() > deadline:
-            tail = rt.log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the runtime did not serve {sock} (exit {rt.proc.returncode}):\n{tail}")
-        await asyncio.sleep(0.01)
-    async with RuntimeClient(sock) as client:
-        try:
-            return await client.wait_ready(max(1.0, deadline - time.monotonic()), poll=0.02)
-        except TimeoutError as e:
-            tail = rt.log.read_text(errors="replace")[-2000:]
-            raise TimeoutError(f"{e}; runtime log {rt.log} ends:\n{tail}") from None
+    spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
+    started = time.monotonic()
+    # the stop is not measured; a short grace keeps the benchmark short
+    with RuntimeProcess.start(work, spec=spec, cache=cache, args=["--grace", "5"]) as rt:
+        state = await rt.wait_ready(guest.timeout, poll=0.02)
+        res.add(guest.name, leg, time.monotonic() - started)
+        yield rt, state
 
 
 def expect_boot(state: VmState, wanted: str, leg: str) -> None:
@@ -243,13 +204,8 @@ def expect_boot(state: VmState, wanted: str, leg: str) -> None:
 
 async def cold_start(guest: Guest, work: Path, cache: Path, res: Results) -> None:
     """Leg 2 on a fresh cache: pull, cold boot, capture at Ready."""
-    started = time.monotonic()
-    rt = start_runtime(guest, work, cache)
-    try:
-        state = await until_ready(rt, guest.timeout)
-        res.add(guest.name, "cold", time.monotonic() - started)
-    finally:
-        rt.stop()
+    async with ready_runtime(guest, work, cache, res, "cold") as (_, state):
+        pass  # stopped at once: what the leg measured is in the state it reported
     expect_boot(state, "cold", "cold start")
     if not state.snapshot.available or state.snapshot.capture_seconds is None:
         raise RuntimeError(f"cold start captured no snapshot: {state.snapshot}")
@@ -263,22 +219,16 @@ async def cold_start(guest: Guest, work: Path, cache: Path, res: Results) -> Non
 
 async def warm_start_and_recycle(guest: Guest, work: Path, cache: Path, res: Results) -> None:
     """Legs 3 and 4: start on the cache holding the snapshot, then recycle that runtime once."""
-    started = time.monotonic()
-    rt = start_runtime(guest, work, cache)
-    try:
-        state = await until_ready(rt, guest.timeout)
-        res.add(guest.name, "warm", time.monotonic() - started)
+    async with ready_runtime(guest, work, cache, res, "warm") as (rt, state):
         expect_boot(state, "restored", "warm start")
         if state.snapshot.restore_seconds is not None:
             res.add(guest.name, "restore", state.snapshot.restore_seconds)
-        async with RuntimeClient(rt.shared / "api.sock") as client:
+        async with RuntimeClient(rt.socket) as client:
             started = time.monotonic()
             await client.recycle()
             state = await client.wait_ready(guest.timeout, poll=0.02)
             res.add(guest.name, "recycle", time.monotonic() - started)
         expect_boot(state, "restored", "recycle")
-    finally:
-        rt.stop()
 
 
 # ---- leg 5: upstream jumpstarter-driver-qemu ----------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 from fixtures.attack import max_state_latency, memory_kib
 from fixtures.vmdev import vm_client
-from guestio import Console
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -25,9 +25,9 @@ import pytest
 
 from fixtures.faults import ThrottleProxy, wait_phase
 from fixtures.registry import push_incompressible
-from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import PullTimeoutError, TransferError
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(600)
 

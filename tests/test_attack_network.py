@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import BACKENDS
-from guestio import Console
 from vmsidecar_contract.spec import Network, VmSpec
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.backend.libvirt.xml import render_domain
 from vmsidecar_runtime.backend.netguard import LocalAddresses, qemu_args, refusal, refused
 from vmsidecar_runtime.backend.qemu_argv import NETDEV_ID, build_argv

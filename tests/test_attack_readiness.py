@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from fixtures.attack import max_state_latency
-from guestio import Console
 from vmsidecar_contract.errors import ImageError, SpecError
 from vmsidecar_contract.spec import (
     DEFAULT_READY_PATTERN,
@@ -24,6 +23,7 @@ from vmsidecar_contract.spec import (
     compile_readiness_pattern,
     load_spec,
 )
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.controller.readiness import effective_readiness
 from vmsidecar_runtime.disk import DiskImage
 

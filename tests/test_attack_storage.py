@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from fixtures.faults import tmpfs, wait_phase
-from guestio import Console
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import pull
 from vmsidecar_runtime.oci.cache import set_budget
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import BACKENDS, _libvirt_problem
-from guestio import Console
 from vmsidecar_contract.spec import load_spec
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.backend import Backend, BackendEvent, close_backends, create_backend
 from vmsidecar_runtime.plan import SERIAL, BootPlan
 

@@ -26,8 +26,8 @@ from fixtures.byo import (
     skopeo_artifact,
     skopeo_published,
 )
-from guestio import Console
 from vmsidecar_contract.spec import DEFAULT_READY_PATTERN, READY_MARKER
+from vmsidecar_images.console import Console
 
 __all__ = ["podman_containerdisk", "skopeo_artifact"]  # fixtures, used by name
 

@@ -13,11 +13,11 @@ import can
 import pytest
 
 from fixtures.vmdev import vm_client, vm_runtime
-from guestio import Console
 from jumpstarter_driver_vmsidecar.slcan import decode, encode
 from vmsidecar_contract.canhost import check_native_can
 from vmsidecar_contract.errors import SpecError
 from vmsidecar_contract.spec import load_spec
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(300)
 

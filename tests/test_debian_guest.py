@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import events_until
-from guestio import Console
 from vmsidecar_images import disk, rootfs
 from vmsidecar_images.build import BuiltImage, build_image
+from vmsidecar_images.console import Console
 from vmsidecar_images.recipe import load_recipe
 
 pytestmark = pytest.mark.timeout(900)

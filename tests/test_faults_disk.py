@@ -17,8 +17,8 @@ import pytest
 
 from fixtures.faults import ThrottleProxy, tmpfs, wait_phase
 from fixtures.registry import start_registry
-from guestio import Console
 from vmsidecar_contract.errors import HostError, RegistryError, VmsidecarError
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import pull, push_artifact
 
 pytestmark = pytest.mark.timeout(600)

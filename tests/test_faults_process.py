@@ -21,9 +21,9 @@ import pytest
 from fixtures.faults import rss_kb, wait_phase
 from fixtures.jmp import PIPE_UNTIL, exporter_config, jmp_env, run_shell
 from fixtures.runtime import events_until, qemu_pids
-from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import PROTOCOL_CODES, VmsidecarError, registry
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(600)
 

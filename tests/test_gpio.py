@@ -17,8 +17,8 @@ from jumpstarter_driver_gpiod.client import PinState
 
 from fixtures.attack import VhostMaster
 from fixtures.vmdev import vm_client, vm_runtime
-from guestio import Console
 from vmsidecar_contract.spec import GpioLine
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.devices import vhost_user as vu
 from vmsidecar_runtime.devices import virtio_gpio as vg
 from vmsidecar_runtime.devices import virtqueue as vq

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from guestio import Console
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import pull, push_artifact, push_containerdisk, write_layout
 
 pytestmark = pytest.mark.timeout(600)

@@ -107,7 +107,7 @@ async def test_external_uri_boot_power_and_exit_leave_the_daemon_alone(
 
 
 async def test_guest_powering_itself_off_is_stopped_and_leaves_no_domain(start_runtime: Any, tiny_image: Any) -> None:
-    from guestio import Console
+    from vmsidecar_images.console import Console
 
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"}, backend="libvirt")
     client = rt.client()

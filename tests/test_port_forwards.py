@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fixtures.jmp import exporter_config, jmp_env
-from guestio import Console
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(600)
 

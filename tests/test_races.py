@@ -17,9 +17,9 @@ from test_console_hub import FakeChardev
 
 from fixtures.faults import ThrottleProxy, wait_phase
 from fixtures.registry import push_incompressible
-from guestio import Console
 from vmsidecar_contract.errors import GuestError, StateError
 from vmsidecar_contract.spec import load_spec
+from vmsidecar_images.console import Console
 from vmsidecar_runtime import ports
 from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub
 from vmsidecar_runtime.controller import RuntimePaths, VmController

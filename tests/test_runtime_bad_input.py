@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import BACKENDS, events_until
-from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import GenerationChangedError
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(600)

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import BACKENDS
-from guestio import Console
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(900)
 

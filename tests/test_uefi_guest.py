@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import qemu_pids
-from guestio import Console
 from vmsidecar_contract.errors import GuestError
 from vmsidecar_images import uefi
 from vmsidecar_images.build import BuiltImage, build_image
+from vmsidecar_images.console import Console
 from vmsidecar_images.recipe import SOURCE_DATE_EPOCH, load_recipe
 from vmsidecar_runtime.firmware import CANDIDATES
 

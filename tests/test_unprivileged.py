@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess
 from vmsidecar_contract.state import Phase
 
 ROOT = Path(__file__).parents[1]
@@ -114,22 +114,13 @@ def _alive(pid: int) -> bool:
 
 async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> None:
     rt = layout["rt"]
-    log = layout["work"] / "runtime.log"
-    argv = _as_user(str(layout["runtime"]), "serve", "--shared-dir", str(rt / "shared"), "--cache-dir",
-                    str(rt / "cache"), "--state-dir", str(rt / "state"), "--image", f"file:{layout['disk']}",
-                    "--memory", "256M", "--grace", "20")
     started = time.monotonic()
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=ENV, cwd=layout["work"])
+    runtime = RuntimeProcess.start(rt, cache=rt / "cache", env=ENV, command=_as_user(str(layout["runtime"])),
+                                   cwd=layout["work"], args=["--image", f"file:{layout['disk']}", "--memory", "256M",
+                                                             "--grace", "20"])
+    proc, socket = runtime.proc, runtime.socket
     try:
-        socket = rt / "shared" / "api.sock"
-        deadline = time.monotonic() + 30
-        while not socket.exists():
-            assert proc.poll() is None, f"runtime exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no API socket:\n{log.read_text()[-3000:]}"
-            time.sleep(0.1)
-        async with RuntimeClient(socket) as client:
-            state = await client.wait_ready(180)
+        state = await runtime.wait_ready(210)
         assert state.phase is Phase.READY
         print(f"\nas UID {UID}: serve -> Ready {time.monotonic() - started:.1f} s ({state.accel}: {state.accel_reason})")
 
@@ -152,9 +143,7 @@ async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> N
             time.sleep(0.05)
         assert not _alive(qemu), "QEMU outlived its SIGKILLed unprivileged runtime"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        runtime.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("flag", ["--cache-dir", "--state-dir", "--shared-dir"])

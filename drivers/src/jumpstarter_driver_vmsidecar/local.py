@@ -15,8 +15,6 @@ import asyncio
 import importlib.util
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError
 
 if TYPE_CHECKING:
     from vmsidecar_contract.client import RuntimeClient
@@ -73,17 +72,15 @@ async def _say_accel(client: RuntimeClient, deadline: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _wait_ready(socket: Path, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> float:
+async def _wait_ready(runtime: RuntimeProcess, timeout: float) -> float:
     started = time.monotonic()
-    while not socket.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"vmsidecar-runtime exited ({proc.returncode}); see {log}:\n{log.read_text()[-2000:]}")
-        if time.monotonic() - started > 30:
-            raise SystemExit(f"vmsidecar-runtime did not start; see {log}")
-        await asyncio.sleep(0.1)
+    try:
+        await runtime.wait_serving()
+    except RuntimeStartError as e:
+        raise SystemExit(f"error: {e}") from None
     from vmsidecar_contract.client import RuntimeClient
 
-    async with RuntimeClient(socket) as client:
+    async with RuntimeClient(runtime.socket) as client:
         try:
             await _say_accel(client, started + timeout)
             await client.wait_ready(timeout)
@@ -125,21 +122,24 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="vmsidecar-local-"))
-    shared, log = work / "shared", work / "runtime.log"
-    serve = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--shared-dir", str(shared),
-             "--state-dir", str(work / "state")]
-    for flag, value in (("--image", args.image), ("--spec", args.spec), ("--memory", args.memory),
-                        ("--cpus", args.cpus), ("--ready-pattern", args.ready_pattern),
-                        ("--ready-console", args.ready_console), ("--ready-timeout", args.ready_timeout)):
+    options: list[str] = []
+    for flag, value in (("--image", args.image), ("--memory", args.memory), ("--cpus", args.cpus),
+                        ("--ready-pattern", args.ready_pattern), ("--ready-console", args.ready_console),
+                        ("--ready-timeout", args.ready_timeout)):
         if value is not None:
-            serve += [flag, str(value)]
-    with open(log, "wb") as fh:
-        runtime = subprocess.Popen(serve, stdout=fh, stderr=subprocess.STDOUT)
+            options += [flag, str(value)]
+    try:
+        runtime = RuntimeProcess.start(work, spec=Path(args.spec) if args.spec else None, args=options)
+    except RuntimeStartError as e:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shared, log = runtime.shared, runtime.log
     try:
         print(f"vmsidecar: booting the guest (log {log}) …", file=sys.stderr)
         # the runtime enforces the readiness timeout (the guest goes to Error); ours only adds the pull
         wait = (args.ready_timeout or MAX_READY_TIMEOUT) + PULL_ALLOWANCE
-        seconds = asyncio.run(_wait_ready(shared / "api.sock", runtime, wait, log))
+        seconds = asyncio.run(_wait_ready(runtime, wait))
         print(f"vmsidecar: guest ready in {seconds:.1f} s; try `j vm console start-console` "
               "(Ctrl-B three times to leave), `j vm power cycle`, `j vm storage flash FILE`", file=sys.stderr)
         from jumpstarter.common.utils import launch_shell
@@ -155,12 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if runtime.poll() is None:
-            runtime.send_signal(signal.SIGTERM)
-            try:
-                runtime.wait(60)
-            except subprocess.TimeoutExpired:
-                runtime.kill()
+        runtime.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -1,4 +1,8 @@
-"""Talking to a guest over the runtime's console sockets, as a person at the console would."""
+"""Talking to a guest over the runtime's console sockets, as a person at the console would.
+
+The recipes' guests share one shell prompt (``prompt`` in recipe.toml); the tests and bench/ drive
+them through :class:`Console`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import re
 import uuid
 from pathlib import Path
 
+#: the shell prompt of the tiny and debian guests (their recipes set it)
 PROMPT = b"vm# "
 
 

@@ -1,0 +1,50 @@
+"""The one runtime launcher (``vmsidecar_contract.process``) on real ``vmsidecar-runtime serve`` processes
+without a spec (no guest boots): it waits until the API answers, names why a runtime did not serve
+(with the runtime's own words from its log), and stops it cleanly."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from vmsidecar_contract.blocking import BlockingRuntimeClient
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError, clean_environ
+
+
+def test_waits_until_the_api_answers_then_stops_cleanly(tmp_path: Path) -> None:
+    with RuntimeProcess.start(tmp_path / "rt", cache=tmp_path / "cache", env=clean_environ()) as rt:
+        rt.wait_serving_blocking()
+        assert BlockingRuntimeClient(rt.socket).state()["phase"] == "Stopped"
+        assert rt.stop() == 0  # SIGTERM: the runtime's graceful exit
+    assert "serving" in rt.log_text() and not rt.socket.exists()
+
+
+async def test_a_runtime_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
+    rt = RuntimeProcess.start(tmp_path / "rt", cache=tmp_path / "cache", args=["--grace", "soon"],
+                              env=clean_environ())
+    with pytest.raises(RuntimeStartError) as e:
+        await rt.wait_serving()
+    message = str(e.value)
+    assert "exited with 2 before it served" in message and "invalid float value: 'soon'" in message, message
+
+
+def test_a_runtime_late_to_serve_is_reported_and_can_be_killed(tmp_path: Path) -> None:
+    rt = RuntimeProcess.start(tmp_path / "rt", cache=tmp_path / "cache", env=clean_environ())
+    try:
+        with pytest.raises(RuntimeStartError, match=r"did not serve .*api\.sock within 0\.001 s; its log"):
+            rt.wait_serving_blocking(timeout=0.001)  # its imports alone take longer
+    finally:
+        assert rt.stop(signal.SIGKILL) == -signal.SIGKILL
+
+
+async def test_a_spec_mapping_is_written_for_the_runtime(tmp_path: Path) -> None:
+    spec = {"image": "file:/nonexistent/disk.qcow2", "memory": "64M"}
+    with RuntimeProcess.start(tmp_path / "rt", spec=spec, cache=tmp_path / "cache", env=clean_environ(),
+                              args=["--grace", "5"]) as rt:
+        await rt.wait_serving()
+        async with RuntimeClient(rt.socket) as client:
+            served = await client.get_spec()
+    assert served is not None and (served.image, served.memory) == (spec["image"], 64)  # MiB
