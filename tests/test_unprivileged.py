@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.state import Phase
 
@@ -123,11 +124,12 @@ async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> N
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=ENV, cwd=layout["work"])
     try:
         socket = rt / "shared" / "api.sock"
-        deadline = time.monotonic() + 30
-        while not socket.exists():
+
+        def served() -> bool:
             assert proc.poll() is None, f"runtime exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no API socket:\n{log.read_text()[-3000:]}"
-            time.sleep(0.1)
+            return socket.exists()
+
+        await wait_until_async(served, 30, "the API socket", detail=lambda: log.read_text()[-3000:])
         async with RuntimeClient(socket) as client:
             state = await client.wait_ready(180)
         assert state.phase is Phase.READY
@@ -147,10 +149,7 @@ async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> N
 
         proc.send_signal(signal.SIGKILL)  # no cleanup code runs: PDEATHSIG works for a plain user too
         proc.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(qemu) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(qemu), "QEMU outlived its SIGKILLed unprivileged runtime"
+        await wait_until_async(lambda: not _alive(qemu), 10, "QEMU to end with its SIGKILLed unprivileged runtime")
     finally:
         if proc.poll() is None:
             proc.kill()
