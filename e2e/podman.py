@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.jmp import free_port
+from fixtures.waiting import wait_until
 
 ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "CONTAINERS_CONF": str(ROOT / "container" / "containers.conf")}
@@ -59,27 +60,24 @@ class Pod:
         return started
 
     def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             probe = subprocess.run(["podman", "exec", f"{self.name}-runtime", "/opt/vmsidecar/bin/vmsidecar-runtime",
                                     "ready", "--quiet", "--socket", "/shared/vmsidecar/api.sock"], env=ENV,
                                    capture_output=True)
-            if probe.returncode == 0:
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"pod {self.name} not Ready:\n{self.logs()}")
+            return probe.returncode == 0
+
+        wait_until(ready, timeout, f"pod {self.name} to be Ready", interval=0.5, detail=self.logs)
 
     def state(self, container: str) -> dict[str, Any]:
         return json.loads(run("podman", "inspect", f"{self.name}-{container}"))[0]["State"]
 
     def wait_exited(self, container: str, timeout: float = 120) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def exited() -> dict[str, Any] | None:
             state = self.state(container)
-            if state["Status"] in ("exited", "stopped"):
-                return int(state["ExitCode"])
-            time.sleep(0.5)
-        raise AssertionError(f"{self.name}-{container} still running:\n{self.logs()}")
+            return state if state["Status"] in ("exited", "stopped") else None
+
+        state = wait_until(exited, timeout, f"{self.name}-{container} to exit", interval=0.5, detail=self.logs)
+        return int(state["ExitCode"])
 
     def logs(self) -> str:
         out = []

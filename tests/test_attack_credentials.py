@@ -9,7 +9,6 @@ environment.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import hashlib
@@ -24,6 +23,7 @@ import pytest
 
 from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry
 from fixtures.runtime import qemu_pids
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError, RegistryError
 from vmsidecar_runtime import procs
 from vmsidecar_runtime.oci import pull, push_artifact
@@ -338,12 +338,8 @@ async def test_qemu_of_a_booted_guest_sees_no_secret(start_runtime: Any, tiny_im
            "VMSIDECAR_REGISTRY_PASSWORD": SECRET, "VMSIDECAR_REGISTRY_HOST": "reg.example",
            "REGISTRY_AUTH_FILE": str(auth), "MY_API_TOKEN": SECRET}
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}, env=env)
-    pids: list[int] = []
-    for _ in range(600):
-        if pids := qemu_pids(str(rt.state)):
-            break
-        await asyncio.sleep(0.1)
-    assert pids, f"no QEMU within 60 s:\n{rt.log_text()[-2000:]}"
+    pids = await wait_until_async(lambda: qemu_pids(str(rt.state)), 60, "QEMU to start", interval=0.1,
+                                  detail=lambda: rt.log_text()[-2000:])
     environ = Path(f"/proc/{pids[0]}/environ").read_bytes().decode(errors="replace")
     assert SECRET not in environ and "VMSIDECAR_REGISTRY" not in environ and "REGISTRY_AUTH_FILE" not in environ
     names = {e.split("=", 1)[0] for e in environ.split("\0") if e}

@@ -16,7 +16,6 @@ No guest is booted except in the argv test (the tiny guest, only until QEMU runs
 
 from __future__ import annotations
 
-import asyncio
 import io
 import itertools
 import json
@@ -34,6 +33,7 @@ import pytest
 
 from fixtures.attack import memory_kib
 from fixtures.registry import Crafter, RunningRegistry
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import ImageError, VmsidecarError
 from vmsidecar_runtime.image.checks import check_image
 from vmsidecar_runtime.image.limits import Origin
@@ -307,10 +307,11 @@ async def test_every_qemu_img_and_qemu_invocation_names_the_format(
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}
     rt = await start_runtime(spec, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     client = rt.client()
-    for _ in range(600):  # QEMU started (not Ready: the guest's boot is not what is checked)
-        if "qemu-system" in (log.read_text() if log.exists() else "") or (await client.state()).phase.value == "Error":
-            break
-        await asyncio.sleep(0.1)
+
+    async def qemu_started() -> bool:  # not Ready: the guest's boot is not what is checked
+        return "qemu-system" in (log.read_text() if log.exists() else "") or (await client.state()).phase.value == "Error"
+
+    await wait_until_async(qemu_started, 60, "QEMU to start", interval=0.1, detail=lambda: rt.log_text()[-2000:])
     await client.power("off", graceful=False)
     await client.dump(tmp_path / "d.qcow2", fmt="qcow2")  # from the overlay
     raw = tmp_path / "disk.raw"

@@ -17,15 +17,16 @@ import asyncio
 import contextlib
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.events import collecting
 from fixtures.faults import ThrottleProxy, wait_phase
 from fixtures.registry import push_incompressible
-from vmsidecar_contract.client import RuntimeClient
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import PullTimeoutError, TransferError
 from vmsidecar_images.console import Console
 
@@ -56,40 +57,14 @@ async def crawling(registry: Any) -> AsyncIterator[ThrottleProxy]:
         yield proxy
 
 
-async def pull_under_way(proxy: ThrottleProxy, task: asyncio.Task[Any], at_least: int = 256 << 10) -> None:
+async def pull_under_way(proxy: ThrottleProxy, ended: Callable[[], bool], at_least: int = 256 << 10) -> None:
     """Until the layer is flowing through the proxy (the transfer is in its pull)."""
-    deadline = time.monotonic() + 120
-    while proxy.forwarded < at_least:
-        assert not task.done(), f"the transfer ended before its pull was under way: {task}"
-        assert time.monotonic() < deadline, f"the pull never started ({proxy.forwarded} bytes)"
-        await asyncio.sleep(0.05)
 
+    def flowing() -> bool:
+        assert not ended(), "the transfer ended before its pull was under way"
+        return proxy.forwarded >= at_least
 
-@contextlib.asynccontextmanager
-async def collecting(client: RuntimeClient, types: list[str]) -> AsyncIterator[list[dict[str, Any]]]:
-    """The runtime's events of ``types`` while the block runs."""
-    seen: list[dict[str, Any]] = []
-
-    async def collect() -> None:
-        async for event in client.events(types):
-            if event["type"] != "hello":
-                seen.append(event)
-
-    task = asyncio.create_task(collect())
-    await asyncio.sleep(0.3)  # the stream is open (its hello line) before anything happens
-    try:
-        yield seen
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-
-
-async def until(what: str, pred: Any, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not await pred():
-        assert time.monotonic() < deadline, f"{what} within {timeout} s"
-        await asyncio.sleep(0.1)
+    await wait_until_async(flowing, 120, "the pull to start", detail=lambda: f"{proxy.forwarded} bytes")
 
 
 # ---- item 3: a pull belongs to its lease ------------------------------------------------------
@@ -106,13 +81,14 @@ async def test_a_flash_pull_of_lease_n_never_lands_in_lease_n_plus_1(
     lease_n = await client.claim()
     async with collecting(rt.client(), ["transfer_cancelled", "flashed"]) as events, crawling(registry) as proxy:
         flash = asyncio.create_task(rt.client().flash_reference(f"{proxy.host}/{slow_image}", power_off=True))
-        await pull_under_way(proxy, flash)
+        await pull_under_way(proxy, flash.done)
         await client.recycle(boot=True, if_generation=lease_n.generation)  # lease N ends
         lease_n1 = await client.claim()  # lease N+1 starts
         assert lease_n1.generation == lease_n.generation + 1
         proxy.rate = 1 << 30  # the pull may finish now
         outcome = (await asyncio.wait_for(asyncio.gather(flash, return_exceptions=True), 180))[0]
-        await asyncio.sleep(1)  # a late install would show now
+        # the absence of a late install can only be shown by waiting: 1 s, the pull runs at full speed
+        await asyncio.sleep(1)
     assert isinstance(outcome, TransferError) and outcome.code == "transfer_cancelled", (
         f"lease N's flash was not cancelled at the end of lease N: {outcome!r}")
     assert "recycle" in outcome.message and "nothing of it was installed" in outcome.message, outcome.message
@@ -136,11 +112,12 @@ async def test_an_upload_flash_of_lease_n_is_cancelled_by_its_recycle(start_runt
     async def stalls() -> AsyncIterator[bytes]:
         yield head
         sent.set()
-        await asyncio.sleep(3600)  # a client that never finishes sending
+        await asyncio.Event().wait()  # a client that never finishes sending
 
     upload = asyncio.create_task(rt.client().flash(stalls(), size=64 << 20))
     await asyncio.wait_for(sent.wait(), 30)
-    await asyncio.sleep(0.5)  # the runtime is receiving
+    await wait_until_async(lambda: any(f.stat().st_size for f in (rt.state / "flashed").glob(".incoming-*")),
+                           30, "the runtime to write the upload's first bytes")
     started = time.monotonic()
     await asyncio.wait_for(client.recycle(boot=False, if_generation=lease_n.generation), 20)
     took = time.monotonic() - started
@@ -158,7 +135,7 @@ async def test_a_second_pull_while_one_runs_is_refused_with_409(
     rt = await start_runtime({"memory": "256M"})  # no image: nothing boots, the flash tests stay cheap
     async with crawling(registry) as proxy:
         first = asyncio.create_task(rt.client().flash_reference(f"{proxy.host}/{slow_image}"))
-        await pull_under_way(proxy, first)
+        await pull_under_way(proxy, first.done)
         started = time.monotonic()
         with pytest.raises(TransferError) as exc:
             await asyncio.wait_for(rt.client().flash_reference(f"{registry.host}/{slow_image}"), 20)
@@ -179,18 +156,16 @@ async def test_a_pull_whose_client_went_away_is_cancelled_and_never_installed(
     async with collecting(rt.client(), ["transfer_cancelled", "flashed"]) as events, crawling(registry) as proxy:
         gone = rt.client()
         flash = asyncio.create_task(gone.flash_reference(f"{proxy.host}/{slow_image}"))
-        await pull_under_way(proxy, flash)
+        await pull_under_way(proxy, flash.done)
         flash.cancel()
         await gone.close()  # the client goes away mid-pull (its connection closes)
 
-        async def cancelled() -> bool:
-            return bool(events)
-
         left = time.monotonic()
-        await until("the runtime did not cancel the pull of a client that went away", cancelled, 15)
+        await events.wait_for("transfer_cancelled", 15)  # the runtime cancels the pull of a client that went away
         print(f"\npull cancelled {time.monotonic() - left:.2f} s after its client went away")
         proxy.rate = 1 << 30
-        await asyncio.sleep(2)  # a pull still running would finish and install now
+        # a pull still running would finish and install now: its absence is only shown by waiting
+        await asyncio.sleep(2)
     assert [e["type"] for e in events] == ["transfer_cancelled"], events
     assert "went away" in events[0]["data"]["reason"], events
     assert (await client.state()).disk is None  # nothing installed
@@ -274,20 +249,15 @@ async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pul
             flash = await asyncio.create_subprocess_exec(
                 *lease.argv("j", "vm", "storage", "flash", f"oci://{proxy.host}/{slow_image}"), env=lease.env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 120
-            while proxy.forwarded < 256 << 10:  # lease 2's flash is in its pull
-                assert time.monotonic() < deadline and flash.returncode is None, "lease 2's flash never pulled"
-                await asyncio.sleep(0.05)
+            await pull_under_way(proxy, lambda: flash.returncode is not None)  # lease 2's flash
         # lease 2 ended mid-pull
 
-        async def cancelled() -> bool:
-            return bool(events)
-
-        await until("the pull of a lease that ended was not cancelled", cancelled, 60)
+        await events.wait_for("transfer_cancelled", 60)  # the pull of a lease that ended is cancelled
         print(f"\nlease ended mid-pull: pull cancelled {time.monotonic() - lease.released_at:.2f} s after the "
               f"release ({events[0]['data']['reason']})")
         proxy.rate = 1 << 30
-        await asyncio.sleep(2)  # a pull still running would finish and install now
+        # a pull still running would finish and install now: its absence is only shown by waiting
+        await asyncio.sleep(2)
     with contextlib.suppress(ProcessLookupError):
         flash.kill()
     await flash.wait()
@@ -333,7 +303,7 @@ async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_bein
         s = await client.state()
         return s.generation == 1 and s.phase.value in ("Running", "Ready")
 
-    await until("the lease was not recycled", recycled, 60)
+    await wait_until_async(recycled, 60, "the lease to be recycled")
     con = await Console.open_when_served(rt.shared / "console.sock")
     try:
         await con.wake()
@@ -346,4 +316,4 @@ async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_bein
         s = await client.state()
         return s.snapshot.capture_seconds is not None
 
-    await until("the next pristine boot did not capture the snapshot", captured, 60)
+    await wait_until_async(captured, 60, "the next pristine boot to capture the snapshot")

@@ -62,8 +62,7 @@ async def test_host_to_guest_and_back_through_canclient(can_vm: tuple[Any, Any])
     await asyncio.to_thread(bus.send, can.Message(arbitration_id=0x123, data=b"\xde\xad\xbe\xef", is_extended_id=False))
     await asyncio.to_thread(bus.send, can.Message(arbitration_id=0x1ABCDE0F, data=b"\x01\x02", is_extended_id=True))
     await asyncio.to_thread(bus.send, can.Message(arbitration_id=0x321, is_remote_frame=True, dlc=2, is_extended_id=False))
-    await asyncio.sleep(1)
-    rx = await con.run("wait; cat /tmp/rx")
+    rx = await con.run("wait; cat /tmp/rx")  # `wait`: until candump has its 3 frames
     assert "can0 123#DEADBEEF" in rx and "can0 1ABCDE0F#0102" in rx and "can0 321#R" in rx, rx
 
     # guest -> host: standard, extended and RTR frames arrive on the CanClient (a python-can Bus)

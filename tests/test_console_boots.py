@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from fixtures.vmdev import vm_client, vm_runtime
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_images.console import Console
 
@@ -64,10 +65,11 @@ async def test_every_boot_has_its_own_scrollback(start_runtime: Any, tiny_image:
     await cable.wake()
     cable.writer.write(b"reboot -f\n")
     await cable.writer.drain()
-    for _ in range(300):
-        if (await client.state()).boot == 5:
-            break
-        await asyncio.sleep(0.1)
+
+    async def booted() -> bool:
+        return (await client.state()).boot == 5
+
+    await wait_until_async(booted, 30, "boot 5", interval=0.1)
     seen.append(await _fresh_marker(client, rt.shared / "console.sock", seen, boot=5))
     assert len(set(seen)) == 5
     await cable.close()

@@ -8,6 +8,7 @@ import os
 import stat
 from pathlib import Path
 
+from fixtures.waiting import wait_until_async
 from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub, RotatingByteLog
 
 
@@ -50,7 +51,7 @@ async def test_scrollback_fanout_and_input(tmp_path: Path) -> None:
     await hub.attach(chardev.path)
     await chardev.connected.wait()
     chardev.emit(b"early boot line\n")  # nobody is connected yet: must not be lost
-    await asyncio.sleep(0.1)
+    await wait_until_async(lambda: hub.bytes_seen == len(b"early boot line\n"), 5, "the hub to read the line")
 
     r1, w1 = await asyncio.open_unix_connection(str(hub.listen_path))
     r2, w2 = await asyncio.open_unix_connection(str(hub.listen_path))
@@ -62,10 +63,7 @@ async def test_scrollback_fanout_and_input(tmp_path: Path) -> None:
 
     w2.write(b"ls\n")
     await w2.drain()
-    for _ in range(50):
-        if chardev.received:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: chardev.received, 2.5, "the input to reach the guest side")
     assert bytes(chardev.received) == b"ls\n"
     assert b"early boot line" in (tmp_path / "ttyS0.log").read_bytes()
 
@@ -88,17 +86,15 @@ async def test_stalled_reader_is_dropped_and_guest_keeps_flowing(tmp_path: Path)
     await hub.attach(chardev.path)
     await chardev.connected.wait()
     _stalled_reader, _stalled_writer = await asyncio.open_unix_connection(str(hub.listen_path))  # never reads
-    await asyncio.sleep(0.05)
+    await wait_until_async(lambda: len(hub._clients) == 1, 5, "the hub to take the reader in")
     chunk = b"x" * 65536
     for _ in range(CLIENT_QUEUE_CHUNKS // 8):
         chardev.emit(chunk)
         await chardev.writer.drain()  # type: ignore[union-attr]
     total = len(chunk) * (CLIENT_QUEUE_CHUNKS // 8)
-    for _ in range(100):
-        if hub.bytes_seen == total:
-            break
-        await asyncio.sleep(0.05)
-    assert hub.bytes_seen == total  # every byte drained although one reader never read
+    # every byte drained although one reader never read
+    await wait_until_async(lambda: hub.bytes_seen == total, 5, f"the hub to drain all {total} bytes",
+                           detail=lambda: f"{hub.bytes_seen} drained")
     await hub.close()
 
 
@@ -119,7 +115,7 @@ async def test_readers_that_never_read_hold_a_bounded_backlog_from_a_fast_guest(
     await hub.attach(chardev.path)
     await chardev.connected.wait()
     stalled = [await asyncio.open_unix_connection(str(hub.listen_path)) for _ in range(16)]
-    await asyncio.sleep(0.05)
+    await wait_until_async(lambda: len(hub._clients) == 16, 5, "the hub to take the 16 readers in")
     before = peak = _rss_mib()
     chunk = os.urandom(65536)
     total = 0
@@ -128,12 +124,9 @@ async def test_readers_that_never_read_hold_a_bounded_backlog_from_a_fast_guest(
         await chardev.writer.drain()  # type: ignore[union-attr]
         total += len(chunk)
         peak = max(peak, _rss_mib())
-    for _ in range(100):
-        if hub.bytes_seen == total:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: hub.bytes_seen == total, 5, f"the hub to drain all {total} bytes",
+                           detail=lambda: f"{hub.bytes_seen} drained")
     peak = max(peak, _rss_mib())
-    assert hub.bytes_seen == total
     assert peak - before < 48, f"RSS {before:.0f} -> {peak:.0f} MiB"  # 16 readers x 1 MiB + slack
     for reader, _ in stalled:  # each was dropped: what it can still read ends in EOF
         got = 0

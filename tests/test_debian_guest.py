@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.runtime import events_until
+from fixtures.events import collecting
 from vmsidecar_images import disk, rootfs
 from vmsidecar_images.build import BuiltImage, build_image
 from vmsidecar_images.console import Console
@@ -211,13 +211,12 @@ async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, d
     await hvc0.close()
 
     # graceful off: QMP system_powerdown -> ACPI power button -> logind -> poweroff
-    events = asyncio.create_task(events_until(client, ["guest.powerdown_requested", "guest.powered_off"],
-                                               "guest.powered_off", timeout=90))
-    await asyncio.sleep(0.2)
-    t0 = time.monotonic()
-    state = await client.power("off", graceful=True, timeout=60)
-    print(f"debian guest: graceful power off took {time.monotonic() - t0:.1f} s")
-    assert state.phase.value == "Stopped"
-    kinds = [(e["type"], e["data"].get("reason")) for e in await events]
+    async with collecting(client, ["guest.powerdown_requested", "guest.powered_off"]) as events:
+        t0 = time.monotonic()
+        state = await client.power("off", graceful=True, timeout=60)
+        print(f"debian guest: graceful power off took {time.monotonic() - t0:.1f} s")
+        assert state.phase.value == "Stopped"
+        await events.wait_for("guest.powered_off", 90)
+    kinds = [(e["type"], e["data"].get("reason")) for e in events]
     assert ("guest.powerdown_requested", None) in kinds
     assert ("guest.powered_off", "guest-shutdown") in kinds, kinds

@@ -17,6 +17,7 @@ import pytest
 
 from fixtures.faults import ThrottleProxy, tmpfs, wait_phase
 from fixtures.registry import start_registry
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError, RegistryError, VmsidecarError
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import pull, push_artifact
@@ -71,11 +72,12 @@ async def test_registry_killed_mid_pull_then_a_retry_works(start_runtime: Any, t
         async with ThrottleProxy(("127.0.0.1", port), rate=8 * MiB) as proxy:
             ref = f"{proxy.host}/vm/big:1"
             pull = asyncio.create_task(client.flash_reference(ref, power_off=True))
-            for _ in range(600):
-                if proxy.forwarded > 6 * MiB or pull.done():
-                    break
-                await asyncio.sleep(0.05)
-            assert not pull.done(), "the pull ended before the registry could be killed"
+
+            def half_sent() -> bool:
+                assert not pull.done(), "the pull ended before the registry could be killed"
+                return proxy.forwarded > 6 * MiB
+
+            await wait_until_async(half_sent, 30, "6 MiB of the blob to pass")
             first.process.kill()  # SIGKILL: the registry dies with the blob half sent
             with pytest.raises(RegistryError) as exc:
                 await asyncio.wait_for(pull, 60)  # an error, never a hang
@@ -136,12 +138,14 @@ async def test_enospc_during_a_pull_and_during_a_flash_keeps_the_old_disk(
         await asyncio.to_thread(rt.stop)
 
 
-async def _slow(path: Path, sent: list[int], chunk: int = 256 << 10) -> AsyncIterator[bytes]:
+async def _stalling(path: Path, sent: list[int], stall_after: int, chunk: int = 256 << 10) -> AsyncIterator[bytes]:
+    """The image's bytes up to ``stall_after``, then nothing more: a flash that stays in flight."""
     with open(path, "rb") as f:
         while data := f.read(chunk):
             sent[0] += len(data)
             yield data
-            await asyncio.sleep(0.1)
+            if sent[0] > stall_after:
+                await asyncio.Event().wait()
 
 
 async def test_runtime_killed_mid_flash_restarts_on_the_previous_disk(
@@ -159,13 +163,10 @@ async def test_runtime_killed_mid_flash_restarts_on_the_previous_disk(
 
     sent = [0]
     size = tiny_b_image.disk.stat().st_size
-    flash = asyncio.create_task(client.flash(_slow(tiny_b_image.disk, sent), size=size))
+    flash = asyncio.create_task(client.flash(_stalling(tiny_b_image.disk, sent, 4 * MiB), size=size))
     flashed = rt.state / "flashed"
-    for _ in range(600):
-        if sent[0] > 4 * MiB and list(flashed.glob(".incoming-*")):
-            break
-        await asyncio.sleep(0.05)
-    assert list(flashed.glob(".incoming-*")), "the flash never started writing its temp file"
+    await wait_until_async(lambda: sent[0] > 4 * MiB and list(flashed.glob(".incoming-*")), 30,
+                           "the flash to send 4 MiB and write its temp file")
     rt.proc.kill()  # SIGKILL: no cleanup code runs
     rt.proc.wait(10)
     with pytest.raises((VmsidecarError, OSError)):

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from fixtures.events import collecting
 from fixtures.faults import rss_kb, wait_phase
 from fixtures.jmp import PIPE_UNTIL, exporter_config, jmp_env, run_shell
-from fixtures.runtime import events_until, qemu_pids
+from fixtures.runtime import qemu_pids
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import PROTOCOL_CODES, VmsidecarError, registry
 from vmsidecar_images.console import Console
@@ -86,14 +87,12 @@ async def test_guest_kernel_panic_reboots_clearly_and_a_power_cycle_recovers(
     before = await client.wait_ready(240)
     con = await Console.open(rt.shared / "console.sock")
     await con.wake()
-    events = asyncio.create_task(events_until(client, ["boot", "phase", "guest.reset", "guest.panicked"],
-                                              "boot", timeout=120))
-    await asyncio.sleep(0.3)
-    con.writer.write(b"echo c > /proc/sysrq-trigger\n")
-    await con.writer.drain()
-    await con.expect("Kernel panic", 60)  # the panic is on the console, for whoever watches
-    seen = await events
-    kinds = [(e["type"], e["data"].get("reason")) for e in seen]
+    async with collecting(client, ["boot", "phase", "guest.reset", "guest.panicked"]) as events:
+        con.writer.write(b"echo c > /proc/sysrq-trigger\n")
+        await con.writer.drain()
+        await con.expect("Kernel panic", 60)  # the panic is on the console, for whoever watches
+        await events.wait_for("boot", 120)
+    kinds = [(e["type"], e["data"].get("reason")) for e in events]
     assert ("boot", "guest reboot") in kinds, kinds  # the kernel reboots (panic=-1): a new boot, stated
     state = await client.wait_ready(240)
     assert state.boot == before.boot + 1 and state.generation == before.generation
@@ -215,7 +214,7 @@ async def test_fifty_concurrent_clients_power_flash_dump_recycle(
         nonlocal most_qemus
         while True:
             most_qemus = max(most_qemus, len(qemu_pids(str(rt.state))))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # a sample every 0.1 s while the clients run: a count over time, no event
 
     watcher = asyncio.create_task(count_qemus())
     started = time.monotonic()

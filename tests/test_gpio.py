@@ -17,6 +17,7 @@ from jumpstarter_driver_gpiod.client import PinState
 
 from fixtures.attack import VhostMaster
 from fixtures.vmdev import vm_client, vm_runtime
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.spec import GpioLine
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.devices import vhost_user as vu
@@ -47,6 +48,24 @@ async def _console(rt: Any) -> Console:
     return con
 
 
+async def _guest_listens(rt: Any, name: str, edge: int) -> None:
+    """Until the guest's gpiomon listens on ``name``: as the device sees it, the line's ``edge``
+    interrupt is enabled and an event buffer armed (an edge before that would be missed)."""
+
+    async def listening() -> bool:
+        reader, writer = await asyncio.open_unix_connection(str(rt.shared / "gpio.sock"))
+        try:
+            writer.write(b'{"op": "list"}\n')
+            await writer.drain()
+            lines = json.loads(await reader.readline())["lines"]
+        finally:
+            writer.close()
+        line = next(x for x in lines if x["name"] == name)
+        return bool(line["armed"] and line["irq_type"] & edge)
+
+    await wait_until_async(listening, 30, f"the guest's gpiomon to listen on {name}")
+
+
 async def test_gpiochip_names_and_both_directions(gpio_vm: tuple[Any, Any]) -> None:
     rt, client = gpio_vm
     con = await _console(rt)
@@ -68,7 +87,7 @@ async def test_gpiochip_names_and_both_directions(gpio_vm: tuple[Any, Any]) -> N
     assert await asyncio.to_thread(led.read) == PinState.ACTIVE
     await asyncio.to_thread(led.wait_for_active, 5)  # already active: returns at once
     waiter = asyncio.create_task(asyncio.to_thread(led.wait_for_edge, "falling", 30))
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # the runtime tells no one when a host wait is registered: give it the time
     await con.run("gpioset gpiochip0 1=0")
     await asyncio.wait_for(waiter, 30)
     assert await asyncio.to_thread(led.read) == PinState.INACTIVE
@@ -86,7 +105,7 @@ async def test_gpiomon_woken_by_host_edge_and_round_trip(gpio_vm: tuple[Any, Any
     button, led = client.gpio.children["reset-button"], client.gpio.children["led"]
     con.writer.write(b"gpiomon -n 1 -r gpiochip0 0; echo MON-$?-DONE\n")
     await con.writer.drain()
-    await asyncio.sleep(1.5)
+    await _guest_listens(rt, "reset-button", vg.IRQ_RISING)
     await asyncio.to_thread(button.on)
     m = await con.expect(rb"RISING EDGE offset: 0[\s\S]*MON-0-DONE", 20)
     assert m
@@ -98,7 +117,7 @@ async def test_gpiomon_woken_by_host_edge_and_round_trip(gpio_vm: tuple[Any, Any
         await con.run("gpioset gpiochip0 1=0")
         con.writer.write(b"gpiomon -n 1 -s -r gpiochip0 0 >/dev/null && gpioset gpiochip0 1=1\n")
         await con.writer.drain()
-        await asyncio.sleep(1.0)
+        await _guest_listens(rt, "reset-button", vg.IRQ_RISING)
         t0 = time.monotonic()
         await asyncio.to_thread(button.on)
         await asyncio.to_thread(led.wait_for_active, 20)
@@ -118,14 +137,13 @@ async def test_guest_reboot_reinitialises_the_device(gpio_vm: tuple[Any, Any]) -
     con.writer.write(b"reboot\n")
     await con.writer.drain()
     await con.expect(rb"VMSIDECAR-READY", 120)  # the guest came back up (a reset, same QEMU)
-    await asyncio.sleep(0.5)
     con2 = await _console(rt)
     button = client.gpio.children["reset-button"]
     await asyncio.to_thread(button.on)
     assert (await con2.run("gpioget gpiochip0 0")).strip() == "1"
     con2.writer.write(b"gpiomon -n 1 -f gpiochip0 0; echo MON-$?-DONE\n")
     await con2.writer.drain()
-    await asyncio.sleep(1.5)
+    await _guest_listens(rt, "reset-button", vg.IRQ_FALLING)
     await asyncio.to_thread(button.off)
     await con2.expect(rb"FALLING EDGE[\s\S]*MON-0-DONE", 20)
     await con.close()
@@ -159,7 +177,7 @@ async def test_malformed_virtqueue_requests_get_an_error_status(tmp_path: Any) -
         hdr = await m.reply(20)
         assert struct.unpack_from("<Q", hdr, 12)[0] & 1  # VIRTIO_GPIO_F_IRQ offered
         m.start_queue()
-        await asyncio.sleep(0.2)
+        await wait_until_async(lambda: dev.vhost.queues[0].started, 5, "the backend to start queue 0")
         post, used_len = m.post, m.used_len
 
         req, res = m.data, m.data + 0x100

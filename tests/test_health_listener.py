@@ -12,11 +12,12 @@ import json
 import os
 import socket
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from fixtures.waiting import wait_until_async
 
 #: the goal of issue 21: CPU per probe, runtime side
 PROBE_CPU_GOAL_S = 0.020
@@ -51,14 +52,17 @@ async def _health_runtime(start_runtime: Any, **kwargs: Any) -> tuple[Any, int]:
     port = _free_port()
     rt = await start_runtime(extra_args=["--health-listen", f"127.0.0.1:{port}", *kwargs.pop("extra_args", [])],
                              **kwargs)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the health site starts with the API
+
+    def answers() -> bool:
         try:
             _get(port, "/healthz")
-            return rt, port
+            return True
         except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port}:\n{rt.log_text()[-2000:]}")
+            return False
+
+    # the health site starts with the API
+    await wait_until_async(answers, 10, f"127.0.0.1:{port} to answer", detail=lambda: rt.log_text()[-2000:])
+    return rt, port
 
 
 async def test_health_listener_serves_probes_and_nothing_else(start_runtime: Any, tiny_image: Any) -> None:

@@ -19,6 +19,7 @@ import pytest
 import zstandard
 
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.disk import receive_image
 from vmsidecar_runtime.image.checks import check_image
@@ -284,19 +285,13 @@ async def test_cancelled_flash_stops_the_worker_and_leaves_nothing(images: dict[
 
     task = asyncio.create_task(receive_image(stalling(), dest))
     await asyncio.wait_for(stalled.wait(), 10)
-    for _ in range(100):
-        if list(dest.glob(".incoming-*")):
-            break
-        await asyncio.sleep(0.05)
-    assert list(dest.glob(".incoming-*")), "the worker never started writing"
+    await wait_until_async(lambda: list(dest.glob(".incoming-*")), 5, "the worker to start writing")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(100):  # the worker thread unwinds at its next read and removes what it wrote
-        if not list(dest.iterdir()):
-            break
-        await asyncio.sleep(0.05)
-    assert list(dest.iterdir()) == []
+    # the worker thread unwinds at its next read and removes what it wrote
+    await wait_until_async(lambda: not list(dest.iterdir()), 5, "the worker to remove what it wrote",
+                           detail=lambda: list(dest.iterdir()))
 
 
 # ---- pull: file:, OCI layout, registry, containerDisk -------------------------------------------

@@ -91,7 +91,7 @@ def test_sighup_during_lease_exits_after_it(jmpctl: JmpController):
         # Only once the exporter has taken the lease: before its first lease, SIGHUP stops it at once.
         jmpctl.wait_status("vm", "LEASE_READY", since=lease.record.assigned_at)
         proc.send_signal(signal.SIGHUP)
-        time.sleep(1)
+        time.sleep(1)  # that SIGHUP does not end the lease can only be shown by waiting
         assert proc.poll() is None, "SIGHUP must not end a running lease"
         r = lease.shell("j", "power", "on")
         assert r.returncode == 0, r.stdout + r.stderr

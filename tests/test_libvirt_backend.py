@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.events import collecting
 from fixtures.runtime import _libvirt_problem
 
 pytestmark = [pytest.mark.timeout(300),
@@ -115,21 +116,11 @@ async def test_guest_powering_itself_off_is_stopped_and_leaves_no_domain(start_r
     assert len(rt.virsh_domains()) == 1
     con = await Console.open(rt.shared / "console.sock")
     await con.wake()
-    seen: list[tuple[str, Any]] = []
-
-    async def collect() -> None:
-        async for event in client.events(["guest.powered_off", "backend.exited", "phase"]):
-            seen.append((event["type"], event["data"].get("reason") or event["data"].get("phase")))
-            if event["type"] == "phase" and event["data"].get("phase") == "Stopped":
-                return
-
-    import asyncio
-
-    task = asyncio.create_task(collect())
-    await asyncio.sleep(0.2)
-    con.writer.write(b"poweroff -f\n")
-    await con.writer.drain()
-    await asyncio.wait_for(task, 60)
+    async with collecting(client, ["guest.powered_off", "backend.exited", "phase"]) as events:
+        con.writer.write(b"poweroff -f\n")
+        await con.writer.drain()
+        await events.wait_for(lambda e: e["type"] == "phase" and e["data"]["phase"] == "Stopped", 60)
+    seen = events.kinds()
     await con.close()
     assert ("guest.powered_off", "guest-shutdown") in seen, seen
     state = await client.state()

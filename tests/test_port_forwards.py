@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fixtures.jmp import exporter_config, jmp_env
+from fixtures.waiting import wait_until_async
 from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,14 +35,14 @@ async def _serve_once(rt: Any, text: str) -> None:
 async def _read_forward(address: str) -> bytes:
     """Connect until the guest's listener answers (slirp accepts before the guest listens)."""
     host, port = address.rsplit(":", 1)
-    for _ in range(40):
+
+    async def answered() -> bytes:
         reader, writer = await asyncio.open_connection(host, int(port))
         line = await asyncio.wait_for(reader.readline(), 10)
         writer.close()
-        if line:
-            return line.strip()
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"nothing from the guest through {address}")
+        return line.strip()
+
+    return await wait_until_async(answered, 60, f"the guest to answer through {address}", interval=0.25)
 
 
 async def test_forwards_are_free_reported_and_reach_the_guest(

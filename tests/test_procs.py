@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.waiting import wait_until
 from vmsidecar_runtime import procs
 
 ROOT = Path(__file__).parents[1]
@@ -34,7 +35,7 @@ for _ in range(4):
 async def main():
     proc = await spawn("sleep", "600", die_with_parent=sys.argv[1] == "1")
     print(proc.pid, flush=True)
-    await asyncio.sleep(600)
+    await asyncio.Event().wait()  # until killed
 asyncio.run(main())
 """
 
@@ -57,9 +58,7 @@ def _start_parent(die_with_parent: bool) -> tuple[subprocess.Popen[str], int]:
                               stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
-    deadline = time.monotonic() + 10
-    while _cmdline(pid)[:1] != ["sleep"] and time.monotonic() < deadline:  # setpriv execs in place
-        time.sleep(0.02)
+    wait_until(lambda: _cmdline(pid)[:1] == ["sleep"], 10, "setpriv to exec sleep in place", interval=0.02)
     return parent, pid
 
 
@@ -71,10 +70,7 @@ def test_a_killed_parent_takes_its_child_along() -> None:
     assert int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent.pid
     parent.send_signal(signal.SIGKILL)
     parent.wait(10)
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child), "the child outlived its SIGKILLed parent"
+    wait_until(lambda: not _alive(child), 10, "the child to die with its SIGKILLed parent")
 
 
 def test_without_die_with_parent_the_child_survives() -> None:
@@ -83,7 +79,7 @@ def test_without_die_with_parent_the_child_survives() -> None:
     try:
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        time.sleep(0.5)
+        time.sleep(0.5)  # survival is only shown by waiting; PDEATHSIG would be sent as the parent exits
         assert _alive(child)
     finally:
         if _alive(child):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from test_console_hub import FakeChardev
 
 from fixtures.faults import ThrottleProxy, wait_phase
 from fixtures.registry import push_incompressible
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import GuestError, StateError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_images.console import Console
@@ -87,10 +87,7 @@ async def test_a_lease_clear_never_hands_a_full_reader_the_previous_lease_backlo
     await hub.attach(chardev.path)
     await asyncio.wait_for(chardev.connected.wait(), 10)
     reader, writer = await asyncio.open_unix_connection(str(hub.listen_path))  # never reads until the clear
-    deadline = time.monotonic() + 10
-    while len(hub._clients) != 1:  # the hub has taken the connection in
-        assert time.monotonic() < deadline, "the hub never registered the reader"
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: len(hub._clients) == 1, 10, "the hub to take the connection in", interval=0.01)
     (queue,) = hub._clients  # white box: how full this reader's backlog is
 
     # one chunk at a time (each read by the hub on its own), small enough that the chunk bound, not
@@ -101,11 +98,10 @@ async def test_a_lease_clear_never_hands_a_full_reader_the_previous_lease_backlo
         chardev.emit(f"old-{sent:06d}".encode().ljust(size - 1, b".") + b"\n")
         await chardev.writer.drain()  # type: ignore[union-attr]
         sent += 1
-        deadline = time.monotonic() + 10
-        while hub.bytes_seen < sent * size:
-            assert time.monotonic() < deadline, "the hub stopped draining the chardev"
-            await asyncio.sleep(0.001)
-    await asyncio.sleep(0.5)  # the reader's pump is stuck on its socket: the queue stays full
+        # awaited in this iteration: the lambda sees this iteration's ``sent``
+        await wait_until_async(lambda: hub.bytes_seen >= sent * size, 10,  # noqa: B023
+                               "the hub to drain the chardev", interval=0.001)
+    await asyncio.sleep(0.5)  # only waiting shows the queue stays full (the reader's pump is stuck on its socket)
     assert queue.full() and queue in hub._clients
     queued_from = sent - queue.qsize()  # chunks from here on were still in the queue, never sent
 
@@ -152,11 +148,12 @@ async def test_a_vm_powered_on_during_a_flash_pull_is_not_powered_off_by_the_fla
     port = int(registry.host.rsplit(":", 1)[1])
     async with ThrottleProxy(("127.0.0.1", port), rate=64 << 10) as proxy:
         flash = asyncio.create_task(rt.client().flash_reference(f"{proxy.host}/races/flash-mid-pull:1"))
-        deadline = time.monotonic() + 120
-        while proxy.forwarded < 512 << 10:  # the layer is flowing: the flash is in its pull
+
+        def flowing() -> bool:  # the layer is flowing: the flash is in its pull
             assert not flash.done(), f"the flash ended before its pull was under way: {flash}"
-            assert time.monotonic() < deadline, f"the pull never started ({proxy.forwarded} bytes)"
-            await asyncio.sleep(0.05)
+            return proxy.forwarded >= 512 << 10
+
+        await wait_until_async(flowing, 120, "the pull to start", detail=lambda: f"{proxy.forwarded} bytes")
         on = await client.power("on")
         assert on.phase.value in ("Starting", "Running", "Ready") and on.boot == before.boot + 1
         assert not flash.done(), "the pull ended before the VM was powered on: no race was made"

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from fixtures.jmp import PIPE_UNTIL
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.state import VmState
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -51,13 +53,16 @@ async def test_in_place_reuse_two_leases_are_isolated(
     released = lease.released_at
     available = await asyncio.to_thread(jmpctl.wait_status, "vm", "AVAILABLE", 60, released)
     async with RuntimeClient(rt.socket) as client:
-        for _ in range(1800):  # 0.9.0 reports AVAILABLE first, then closes lease 1's drivers (→ recycle)
+
+        async def recycled() -> VmState | None:
             state = await client.state()
-            if state.generation == 1 and state.phase.value == "Ready":
-                break
-            await asyncio.sleep(0.1)
+            return state if state.generation == 1 and state.phase.value == "Ready" else None
+
+        # 0.9.0 reports AVAILABLE first, then closes lease 1's drivers (→ recycle)
+        state = await wait_until_async(recycled, 180, "lease 1's recycle to be Ready", interval=0.1,
+                                       detail=lambda: jmpctl.log_text(exporter)[-3000:])
         ready = time.monotonic()
-        assert state.generation == 1 and not state.claimed, jmpctl.log_text(exporter)[-3000:]
+        assert not state.claimed, jmpctl.log_text(exporter)[-3000:]
 
     with jmpctl.lease("vm") as lease:
         result = await asyncio.to_thread(_shell, lease, LEASE_TWO, tmp_path)

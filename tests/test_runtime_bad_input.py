@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from fixtures.faults import wait_phase
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_images.console import Console
@@ -19,18 +21,9 @@ from vmsidecar_images.console import Console
 pytestmark = pytest.mark.timeout(600)
 
 
-async def _settle(client: RuntimeClient, *phases: str, timeout: float = 120) -> Any:
-    for _ in range(int(timeout * 10)):
-        state = await client.state()
-        if state.phase.value in phases:
-            return state
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"phase {state.phase.value}, wanted {phases}")
-
-
 async def test_unpullable_image_is_error_with_the_cause(start_runtime: Any) -> None:
     rt = await start_runtime({"image": "127.0.0.1:1/vm/nothing:1"})
-    state = await _settle(rt.client(), "Error", timeout=60)
+    state = await wait_phase(rt.client(), "Error", timeout=60)
     assert state.last_error and state.last_error["error"] == "registry_unreachable"
     assert "127.0.0.1:1" in state.last_error["message"]
     assert await rt.client().healthy()
@@ -42,7 +35,7 @@ async def test_corrupt_qcow2_is_refused(start_runtime: Any, tiny_image: Any, tmp
     data[0x30:0x38] = b"\xff" * 8  # l1 table offset far past the end of the file
     bad.write_bytes(bytes(data))
     rt = await start_runtime({"image": f"file:{bad}"})
-    state = await _settle(rt.client(), "Error", timeout=60)
+    state = await wait_phase(rt.client(), "Error", timeout=60)
     assert "is a corrupt qcow2" in state.last_error["message"]
     assert "re-download or rebuild the image" in state.last_error["message"]
 
@@ -52,7 +45,7 @@ async def test_missing_qemu_binary_names_the_package(start_runtime: Any, tiny_im
     bin_dir.mkdir()
     os.symlink(shutil.which("qemu-img"), bin_dir / "qemu-img")
     rt = await start_runtime({"image": f"file:{tiny_image.disk}"}, env={"PATH": str(bin_dir)})
-    state = await _settle(rt.client(), "Error", timeout=60)
+    state = await wait_phase(rt.client(), "Error", timeout=60)
     assert "qemu-system-x86_64 is not installed" in state.last_error["message"]
     assert "apt-get install qemu-system-x86" in state.last_error["message"]
 
@@ -60,7 +53,7 @@ async def test_missing_qemu_binary_names_the_package(start_runtime: Any, tiny_im
 async def test_guest_that_never_prints_the_marker(start_runtime: Any, tiny_image: Any) -> None:
     spec = {"image": f"file:{tiny_image.disk}", "readiness": {"pattern": "NEVER-PRINTED", "timeout": 25}}
     rt = await start_runtime(spec)
-    state = await _settle(rt.client(), "Error", timeout=120)
+    state = await wait_phase(rt.client(), "Error", timeout=120)
     message = state.last_error["message"]
     assert "did not print 'NEVER-PRINTED' on ttyS0 within 25 s" in message
     assert "VMSIDECAR-READY" in message  # the console tail shows what the guest did print
@@ -105,10 +98,8 @@ async def test_bad_flashes_keep_the_old_disk(start_runtime: Any, tiny_image: Any
     # a client that dies mid-upload: announces the whole image, sends 1 MiB, disconnects
     await asyncio.to_thread(_upload_then_vanish, rt.socket, tiny_b_image.disk.read_bytes()[: 1 << 20],
                             tiny_b_image.disk.stat().st_size)
-    for _ in range(50):
-        if "the image stream was cut off after" in rt.log_text():
-            break
-        await asyncio.sleep(0.1)
+    await wait_until_async(lambda: "the image stream was cut off after" in rt.log_text(), 5,
+                           "the runtime to log the cut-off upload", detail=lambda: rt.log_text()[-2000:])
     assert "the previous disk is kept" in rt.log_text()
     state = await client.state()
     assert state.image_digest == ready.image_digest  # the old disk is untouched

@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from fixtures.runtime import BACKENDS, events_until
+from fixtures.events import collecting
+from fixtures.faults import wait_phase
+from fixtures.runtime import BACKENDS
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import GenerationChangedError
 from vmsidecar_images.console import Console
@@ -40,24 +43,22 @@ async def test_registry_boot_without_exporter_graceful_and_hard_off(
     await hvc0.expect("VMSIDECAR-READY image=tiny")  # the marker on the second console too
 
     # graceful off: the guest sees the ACPI power button and shuts itself down
-    events = asyncio.create_task(events_until(client, ["guest.powerdown_requested", "guest.powered_off", "phase"],
-                                               "guest.powered_off"))
-    await asyncio.sleep(0.2)
-    state = await client.power("off", graceful=True, timeout=60)
-    assert state.phase.value == "Stopped"
-    kinds = [(e["type"], e["data"].get("reason")) for e in await events]
+    async with collecting(client, ["guest.powerdown_requested", "guest.powered_off", "phase"]) as events:
+        state = await client.power("off", graceful=True, timeout=60)
+        assert state.phase.value == "Stopped"
+        await events.wait_for("guest.powered_off", 60)
+    kinds = [(e["type"], e["data"].get("reason")) for e in events]
     assert ("guest.powerdown_requested", None) in kinds
     assert ("guest.powered_off", "guest-shutdown") in kinds, kinds
 
     # hard off: no ACPI, QEMU is simply ended
     await client.power("on")
     await client.wait_ready(180)
-    events = asyncio.create_task(events_until(client, ["guest.powerdown_requested", "phase"], "phase", timeout=60))
-    await asyncio.sleep(0.2)
-    state = await client.power("off", graceful=False)
-    assert state.phase.value == "Stopped"
-    await asyncio.sleep(0.5)
-    events.cancel()
+    async with collecting(client, ["guest.powerdown_requested", "phase"]) as events:
+        state = await client.power("off", graceful=False)
+        assert state.phase.value == "Stopped"
+        await events.wait_for(lambda e: e["type"] == "phase" and e["data"]["phase"] == "Stopped", 60)
+    assert "guest.powerdown_requested" not in [e["type"] for e in events], events.kinds()  # no ACPI asked
     await hvc0.close()
     if backend == "libvirt":
         assert rt.virsh_domains() == []  # transient: an off domain is gone from libvirt
@@ -103,15 +104,6 @@ async def test_disk_survives_power_cycle_but_not_recycle(start_runtime: Any, tin
         assert rt.virsh_domains() == []
 
 
-async def _wait_phase(client: RuntimeClient, phase: str, timeout: float = 10) -> Any:
-    for _ in range(int(timeout * 10)):
-        state = await client.state()
-        if state.phase.value == phase:
-            break
-        await asyncio.sleep(0.1)
-    return state
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_qemu_killed_is_crashed_then_power_on_recovers(
     start_runtime: Any, tiny_image: Any, qemu_processes: Any, backend: str
@@ -122,12 +114,7 @@ async def test_qemu_killed_is_crashed_then_power_on_recovers(
     pids = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, str(rt.state))]
     assert len(pids) == 1
     os.kill(int(pids[0]), signal.SIGKILL)
-    for _ in range(100):
-        state = await client.state()
-        if state.phase.value == "Crashed":
-            break
-        await asyncio.sleep(0.1)
-    assert state.phase.value == "Crashed"
+    state = await wait_phase(client, "Crashed", timeout=10)
     if backend == "qemu":
         assert state.last_exit and state.last_exit.signal == signal.SIGKILL
     else:  # libvirt reports why the domain stopped, not QEMU's exit status
@@ -141,7 +128,7 @@ async def test_qemu_killed_is_crashed_then_power_on_recovers(
         [domain] = rt.virsh_domains()
         await asyncio.to_thread(subprocess.run, ["virsh", "-c", rt.libvirt_uri(), "destroy", domain], check=True,
                                 capture_output=True, timeout=30)
-        state = await _wait_phase(client, "Crashed")
+        state = await wait_phase(client, "Crashed", timeout=10)
         assert state.phase.value == "Crashed" and "destroyed" in state.last_error["message"]  # type: ignore[index]
         await client.power("on")
         await client.wait_ready(180)
@@ -240,10 +227,6 @@ async def test_runtime_killed_takes_its_qemu_along(
     daemon_root = rt.libvirt_uri().split("socket=")[1].removesuffix("/run/libvirt-sock") if backend == "libvirt" else ""
     rt.proc.kill()
     rt.proc.wait(10)
-    for _ in range(50):
-        if qemu_processes(str(rt.state)) == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert qemu_processes(str(rt.state)) == 0
+    await wait_until_async(lambda: qemu_processes(str(rt.state)) == 0, 5, "QEMU to end with its runtime")
     if daemon_root:  # the private libvirtd went too
         assert not any(daemon_root.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())

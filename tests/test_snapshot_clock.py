@@ -56,7 +56,7 @@ async def test_debian_guest_clock_is_corrected_after_a_restore(start_runtime: An
     assert first.snapshot.clock == "corrected", first.snapshot
     _, _, uptime_at_capture, captured_at = await _guest_clock(rt.shared / "console.sock")
 
-    await asyncio.sleep(BEHIND_S)
+    await asyncio.sleep(BEHIND_S)  # host time must pass for the snapshot's clock to fall behind: the point
     state, seconds = await _recycle(client)
     assert state.snapshot.boot == "restored" and state.snapshot.clock == "corrected", state.snapshot
     assert seconds < 30, f"restore + clock took {seconds:.1f} s"

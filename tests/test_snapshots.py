@@ -156,4 +156,3 @@ async def test_snapshot_off_and_a_corrupt_snapshot_boot_cold(start_runtime: Any,
     await rt.client().recycle()  # the cold boot captured a new one
     state = await rt.client().wait_ready(240)
     assert state.snapshot.boot == "restored", state.snapshot
-    await asyncio.sleep(0)

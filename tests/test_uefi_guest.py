@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import qemu_pids
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import GuestError
 from vmsidecar_images import uefi
 from vmsidecar_images.build import BuiltImage, build_image
@@ -153,10 +154,11 @@ def test_unified_kernel_image_is_reproducible(tmp_path: Path) -> None:
     initrd.write_bytes(b"\x1f\x8b" + bytes(5000))
     digests = []
     for n in range(2):
+        if n:
+            time.sleep(1.1)  # the clock must pass a second: a build stamping "now" would differ only then
         out = tmp_path / f"uki{n}.efi"
         uefi.make_uki(stub, kernel=kernel, initrd=initrd, cmdline="console=ttyS0", out=out, work=tmp_path)
         digests.append(hashlib.sha256(out.read_bytes()).hexdigest())
-        time.sleep(1.1)
     assert digests[0] == digests[1]
     # objcopy's own output (timestamp "now") carries a checksum: ours must compute the same
     plain = tmp_path / "plain.efi"
@@ -188,14 +190,6 @@ def _vars_file(rt: Any, template: Path) -> Path:
     return rt.state / "firmware" / template.name
 
 
-async def _until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout} s")
-        await asyncio.sleep(0.2)
-
-
 async def test_uefi_guest_boots_and_gets_fresh_vars_each_boot(start_runtime: Any,
                                                              debian_uefi_image: BuiltImage) -> None:
     template = _ovmf_template()
@@ -224,8 +218,8 @@ async def test_uefi_guest_boots_and_gets_fresh_vars_each_boot(start_runtime: Any
     assert (await con.run(f"cat {var} | tail -c +5")).strip() == token  # efivarfs cannot seek
     vars_file = _vars_file(rt, template)
     name = "VmsidecarTest".encode("utf-16-le")
-    await _until(lambda: token.encode() in vars_file.read_bytes() and name in vars_file.read_bytes(), 30,
-                 "the variable reached the vars file")
+    await wait_until_async(lambda: token.encode() in vars_file.read_bytes() and name in vars_file.read_bytes(), 30,
+                           "the variable to reach the vars file", interval=0.2)
     qemu_before = set(qemu_pids(str(vars_file)))
     assert len(qemu_before) == 1, qemu_before
     await con.close()

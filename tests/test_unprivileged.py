@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.process import RuntimeProcess
 from vmsidecar_contract.state import Phase
 
@@ -138,10 +139,7 @@ async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> N
 
         proc.send_signal(signal.SIGKILL)  # no cleanup code runs: PDEATHSIG works for a plain user too
         proc.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(qemu) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(qemu), "QEMU outlived its SIGKILLed unprivileged runtime"
+        await wait_until_async(lambda: not _alive(qemu), 10, "QEMU to end with its SIGKILLed unprivileged runtime")
     finally:
         runtime.stop(signal.SIGKILL)
 

@@ -43,7 +43,7 @@ def main() -> None:
                     if args.lease == name and not leased and x.status == "AVAILABLE" and x.online:
                         print(f"lease {ctl.create_lease(name)} for client c on {name}")
                         leased = True
-                time.sleep(0.5)
+                time.sleep(0.5)  # an interactive monitor: prints what changed twice a second until Ctrl-C
         except KeyboardInterrupt:
             pass
 
