@@ -29,7 +29,7 @@ from fixtures.fake_backend import (
     watch,
 )
 from vmsidecar_contract.errors import StateError, VmsidecarError
-from vmsidecar_contract.spec import READY_MARKER, VmSpec
+from vmsidecar_contract.spec import READY_MARKER
 from vmsidecar_contract.state import Phase
 from vmsidecar_runtime.hostpaths import HostPathPolicy
 
@@ -64,8 +64,10 @@ async def chunks(path: Path) -> AsyncIterator[bytes]:
     yield path.read_bytes()
 
 
-def other_spec(spec: VmSpec, images: Images) -> VmSpec:
-    return spec.model_copy(update={"image": f"file:{images.other}"})
+def failing(phase: Phase) -> dict[str, Any]:
+    """Spec fields for a guest that fails its readiness fast when the test wants it in Error (the
+    fake guest of such a test never prints the marker)."""
+    return {"readiness": {"timeout": 0.1}} if phase == E else {}
 
 
 # ---- power on ----------------------------------------------------------------------------------
@@ -133,7 +135,7 @@ async def test_a_launch_failure_is_error_with_qemus_words_then_power_on_recovers
 
 async def test_a_guest_that_never_gets_ready_is_error_with_its_console_tail(
         fake_vm: Build, fake_images: Images) -> None:
-    spec = fake_spec(fake_images.base, readiness={"timeout": 0.3})
+    spec = fake_spec(fake_images.base, **failing(E))
     fvm = await fake_vm(spec, hv=FakeHypervisor(ready_line=None))
     async with watch(fvm.vm) as seen:
         await fvm.vm.power_on()
@@ -150,10 +152,11 @@ async def test_a_guest_that_never_gets_ready_is_error_with_its_console_tail(
 
 async def test_power_on_from_error_boots_again(fake_vm: Build, fake_images: Images) -> None:
     hv = FakeHypervisor(ready_line=None)
-    fvm = await fake_vm(fake_spec(fake_images.base, readiness={"timeout": 0.3}), hv=hv)
+    fvm = await fake_vm(fake_spec(fake_images.base, **failing(E)), hv=hv)
     await fvm.vm.power_on()
     await until(fvm.vm, E)
     hv.ready_line = FakeHypervisor().ready_line
+    await fvm.vm.set_spec(fake_spec(fake_images.base), from_api=False)  # the default readiness timeout
     async with watch(fvm.vm) as seen:
         await ready(fvm)
     # the Error's hypervisor still runs: it is ended first, with no Stopped in between
@@ -178,8 +181,8 @@ async def test_a_guest_ignoring_acpi_is_forced_off_after_the_timeout(fake_vm: Bu
     fvm = await fake_vm(fake_spec(fake_images.base), hv=FakeHypervisor(acpi=False))
     await ready(fvm)
     async with watch(fvm.vm) as seen:
-        await fvm.vm.power_off(graceful=True, timeout=0.2)
-    assert seen.phases == [SP, S] and seen.of("powerdown_timeout")[0].data["timeout"] == 0.2
+        await fvm.vm.power_off(graceful=True, timeout=0.1)
+    assert seen.phases == [SP, S] and seen.of("powerdown_timeout")[0].data["timeout"] == 0.1
     assert not fvm.hv.alive()
 
 
@@ -352,7 +355,7 @@ async def test_without_a_spec_nothing_can_boot(fake_vm: Build) -> None:
 
 @pytest.mark.parametrize("phase", [S, C, E])
 async def test_reset_is_refused_unless_the_guest_runs(fake_vm: Build, fake_images: Images, phase: Phase) -> None:
-    spec = fake_spec(fake_images.base, readiness={"timeout": 0.3})
+    spec = fake_spec(fake_images.base, **failing(phase))
     fvm = await fake_vm(spec, hv=FakeHypervisor(ready_line=None if phase == E else FakeHypervisor().ready_line))
     if phase != S:
         await fvm.vm.power_on()
@@ -371,7 +374,7 @@ async def test_while_the_guest_runs_its_disk_and_spec_stay(
     fvm = await fake_vm(spec, hv=hv, host_paths=HostPathPolicy((fake_images.other.parent,)))
     await fvm.vm.power_on()
     before = await until(fvm.vm, phase)
-    await wrong_phase(fvm.vm.set_spec(other_spec(spec, fake_images), from_api=False), phase, BOOTABLE,
+    await wrong_phase(fvm.vm.set_spec(fake_spec(fake_images.other), from_api=False), phase, BOOTABLE,
                       "cannot replace the spec")
     await wrong_phase(fvm.vm.dump(), phase, BOOTABLE, "power it off first")
     await wrong_phase(fvm.vm.flash(chunks(fake_images.other)), phase, BOOTABLE, "power_off=true")
@@ -385,7 +388,7 @@ async def test_while_the_guest_runs_its_disk_and_spec_stay(
 @pytest.mark.parametrize("phase", [S, C, E])
 async def test_a_vm_that_does_not_run_takes_a_new_spec_and_dumps(
         fake_vm: Build, fake_images: Images, phase: Phase) -> None:
-    spec = fake_spec(fake_images.base, readiness={"timeout": 0.3})
+    spec = fake_spec(fake_images.base, **failing(phase))
     fvm = await fake_vm(spec, hv=FakeHypervisor(ready_line=None if phase == E else FakeHypervisor().ready_line))
     await fvm.vm.power_on()
     if phase == S:
@@ -397,7 +400,7 @@ async def test_a_vm_that_does_not_run_takes_a_new_spec_and_dumps(
     assert dump.read_bytes()[:4] == b"QFI\xfb"
     dump.unlink()
     async with watch(fvm.vm) as seen:
-        assert await fvm.vm.set_spec(other_spec(spec, fake_images), from_api=False)
+        assert await fvm.vm.set_spec(fake_spec(fake_images.other), from_api=False)
     assert seen.types == ["spec"] and fvm.vm.phase == phase
     assert fvm.vm.state().image_digest is None  # another image: the next boot pulls it
     fvm.hv.ready_line = FakeHypervisor().ready_line
@@ -412,7 +415,7 @@ async def test_a_vm_that_does_not_run_takes_a_new_spec_and_dumps(
 async def test_specs_over_the_api_may_not_name_host_paths_or_extra_args(fake_vm: Build, fake_images: Images) -> None:
     spec = fake_spec(fake_images.base)
     fvm = await fake_vm(spec)
-    await refused(fvm.vm.set_spec(other_spec(spec, fake_images)), "host_path_not_allowed", "--allow-host-paths")
+    await refused(fvm.vm.set_spec(fake_spec(fake_images.other)), "host_path_not_allowed", "--allow-host-paths")
     extra = spec.model_copy(update={"extra_args": ["-no-reboot"]})
     await refused(fvm.vm.set_spec(extra), "invalid_spec", "--allow-extra-args")
     assert fvm.vm.spec == spec
