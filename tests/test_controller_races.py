@@ -265,8 +265,8 @@ async def test_a_recycle_during_the_first_boots_pull_waits_for_that_boot_then_re
     boot = asyncio.create_task(vm.power_on())
     await held.wait_started()
     recycle = asyncio.create_task(vm.recycle(if_generation=0))
-    await asyncio.sleep(0)
-    assert not recycle.done()
+    await asyncio.wait({recycle}, timeout=0.1)  # must stay: time for a recycle that did not wait to happen
+    assert not recycle.done() and vm.generation == 0 and vm.phase == Phase.PULLING
     held.release.set()
     await boot
     state = await recycle
@@ -298,7 +298,7 @@ async def test_a_claim_during_a_capture_waits_until_it_is_done(fake_vm: Build, f
     await vm.power_on()
     await asyncio.wait_for(hv.current.saving.wait(), 5)  # the unclaimed first boot is being captured
     claim = asyncio.create_task(vm.claim())
-    await asyncio.sleep(0)
+    await asyncio.wait({claim}, timeout=0.1)  # must stay: time for a claim that did not wait to answer
     assert not claim.done() and vm.phase == RUNNING
     gate.set()
     claimed = await asyncio.wait_for(claim, 5)
@@ -316,8 +316,8 @@ async def test_a_recycle_during_a_capture_waits_for_it_then_restores_it(fake_vm:
     await vm.power_on()
     await asyncio.wait_for(hv.current.saving.wait(), 5)
     recycle = asyncio.create_task(vm.recycle())
-    await asyncio.sleep(0)
-    assert not recycle.done()
+    await asyncio.wait({recycle}, timeout=0.1)  # must stay: time for a recycle that did not wait to start
+    assert not recycle.done() and vm.generation == 0 and not hv.current.stopping.is_set()
     gate.set()
     state = await asyncio.wait_for(recycle, 5)
     assert state.phase == READY and state.generation == 1 and state.snapshot.boot == "restored"
@@ -334,19 +334,22 @@ async def test_a_guest_that_fails_as_the_recycle_begins_never_fails_the_next_lea
     await _ready(fvm)
     old = hv.current
     async with watch(vm) as ev:
+        # each event is delivered before the recycle is called, and the recycle takes the lock
+        # before the event's handler task first runs: the handler waits behind the whole recycle
         if event == "crash":
-            crashed = asyncio.create_task(old.crash())
-        elif event == "guest_poweroff":
-            old.guest_poweroff()
+            await old.crash()  # EXITED is reported as the process ends (no yield in between)
         else:
-            old.disk_error(nospace=True)
+            if event == "guest_poweroff":
+                old.guest_poweroff()
+            else:
+                old.disk_error(nospace=True)
+            await asyncio.sleep(0)  # the fake reports these from the loop: delivered during this yield
         await vm.recycle()
-        if event == "crash":
-            await crashed
         state = await until(vm, READY)
-        await asyncio.sleep(0.05)  # must stay: lets a late handler of the old guest's event run, if any
+        await asyncio.sleep(0.05)  # must stay: the queued handler runs now, after the recycle, if it runs at all
     assert state.generation == 1 and vm.phase == READY and hv.current is not old and hv.max_alive == 1
-    assert Phase.CRASHED.value not in ev.phases and vm.state().last_error is None
+    assert ev.phases[ev.phases.index("Starting"):] == ["Starting", "Running", "Ready"]
+    assert "Crashed" not in ev.phases and vm.state().last_error is None and vm.state().last_exit is None
 
 
 async def test_recycle_of_a_crashed_guest_boots_the_next_lease(fake_vm: Build, fake_images: Images) -> None:
@@ -371,7 +374,7 @@ async def test_a_recycle_while_the_hypervisor_is_slow_to_stop_starts_the_next_on
     recycle = asyncio.create_task(vm.recycle())
     await asyncio.wait_for(hv.current.stopping.wait(), 5)
     on = asyncio.create_task(vm.power_on())  # a power request of the next lease, during the stop
-    await asyncio.sleep(0)
+    await asyncio.wait({on}, timeout=0.1)  # must stay: time for a launch that did not wait to begin
     assert len(hv.backends) == 1 and vm.phase == Phase.STOPPING and not recycle.done() and not on.done()
     gate.set()
     await recycle
