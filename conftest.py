@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["fixtures.registry", "fixtures.images", "fixtures.runtime", "fixtures.jmp", "fixtures.controller"]
+pytest_plugins = ["fixtures.registry", "fixtures.images", "fixtures.runtime", "fixtures.jmp", "fixtures.controller",
+                  "fixtures.fake_backend"]
 
 
 #: the tests that run podman (pods, builds, pushes)

@@ -161,11 +161,11 @@ class Machine:
                 await backend.powerdown()
                 await asyncio.wait_for(queue.get(), timeout)
                 return True
-            except (VmsidecarError, OSError, EOFError):
-                return False
-            except TimeoutError:
+            except TimeoutError:  # before OSError, of which it is a subclass
                 log.warning("guest ignored ACPI power-down for %.0f s; forcing it off", timeout)
                 self._events.publish("powerdown_timeout", timeout=timeout)
+                return False
+            except (VmsidecarError, OSError, EOFError):
                 return False
 
     async def stop(self) -> None:

@@ -1,0 +1,247 @@
+"""Leases on the in-memory hypervisor (tests/fixtures/fake_backend.py): recycle and claim from
+every phase, memory snapshots (capture, restore, refusals), and the recycle races that
+test_controller_races.py (the races of docs/reliability.md) does not make. The controller is
+driven through its public calls only.
+
+The real-guest versions: tests/test_races.py, test_attack_leases.py, test_snapshots.py,
+test_runtime_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from fixtures.fake_backend import (
+    Build,
+    FakeHypervisor,
+    FakeVm,
+    Images,
+    console_shows,
+    fake_spec,
+    keep_overlay,
+    until,
+    watch,
+)
+from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
+from vmsidecar_contract.spec import READY_MARKER
+from vmsidecar_contract.state import Phase, VmState
+from vmsidecar_runtime.hostpaths import HostPathPolicy
+
+S, P, ST, R, RD, SP, C, E = (Phase.STOPPED, Phase.PULLING, Phase.STARTING, Phase.RUNNING, Phase.READY,
+                             Phase.STOPPING, Phase.CRASHED, Phase.ERROR)
+RECYCLED = [SP, S, ST, R, RD]
+FORWARD = {"forwards": [{"name": "web", "guest_port": 80}]}
+
+
+async def ready(fvm: FakeVm) -> VmState:
+    await fvm.vm.power_on()
+    return await until(fvm.vm, RD)
+
+
+async def recycled(fvm: FakeVm, **kw: Any) -> VmState:
+    await fvm.vm.recycle(**kw)
+    return await until(fvm.vm, RD)
+
+
+def allow(images: Images) -> HostPathPolicy:
+    return HostPathPolicy((images.other.parent,))
+
+
+# ---- recycle and claim ---------------------------------------------------------------------------
+async def test_recycle_boots_a_fresh_guest_in_the_next_generation(fake_vm: Build, fake_images: Images) -> None:
+    fvm = await fake_vm(fake_spec(fake_images.base))
+    before = await ready(fvm)
+    overlay = keep_overlay(fvm)
+    async with watch(fvm.vm) as seen:
+        state = await recycled(fvm)
+    assert seen.phases == RECYCLED and seen.of("phase")[1].data["reason"] == "recycled"
+    assert seen.of("recycled")[0].data["generation"] == 1 and seen.of("recycled")[0].generation == 1
+    assert state.generation == 1 and state.boot == before.boot + 1 and not state.claimed
+    assert state.image_digest == before.image_digest and "pulled" not in seen.types  # the cache keeps the base
+    assert not os.path.samefile(overlay, fvm.paths.overlay) and len(fvm.hv.alive()) == 1
+
+
+async def test_recycle_without_a_boot_stays_stopped_with_no_disk_of_the_lease(
+        fake_vm: Build, fake_images: Images) -> None:
+    fvm = await fake_vm(fake_spec(fake_images.base))
+    await ready(fvm)
+    async with watch(fvm.vm) as seen:
+        state = await fvm.vm.recycle(boot=False)
+    assert seen.phases == [SP, S] and state.phase == S and state.generation == 1
+    assert not fvm.paths.overlay.exists() and not fvm.hv.alive()
+
+
+@pytest.mark.parametrize("fault", ["crash", "io_error", "readiness"])
+async def test_recycle_recovers_a_failed_guest(fake_vm: Build, fake_images: Images, fault: str) -> None:
+    hv = FakeHypervisor(ready_line=None if fault == "readiness" else FakeHypervisor().ready_line)
+    # a readiness that fails fast only where the test wants it to fail
+    readiness = {"readiness": {"timeout": 0.1}} if fault == "readiness" else {}
+    fvm = await fake_vm(fake_spec(fake_images.base, **readiness), hv=hv)
+    await fvm.vm.power_on()
+    if fault == "crash":
+        await until(fvm.vm, RD)
+        await hv.current.crash()
+    elif fault == "io_error":
+        await until(fvm.vm, RD)
+        hv.current.disk_error(nospace=True)
+    failed = await until(fvm.vm, C if fault == "crash" else E)
+    assert failed.last_error is not None
+    hv.ready_line = FakeHypervisor().ready_line
+    await fvm.vm.set_spec(fake_spec(fake_images.base), from_api=False)
+    async with watch(fvm.vm) as seen:
+        state = await recycled(fvm)
+    # a crashed hypervisor is gone already: nothing to stop
+    assert seen.phases == (RECYCLED[1:] if fault == "crash" else RECYCLED)
+    assert state.last_error is None and state.last_exit is None and state.generation == 1
+    assert len(hv.alive()) == 1
+
+
+async def test_a_flashed_disk_goes_with_its_lease(fake_vm: Build, fake_images: Images) -> None:
+    fvm = await fake_vm(fake_spec(fake_images.base), host_paths=allow(fake_images))
+    base = (await ready(fvm)).image_digest
+    flashed = await fvm.vm.flash_reference(f"file:{fake_images.other}", power_off=True)
+    assert flashed.image_digest != base
+    state = await recycled(fvm)
+    assert state.image_digest == base and state.snapshot.boot == "cold"
+
+
+async def test_a_recycle_of_a_generation_already_recycled_is_refused(fake_vm: Build, fake_images: Images) -> None:
+    fvm = await fake_vm(fake_spec(fake_images.base))
+    await ready(fvm)
+    await recycled(fvm, if_generation=0)
+    async with watch(fvm.vm) as seen:
+        with pytest.raises(GenerationChangedError) as exc:
+            await fvm.vm.recycle(if_generation=0)
+    assert exc.value.code == "generation_changed" and "generation 0 was already recycled (now 1)" in exc.value.message
+    assert seen.types == [] and fvm.vm.generation == 1
+
+
+async def test_a_claim_takes_the_generation_and_a_second_claim_recycles_it_first(
+        fake_vm: Build, fake_images: Images) -> None:
+    """The second claim is the next exporter's after one died mid-lease: its lease must never see
+    the first one's guest."""
+    fvm = await fake_vm(fake_spec(fake_images.base))
+    before = await ready(fvm)
+    async with watch(fvm.vm) as seen:
+        claimed = await fvm.vm.claim()
+    assert seen.types == ["claimed"] and claimed.claimed and claimed.generation == 0 and claimed.boot == before.boot
+    overlay = keep_overlay(fvm)
+    async with watch(fvm.vm) as seen:
+        again = await fvm.vm.claim()
+        await until(fvm.vm, RD)
+    assert seen.phases == RECYCLED and again.claimed and again.generation == 1
+    assert seen.types.index("recycled") < seen.types.index("claimed")
+    assert not os.path.samefile(overlay, fvm.paths.overlay) and len(fvm.hv.alive()) == 1
+
+
+# ---- memory snapshots ------------------------------------------------------------------------------
+async def test_the_first_pristine_boot_is_captured_and_every_recycle_restores_it(
+        fake_vm: Build, fake_images: Images) -> None:
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"))
+    async with watch(fvm.vm) as seen:
+        first = await ready(fvm)
+    # Ready comes once the capture has been restored (which proves it loads), not at the marker
+    assert seen.phases == [P, S, ST, R, RD] and first.snapshot.boot == "cold" and first.snapshot.available
+    assert first.snapshot.capture_seconds is not None and first.snapshot.clock == "corrected"
+    cold, continued = fvm.hv.backends
+    assert not cold.alive and continued.alive and continued.restored and fvm.hv.clock_sets == 1
+    async with watch(fvm.vm) as seen:
+        state = await recycled(fvm)
+    assert seen.phases == RECYCLED and state.snapshot.boot == "restored" and state.snapshot.reason is None
+    restored = fvm.hv.current
+    assert restored.restored and b"fake kernel booting" not in restored.printed["ttyS0"]
+    # ... yet its console shows the pristine boot, as captured
+    assert b"fake kernel booting" in await console_shows(fvm, READY_MARKER.encode())
+    assert fvm.hv.clock_sets == 2 and fvm.hv.max_alive == 1
+
+
+async def test_a_guest_the_hypervisor_cannot_snapshot_runs_on_and_is_not_asked_again(
+        fake_vm: Build, fake_images: Images) -> None:
+    hv = FakeHypervisor(refuse_save="device 'vfio' blocks migration")
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"), hv=hv)
+    state = await ready(fvm)
+    reason = "QEMU cannot snapshot this guest: QEMU cannot snapshot this guest (device 'vfio' blocks migration)"
+    assert state.snapshot.reason == reason and not state.snapshot.available
+    assert len(hv.backends) == 1 and not hv.current.paused  # resumed where it was
+    state = await recycled(fvm)
+    assert state.snapshot.boot == "cold" and state.snapshot.reason == reason and len(hv.backends) == 2
+
+
+async def test_a_snapshot_the_hypervisor_refuses_to_load_is_discarded_and_taken_again(
+        fake_vm: Build, fake_images: Images) -> None:
+    hv = FakeHypervisor()
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"), hv=hv)
+    await ready(fvm)
+    hv.refusing_restores = 1
+    async with watch(fvm.vm) as seen:
+        state = await recycled(fvm)
+    assert seen.phases == RECYCLED and state.snapshot.boot == "cold" and state.snapshot.available
+    assert state.snapshot.reason is not None and "the snapshot was refused" in state.snapshot.reason
+    # cold, continued | refused restore, cold again, continued from the new capture
+    assert len(hv.backends) == 5 and hv.backends[2].exit_info is not None and hv.backends[2].exit_info.returncode == 1
+    assert (await recycled(fvm)).snapshot.boot == "restored"
+
+
+async def test_libvirt_guests_boot_cold_and_say_why(fake_vm: Build, fake_images: Images) -> None:
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto", backend="libvirt"))
+    state = await ready(fvm)
+    assert state.snapshot.reason == "the libvirt backend has no memory snapshots yet" and len(fvm.hv.backends) == 1
+
+
+# ---- races with a recycle that test_controller_races.py does not make ----------------------------
+async def test_a_forward_port_taken_at_every_attempt_is_an_error(fake_vm: Build, fake_images: Images) -> None:
+    hv = FakeHypervisor()
+    fvm = await fake_vm(fake_spec(fake_images.base, network=FORWARD), hv=hv)
+    await ready(fvm)
+    hv.ports_stolen = 3
+    with pytest.raises(VmsidecarError, match="Could not set up host forwarding rule"):
+        await fvm.vm.recycle()
+    assert fvm.vm.phase == E and len(hv.backends) == 4 and not hv.alive()
+
+
+async def test_a_new_lease_hands_no_reader_the_previous_leases_console(fake_vm: Build, fake_images: Images) -> None:
+    hv = FakeHypervisor()
+    fvm = await fake_vm(fake_spec(fake_images.base), hv=hv)
+    await ready(fvm)
+    # a reader that stopped reading while the guest printed more than its socket and queue hold
+    reader, writer = await asyncio.open_unix_connection(str(fvm.paths.stream_socket("ttyS0")))
+    hv.current.type(b"lease-one-secret " * (256 << 10 >> 4))
+    hv.current.type(b"lease-one-end\r\n")
+    await console_shows(fvm, b"lease-one-end")
+    hv.boot_lines = (b"lease-two firmware\r\n",)
+    await recycled(fvm)
+    got = bytearray()
+    async with asyncio.timeout(5):
+        while chunk := await reader.read(1 << 20):
+            got += chunk
+    writer.close()
+    assert b"lease-two" not in got  # it ended (EOF) with the previous lease, never into the next one
+    fresh = await console_shows(fvm, READY_MARKER.encode())
+    assert b"lease-one" not in fresh and b"lease-two firmware" in fresh
+
+
+@pytest.mark.parametrize("meanwhile", ["crash", "guest_poweroff"])
+async def test_a_recycle_whose_stop_hangs_is_not_taken_for_a_crash_or_a_power_off(
+        fake_vm: Build, fake_images: Images, meanwhile: str) -> None:
+    gate = asyncio.Event()
+    hv = FakeHypervisor(stop_gate=gate)
+    fvm = await fake_vm(fake_spec(fake_images.base), hv=hv)
+    await ready(fvm)
+    async with watch(fvm.vm) as seen:
+        recycle = asyncio.create_task(fvm.vm.recycle())
+        await hv.current.stopping.wait()
+        assert fvm.vm.state().phase == SP  # answered at once, the stop holding the lock
+        if meanwhile == "crash":
+            await hv.current.crash()
+        else:
+            hv.current.guest_poweroff()
+        gate.set()
+        state = await recycle
+        await until(fvm.vm, RD)
+    assert seen.phases == RECYCLED and C not in seen.phases
+    assert state.generation == 1 and fvm.vm.state().last_error is None
+    assert len(hv.alive()) == 1
