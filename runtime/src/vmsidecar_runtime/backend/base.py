@@ -52,7 +52,11 @@ EventSink = Callable[[BackendEvent, dict[str, Any]], None]
 
 
 class Backend(Protocol):
-    """One boot of one guest under some hypervisor; built by a ``BackendFactory``."""
+    """One boot of one guest under some hypervisor; built by a ``BackendFactory``.
+
+    A backend reports nothing after its process or domain has ended: the controller takes every
+    event as its current boot's (a late EXITED of the last boot would mark the next one Crashed).
+    """
 
     #: ``"qemu"`` | ``"libvirt"`` (the spec's ``backend`` value)
     name: str
