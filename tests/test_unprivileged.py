@@ -116,12 +116,12 @@ def _alive(pid: int) -> bool:
 async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> None:
     rt = layout["rt"]
     started = time.monotonic()
-    runtime = RuntimeProcess.start(rt, cache=rt / "cache", env=ENV, command=_as_user(str(layout["runtime"])),
-                                   cwd=layout["work"], args=["--image", f"file:{layout['disk']}", "--memory", "256M",
-                                                             "--grace", "20"])
-    proc, socket = runtime.proc, runtime.socket
+    launched = RuntimeProcess.start(rt, cache=rt / "cache", env=ENV, command=_as_user(str(layout["runtime"])),
+                                    cwd=layout["work"], args=["--image", f"file:{layout['disk']}", "--memory", "256M",
+                                                              "--grace", "20"])
+    proc, socket = launched.proc, launched.socket
     try:
-        state = await runtime.wait_ready(210)
+        state = await launched.wait_ready(210)
         assert state.phase is Phase.READY
         print(f"\nas UID {UID}: serve -> Ready {time.monotonic() - started:.1f} s ({state.accel}: {state.accel_reason})")
 
@@ -141,7 +141,7 @@ async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> N
         proc.wait(10)
         await wait_until_async(lambda: not _alive(qemu), 10, "QEMU to end with its SIGKILLed unprivileged runtime")
     finally:
-        runtime.stop(signal.SIGKILL)
+        launched.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("flag", ["--cache-dir", "--state-dir", "--shared-dir"])
