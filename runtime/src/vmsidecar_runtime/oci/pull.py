@@ -13,10 +13,8 @@ from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits
 from vmsidecar_runtime.image.sniff import DiskFormat
 
 from .cache import CacheEntry, DiskCache
-from .layout import LayoutSource
 from .mediatypes import DISK_SUFFIXES, title_format
 from .reference import Reference, parse_reference
-from .registry import RegistryClient, RegistrySource
 from .resolve import (
     DiskLayer,
     Resolved,
@@ -76,8 +74,14 @@ def open_source(
     ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None
 ) -> Source:
     """The :class:`.resolve.Source` for a registry or layout reference."""
+    # imported here: a file: pull (a warm start's cache hit) needs neither, and the registry's
+    # requests and oras cost more to import than the whole rest of a warm start's pull
     if ref.kind == "layout":
+        from .layout import LayoutSource
+
         return LayoutSource(ref)
+    from .registry import RegistryClient, RegistrySource
+
     return RegistrySource(RegistryClient(ref, plain_http=plain_http, credentials=credentials))
 
 

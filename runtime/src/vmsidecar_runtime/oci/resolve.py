@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from vmsidecar_contract.arch import oci_arch
 from vmsidecar_contract.errors import ImageError, PlatformError
@@ -26,7 +26,9 @@ from .mediatypes import (
     classify_layer,
     load_document,
 )
-from .registry import RawManifest
+
+if TYPE_CHECKING:  # a type only: a file: or layout pull never loads the registry stack (requests, oras)
+    from .registry import RawManifest
 
 MAX_INDEX_DEPTH = 3
 #: the annotations a pull carries to the runtime (readiness, docs/byo-guest.md); bounded, because
