@@ -13,7 +13,9 @@ time goes comes from the runtime's own log (``--log-format json``, times relativ
 - **runtime Ready**: the phase change to Ready (QEMU's start, the restore, ``cont``);
 - **API up**: the API socket exists; **Ready seen**: a client saw Ready (what the goal is about:
   ≤ 0.5 s, process start included);
-- **restore**: ``snapshot.restore_seconds`` (the controller's own: checks, launch, restore).
+- **restore**: ``snapshot.restore_seconds`` (the controller's own: checks, launch, restore);
+- **CPU**: the runtime process's CPU seconds (user + system, all its threads) when Ready is seen:
+  what its work costs, which a busy machine stretches less than the wall time.
 
 ``--before DIR`` runs the runtime of another checkout (its ``runtime/src`` and ``contract/src``
 first on ``PYTHONPATH``, same venv) in alternation with this one, and prints both with the ratio.
@@ -45,6 +47,7 @@ COLUMNS = [
     ("sock", "API up"),
     ("ready", "Ready seen"),
     ("restore", "restore (runtime's)"),
+    ("cpu", "runtime CPU"),
 ]
 
 
@@ -100,6 +103,7 @@ def start(tree: Tree, guest: Guest, work: Path) -> dict[str, float | str | None]
             except RuntimeUnavailableError:  # the socket may exist a moment before it answers
                 state = None
             if state is not None and state.get("phase") == "Ready":
+                result["cpu"] = _cpu_seconds(proc.pid)
                 break
             if time.time() > deadline:
                 raise RuntimeError(f"{tree.name}: not Ready within {guest.timeout:.0f} s; log {log}")
@@ -128,6 +132,12 @@ def start(tree: Tree, guest: Guest, work: Path) -> dict[str, float | str | None]
         elif message.endswith("-> Ready") and "ready_rt" not in result:
             result["ready_rt"] = at
     return result
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a running process, all threads (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def capture(tree: Tree, guest: Guest, work: Path) -> None:

@@ -27,7 +27,7 @@ PULL_TIMEOUT_ENV = "VMSIDECAR_PULL_TIMEOUT"
 
 def _process_env() -> set[str]:
     """Environment that configures the process, not the VM spec."""
-    from .api.health import HEALTH_LISTEN_ENV
+    from .api.listen import HEALTH_LISTEN_ENV
     from .hostpaths import ENV as HOST_PATHS_ENV  # here: the client commands import no runtime module
     from .image import limits
     from .oci.cache import BUDGET_ENV
@@ -209,7 +209,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     )
     host_paths = HostPathPolicy.from_sources(args.allow_host_paths)
     if args.health_listen:
-        from .api.health import parse_listen
+        from .api.listen import parse_listen
 
         parse_listen(args.health_listen)  # a bad address stops the runtime now, not after it pulled and booted
     return asyncio.run(serve(spec, paths, allow_extra_args=args.allow_extra_args, host_paths=host_paths,
@@ -218,7 +218,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
 def _serve_arguments(s: argparse.ArgumentParser) -> None:
     """The options of ``serve``; their defaults come from the runtime's modules."""
-    from .api.health import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG
+    from .api.listen import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG
     from .controller.transfers import DEFAULT_PULL_TIMEOUT_S  # here: only serve pays for these imports
     from .image import limits
     from .oci.cache import BUDGET_ENV, DEFAULT_BUDGET

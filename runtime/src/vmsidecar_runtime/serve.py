@@ -18,17 +18,18 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
+from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import VmSpec
 
 from . import procs
-from .api.health import serve_health
-from .api.server import serve_api
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
 from .controller.transfers import DEFAULT_PULL_TIMEOUT_S
@@ -36,6 +37,7 @@ from .hostpaths import HostPathPolicy
 from .oci.cache import DiskCache
 from .perms import restrict_umask, share
 from .plan import stream_names
+from .snapshots import qemu_version
 
 log = logging.getLogger("vmsidecar_runtime")
 
@@ -205,6 +207,13 @@ async def _reap_orphans(stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), 1.0)
 
 
+def _api_modules() -> tuple[ModuleType, ModuleType]:
+    """The API's modules (``api.server``, ``api.health``): aiohttp and the request models."""
+    from .api import health, server
+
+    return server, health
+
+
 async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
                 host_paths: HostPathPolicy | None = None, grace: float = 30.0,
                 pull_timeout: float = DEFAULT_PULL_TIMEOUT_S, health_listen: str | None = None) -> int:
@@ -212,7 +221,14 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
 
     ``health_listen`` (``HOST:PORT``): also serve ``/healthz`` and ``/readyz``, and nothing else, on TCP
     for the kubelet's httpGet probes (``api/health.py``).
+
+    A warm start (the guest restored from a snapshot in the cache) is over in less time than
+    importing the API takes (aiohttp alone: its CA store, its client): the API's modules load in
+    a thread while the guest boots, and the API answers once both are done. ``qemu --version``
+    (part of a snapshot's key) runs meanwhile too.
     """
+    api_modules = asyncio.ensure_future(asyncio.to_thread(_api_modules))
+    threading.Thread(target=qemu_version, args=(spec.arch if spec is not None else host_arch(),), daemon=True).start()
     restrict_umask()
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     try:
@@ -243,10 +259,11 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     started = time.monotonic()
     try:
         await vm.start()
-        runner = await serve_api(vm, paths.shared / "api.sock")
+        api, health_api = await api_modules
+        runner = await api.serve_api(vm, paths.shared / "api.sock")
         log.info("serving %s (state %s, cache %s)", paths.shared / "api.sock", paths.state, paths.cache)
         if health_listen:
-            health, bound = await serve_health(vm, health_listen)
+            health, bound = await health_api.serve_health(vm, health_listen)
             log.info("health probes on http://%s:%d (/healthz, /readyz only)", *bound)
         shutdown_wait = asyncio.create_task(vm.shutdown_requested.wait())
         stop_wait = asyncio.create_task(stop.wait())

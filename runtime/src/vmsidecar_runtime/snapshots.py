@@ -26,6 +26,8 @@ import logging
 import os
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,9 +51,18 @@ FORMAT = 3
 CONSOLES = ("ttyS0", "hvc0")
 
 
-@functools.cache
+_version_lock = threading.Lock()
+
+
 def qemu_version(arch: str) -> str:
-    """``qemu-system-ARCH --version`` (first line), or "" when it cannot be run."""
+    """``qemu-system-ARCH --version`` (first line), or "" when it cannot be run; run once per
+    process (``serve`` starts it in a thread at once: a caller meanwhile waits for that run)."""
+    with _version_lock:
+        return _qemu_version(arch)
+
+
+@functools.cache
+def _qemu_version(arch: str) -> str:
     try:
         out = subprocess.run([qemu_binary(arch), "--version"], capture_output=True, text=True, timeout=10,
                              env=child_env())

@@ -9,7 +9,6 @@ path is a 404, every other method a 405, a body or a query a 400, and the reques
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -19,10 +18,11 @@ from vmsidecar_contract.models import Health
 from vmsidecar_contract.state import Phase
 
 from ..controller import VmController
+from .listen import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG, parse_listen
+
+__all__ = ["HEALTH_LISTEN_ENV", "HEALTH_LISTEN_FLAG", "make_health_app", "parse_listen", "serve_health"]
 
 CONTROLLER = web.AppKey("controller", VmController)
-HEALTH_LISTEN_ENV = "VMSIDECAR_HEALTH_LISTEN"
-HEALTH_LISTEN_FLAG = "--health-listen"
 #: a probe's request line and headers are short; anything longer is not a probe
 MAX_LINE = 1024
 MAX_FIELD = 1024
@@ -43,27 +43,6 @@ async def readyz(request: web.Request) -> web.Response:
     ready = vm.phase == Phase.READY
     body = Health(status="ready" if ready else "not-ready", phase=vm.phase.value)
     return web.json_response(body.model_dump(), status=200 if ready else 503)
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[ADDR]:PORT``) → (host, port); port 0 picks a free one.
-
-    :raise HostError: naming the flag, the value and the form it takes.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port = int(port_text)
-        if not sep or not host or not 0 <= port <= 65535:
-            raise ValueError(value)
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise HostError(
-            f"{HEALTH_LISTEN_FLAG} {value!r} is not HOST:PORT with an IP address and a port 0-65535 (e.g. 0.0.0.0:8081 "
-            f"in a pod, 127.0.0.1:8081 on a laptop, [::]:8081; also {HEALTH_LISTEN_ENV})"
-        ) from None
-    return host, port
 
 
 def _refusal(status: int, code: str, message: str) -> web.Response:
