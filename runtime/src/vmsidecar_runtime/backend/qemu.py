@@ -158,7 +158,9 @@ class QemuBackend:
                         f"QEMU did not open its QMP socket within {timeout:.0f} s; "
                         "check the runtime log for QEMU's stderr"
                     ) from None
-                await asyncio.sleep(0.05)
+                # QEMU creates the socket ~0.05-0.1 s after its start (TCG): a coarse poll would add
+                # up to its whole interval to every launch, a warm start's included
+                await asyncio.sleep(0.01)
         self._qmp = qmp
         listener = EventListener(QMP_EVENTS)
         qmp.register_listener(listener)
