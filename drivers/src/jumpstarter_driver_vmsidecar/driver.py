@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from jumpstarter.driver import Driver, export
-from jumpstarter_driver_can.driver import Can
 
 from vmsidecar_contract.canhost import check_native_can
 from vmsidecar_contract.client import RuntimeUnavailableError
@@ -34,10 +33,8 @@ from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec, load_spec
 
 from .console import VmConsole
-from .gpio import VmGpio, VmGpioInput, VmGpioOutput
 from .lease_exit import request_exit_after_lease, serves_a_lease
 from .link import RuntimeLink
-from .network import VmForward
 from .power import VmPower
 from .storage import VmStorage
 
@@ -66,6 +63,8 @@ class VirtualMachine(Driver):
     allow_local_urls: bool = False
     link: RuntimeLink = field(init=False, repr=False)
     _spec: VmSpec | None = field(init=False, default=None, repr=False)
+    #: upstream ``Can`` children, whose python-can buses ``close`` shuts down
+    _can_children: list[Any] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,6 +84,11 @@ class VirtualMachine(Driver):
         if self._spec is None or self._spec.virtio_console:
             self.children["hvc0"] = VmConsole(parent=self, socket_name="hvc0.sock")
         self.children["storage"] = VmStorage(parent=self)
+        # The children a spec may not ask for import their upstream driver only when it does: the
+        # network driver (websockets, wsproto, h11) and python-can cost more to import than the rest
+        # of the tree, at every exporter start (a `jmp shell`'s included).
+        if self._spec is not None and self._spec.network.forwards:
+            from .network import VmForward
         for fwd in self._spec.network.forwards if self._spec else []:
             if fwd.name in RESERVED_NAMES:
                 raise ValueError(f"port forward name {fwd.name!r} clashes with a child driver; rename the forward")
@@ -92,6 +96,8 @@ class VirtualMachine(Driver):
         if self._spec is not None:
             self._add_can(self._spec)
             if self._spec.gpio:
+                from .gpio import VmGpio, VmGpioInput, VmGpioOutput
+
                 gpio = VmGpio(parent=self)
                 for line in self._spec.gpio:
                     kind = VmGpioOutput if line.direction == "in" else VmGpioInput
@@ -104,6 +110,8 @@ class VirtualMachine(Driver):
             check_native_can(spec)
         except VmsidecarError as e:
             raise ValueError(f"spec in the exporter config: {e.message}") from e
+        if spec.can:
+            from jumpstarter_driver_can.driver import Can
         for bus in spec.can:
             name = "can" if len(spec.can) == 1 else bus.name
             if len(spec.can) > 1 and (name in RESERVED_NAMES or name in self.children):
@@ -113,6 +121,7 @@ class VirtualMachine(Driver):
                 self.children[name] = Can(channel=channel, interface="vmsidecar-slcan")
             else:
                 self.children[name] = Can(channel=bus.host_interface, interface="socketcan")
+            self._can_children.append(self.children[name])
 
     @classmethod
     def client(cls) -> str:
@@ -190,10 +199,9 @@ class VirtualMachine(Driver):
             log.error("end-of-lease %s failed: %s", self.recycle, e)
         finally:
             self.link.close()
-            for child in self.children.values():
-                if isinstance(child, Can):  # upstream's Can never shuts its python-can bus down
-                    with contextlib.suppress(Exception):
-                        child.bus.shutdown()
+            for child in self._can_children:  # upstream's Can never shuts its python-can bus down
+                with contextlib.suppress(Exception):
+                    child.bus.shutdown()
             super().close()
 
     # ---- extras for Python clients -------------------------------------------------------
