@@ -84,6 +84,32 @@ def test_the_oci_package_still_exports_its_functions() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_a_warm_start_imports_no_registry_stack_and_no_libvirt(tiny_image: Any, tmp_path: Path) -> None:
+    # A warm start (file: image in the cache, the qemu backend) loads neither the registry client
+    # (requests, oras) nor libvirt; the same detector sees the registry once a pull needs it.
+    code = """
+import sys
+from pathlib import Path
+import vmsidecar_runtime.serve, vmsidecar_runtime.backend.qemu
+from vmsidecar_runtime.oci import pull
+for _ in range(2):  # the first fills the cache, the second is a warm start's cache hit
+    assert pull(sys.argv[1], Path(sys.argv[2])).path.is_file()
+if sys.argv[3] == "registry":
+    from vmsidecar_runtime.oci.pull import open_source, parse_reference
+    open_source(parse_reference("registry.invalid/vm/x:1")).close()
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("oras", "requests", "libvirt"))))
+"""
+    for case in ("file", "registry"):
+        done = subprocess.run([sys.executable, "-c", code, f"file:{tiny_image.disk}", str(tmp_path / case), case],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        loaded = done.stdout.split()
+        if case == "file":
+            assert loaded == [], loaded
+        else:
+            assert "oras" in loaded and "requests" in loaded and "libvirt" not in loaded, loaded
+
+
 async def test_client_commands_against_a_runtime_import_nothing_heavy(start_runtime: Any, tmp_path: Path) -> None:
     rt = await start_runtime(None)  # no spec: the runtime serves, no guest boots
     sock = str(rt.socket)
