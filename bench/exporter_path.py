@@ -19,6 +19,8 @@ Each run, per tree (this one, and ``--before``'s: its ``drivers/src``, ``contrac
 - **j mock read / j vm power read**: one call each, client start included: the difference is ours.
 - **j vm power on → Ready**: on a Stopped VM with a fresh generation (``vmsidecar-runtime recycle
   --no-boot`` before the shell): the runtime restores the snapshot; Ready checked at once after.
+- **our driver's import**: ``-X importtime`` of ``jumpstarter_driver_vmsidecar.driver`` in a
+  process that already imported what ``jmp shell`` and upstream's drivers import (cumulative);
 - **per call**: one Python client (``jumpstarter.utils.env``) calling ``vm.power.read()`` and
   ``mock.read()`` ``--calls`` times: the round trip without any process start.
 
@@ -82,6 +84,7 @@ COLUMNS = [
     ("shell_end", "shell end"),
     ("mock_shell_start", "shell start, mock alone"),
     ("mock_shell_end", "shell end, mock alone"),
+    ("driver_import", "our driver's import (exporter)"),
     ("j_outside", "j outside a shell"),
     ("j_help", "j --help"),
     ("j_mock_read", "j mock read"),
@@ -185,6 +188,19 @@ def j_outside(tree: Tree) -> float:
     return time.perf_counter() - started
 
 
+def driver_import(tree: Tree) -> float:
+    """Seconds to import our driver in an exporter (``-X importtime``, cumulative, after what
+    ``jmp shell`` and upstream's drivers import anyway)."""
+    code = ("import jumpstarter.exporter, jumpstarter_cli.shell, jumpstarter_driver_power.driver\n"
+            "import jumpstarter_driver_vmsidecar.driver")
+    err = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=tree.env(), capture_output=True,
+                         text=True, timeout=120).stderr
+    for line in err.splitlines():
+        if line.startswith("import time:") and line.rsplit("|", 1)[1].strip() == "jumpstarter_driver_vmsidecar.driver":
+            return int(line.split("|")[1]) / 1e6
+    raise RuntimeError(f"{tree.name}: no import time for the driver:\n{err[-2000:]}")
+
+
 def one_run(tree: Tree, calls: int) -> None:
     runtime_cli(tree, "recycle", "--no-boot")  # Stopped, a fresh generation: power on restores
     vm = shell(tree, tree.work / "vm.json", SCRIPT.replace("{per_call}", PER_CALL), tree.work / "marks", calls)
@@ -198,6 +214,8 @@ def one_run(tree: Tree, calls: int) -> None:
     tree.add("mock_shell_start", mock["shell_start"])
     tree.add("mock_shell_end", mock["shell_end"])
     tree.add("j_outside", j_outside(tree))
+    tree.add("driver_import", driver_import(tree))
+    runtime_cli(tree, "recycle", "--no-boot")  # no guest of this tree runs while the other tree is measured
 
 
 def _fmt(value: float | None) -> str:
