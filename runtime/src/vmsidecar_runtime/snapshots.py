@@ -27,7 +27,6 @@ import os
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
