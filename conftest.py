@@ -23,3 +23,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(PODMAN_TESTS):
             item.add_marker(pytest.mark.xdist_group("podman"))
+            item.add_marker(pytest.mark.podman)

@@ -107,11 +107,15 @@ async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image
 
 
 async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runtime: Any, tiny_image: Any,
-                                                                     image_cache: Path) -> None:
+                                                                     tmp_path: Path) -> None:
     # pods of one node sharing a cache volume: both cold boot and capture the same key together;
-    # the first complete snapshot wins, the other runtime restores from it, both reach Ready
+    # the first complete snapshot wins, the other runtime restores from it, both reach Ready.
+    # A cache of their own: the session's is shared by every xdist worker, whose captures of other
+    # keys may be under way in it at any moment
+    image_cache = tmp_path / "node-cache"
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "shared-cache"}]}
-    one, two = await asyncio.gather(start_runtime(spec, name="one"), start_runtime(spec, name="two"))
+    one, two = await asyncio.gather(start_runtime(spec, name="one", cache=image_cache),
+                                    start_runtime(spec, name="two", cache=image_cache))
     states = await asyncio.gather(one.client().wait_ready(240), two.client().wait_ready(240))
     assert all(s.snapshot.available for s in states), [s.snapshot for s in states]
     root = image_cache / "snapshots"
