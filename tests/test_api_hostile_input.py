@@ -20,6 +20,13 @@ pytestmark = pytest.mark.timeout(300)
 SECRET = b"vmsidecar-host-secret-0123456789\n" * 64
 
 
+@pytest.fixture
+def image_cache(tmp_path: Path) -> Path:
+    """A cache of this test's own (overrides the session's, which every xdist worker shares): these
+    tests read, compare or damage the cache's entries, and another worker's captures would be among them."""
+    return tmp_path / "cache"
+
+
 class Raw:
     """Raw HTTP over the runtime's Unix socket: requests go as they are (invalid on purpose), every
     answer is checked against the document (``fixtures.openapi_check``)."""

@@ -23,6 +23,13 @@ BEHIND_S = 20.0
 CLOCK_SLACK_S = 5.0
 
 
+@pytest.fixture
+def image_cache(tmp_path: Path) -> Path:
+    """A cache of this test's own (overrides the session's, which every xdist worker shares): these
+    tests read, compare or damage the cache's entries, and another worker's captures would be among them."""
+    return tmp_path / "cache"
+
+
 async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
     """Host time before, the guest's wall clock and uptime, host time after."""
     con = await Console.open(console_sock)

@@ -24,6 +24,13 @@ PROBE = ("ls /data/lease-file /tmp/ram-file 2>&1; ps | grep -c '[s]leep 4242'; "
          "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo")
 
 
+@pytest.fixture
+def image_cache(tmp_path: Path) -> Path:
+    """A cache of this test's own (overrides the session's, which every xdist worker shares): these
+    tests read, compare or damage the cache's entries, and another worker's captures would be among them."""
+    return tmp_path / "cache"
+
+
 async def _lease_leaves_traces(console_sock: Path, tag: str) -> str:
     """Write a disk file, a RAM-only file and a process; return the guest's fresh random bytes."""
     con = await Console.open(console_sock)
