@@ -16,10 +16,18 @@ from typing import Any
 import pytest
 
 from fixtures.fake_backend import (
+    RD,
+    SP,
+    ST,
     Build,
+    C,
+    E,
     FakeHypervisor,
     FakeVm,
     Images,
+    P,
+    R,
+    S,
     console_shows,
     fake_spec,
     keep_overlay,
@@ -28,11 +36,9 @@ from fixtures.fake_backend import (
 )
 from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import READY_MARKER
-from vmsidecar_contract.state import Phase, VmState
+from vmsidecar_contract.state import VmState
 from vmsidecar_runtime.hostpaths import HostPathPolicy
 
-S, P, ST, R, RD, SP, C, E = (Phase.STOPPED, Phase.PULLING, Phase.STARTING, Phase.RUNNING, Phase.READY,
-                             Phase.STOPPING, Phase.CRASHED, Phase.ERROR)
 RECYCLED = [SP, S, ST, R, RD]
 FORWARD = {"forwards": [{"name": "web", "guest_port": 80}]}
 

@@ -18,10 +18,18 @@ from typing import Any
 import pytest
 
 from fixtures.fake_backend import (
+    RD,
+    SP,
+    ST,
     Build,
+    C,
+    E,
     FakeHypervisor,
     FakeVm,
     Images,
+    P,
+    R,
+    S,
     console_shows,
     fake_spec,
     keep_overlay,
@@ -33,8 +41,6 @@ from vmsidecar_contract.spec import READY_MARKER
 from vmsidecar_contract.state import Phase
 from vmsidecar_runtime.hostpaths import HostPathPolicy
 
-S, P, ST, R, RD, SP, C, E = (Phase.STOPPED, Phase.PULLING, Phase.STARTING, Phase.RUNNING, Phase.READY,
-                             Phase.STOPPING, Phase.CRASHED, Phase.ERROR)
 #: ``require``'s wording of the phases a fresh boot may start from, and of those with a live guest
 BOOTABLE = "Crashed|Error|Stopped"
 LIVE = "Ready|Running|Starting"
