@@ -3,6 +3,8 @@ real `jmp` processes and the in-test Jumpstarter controller (tests/fixtures/).""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest_plugins = ["fixtures.registry", "fixtures.images", "fixtures.runtime", "fixtures.jmp", "fixtures.controller",
@@ -19,8 +21,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     worker, in order: the e2e tests share the podman images, the pods' names and the module-scoped
     registry pushes, and a ``podman build``/``push`` of another worker running beside ``podman kube
     play`` left pods whose runtime found its shared dir taken (in 2 of 2 parallel runs; the same e2e
-    tests pass alone, also with 4 CPU hogs beside them)."""
+    tests pass alone, also with 4 CPU hogs beside them): with the grouping broken (see below), two pods
+    at once share one shared directory."""
     for item in items:
         if item.nodeid.startswith(PODMAN_TESTS):
             item.add_marker(pytest.mark.xdist_group("podman"))
             item.add_marker(pytest.mark.podman)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Under ``--dist loadgroup``, refuse to run the podman tests ungrouped: pytest-xdist marks a
+    group by a suffix on the node id, which pytest 9.2 no longer lets it write
+    (pytest-dev/pytest-xdist#1386), and nothing else would say that the grouping is gone."""
+    ungrouped = [i for i in ids if i.startswith(PODMAN_TESTS) and not i.endswith("@podman")]
+    if ungrouped and node.config.getvalue("dist") == "loadgroup":
+        pytest.exit(f"pytest-xdist's --dist loadgroup did not group {ungrouped[0]} (and {len(ungrouped) - 1} "
+                    "more): this pytest and pytest-xdist do not work together (pytest-dev/pytest-xdist#1386); "
+                    "use the pytest that pyproject.toml pins (uv sync --frozen)", returncode=4)

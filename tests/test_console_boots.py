@@ -35,7 +35,8 @@ async def _fresh_marker(client: RuntimeClient, console_sock: Path, earlier: list
         state = await client.wait_ready(60)
         assert state.boot == boot and state.timings.ready is not None
         assert state.timings.first_console_byte is not None
-        assert 0 < state.timings.first_console_byte <= state.timings.ready
+        # 0.0 happens: after a reset, SeaBIOS's first bytes can be read within 0.5 ms of the boot's start
+        assert 0 <= state.timings.first_console_byte <= state.timings.ready
         return match.group(1)
     finally:
         await con.close()
