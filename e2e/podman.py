@@ -91,5 +91,9 @@ class Pod:
         run("scripts/pod", "down", "--name", self.name)
         left = run("podman", "ps", "-a", "--filter", f"pod={self.name}", "--format", "{{.Names}}").split()
         assert left == [], left
+        # its emptyDirs, cache and config are podman volumes named after it: none may outlive it
+        volumes = [v for v in run("podman", "volume", "ls", "--format", "{{.Name}}").split()
+                   if v.startswith(f"{self.name}-")]
+        assert volumes == [], volumes
 
 

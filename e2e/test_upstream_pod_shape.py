@@ -75,6 +75,10 @@ def test_upstream_provisioner_pod_shape(images: dict[str, str], published: dict[
     manifest = tmp_path / "upstream-pod.yaml"
     manifest.write_text(_render(name, images, config))
     pod = Pod(name)
+    # podman 4.3 plays an emptyDir as a named volume called by the volume's name ("shared"), kept after
+    # the pod: remove it, and the config map's volume, before and after, so the pod starts empty
+    volumes = ["shared", f"exporter-config-{name}"]
+    subprocess.run(["podman", "volume", "rm", "-f", *volumes], env=ENV, capture_output=True, timeout=60)
     try:
         started = time.monotonic()
         subprocess.run(["podman", "kube", "play", "--quiet", str(manifest)], env=ENV, check=True, capture_output=True)
@@ -98,6 +102,7 @@ def test_upstream_provisioner_pod_shape(images: dict[str, str], published: dict[
         assert pod.wait_exited("runtime") == 0, pod.logs()
     finally:
         subprocess.run(["podman", "kube", "down", str(manifest)], env=ENV, capture_output=True, timeout=120)
+        subprocess.run(["podman", "volume", "rm", "-f", *volumes], env=ENV, capture_output=True, timeout=60)
     left = subprocess.run(["podman", "ps", "-a", "--filter", f"pod={name}", "--format", "{{.Names}}"], env=ENV,
                           capture_output=True, text=True).stdout.split()
     assert left == [], left

@@ -196,3 +196,21 @@ def test_scripts_pod_keeps_what_podman_can_run() -> None:
     env = {e["name"]: e["value"] for e in runtime["env"]}
     assert env == {"VMSIDECAR_HEALTH_LISTEN": "127.0.0.1:18081", "VMSIDECAR_INSECURE_REGISTRIES": "127.0.0.1:5000"}
     assert "ports" not in runtime and runtime["readinessProbe"]["httpGet"]["port"] == 18081
+
+
+def test_scripts_pod_gives_each_pod_its_own_empty_dirs() -> None:
+    """podman 4.3 plays an emptyDir as a named volume called by the volume's name, kept after the pod:
+    two pods on one host shared one shared dir (the second runtime found it locked by the first) and
+    one state volume. scripts/pod names them after the pod, and removes them at `up` and `down`."""
+    def empty_dirs(name: str) -> set[str]:
+        rendered = subprocess.run([str(ROOT / "scripts" / "pod"), "render", "--name", name, "--image", "r/x:1"],
+                                  cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        pod = next(d for d in yaml.safe_load_all(rendered) if d["kind"] == "Pod")["spec"]
+        volumes = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        mounted = {m["name"] for c in pod["containers"] for m in c["volumeMounts"]}
+        assert volumes <= mounted
+        return volumes
+
+    a, b = empty_dirs("pod-a"), empty_dirs("pod-b")
+    assert a and not a & b
+    assert all(v.startswith("pod-a-") for v in a)
