@@ -16,6 +16,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from . import metrics
 from .perms import share
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ class ConsoleHub:
         if self.first_byte_at is None:
             self.first_byte_at = asyncio.get_running_loop().time()
         self.bytes_seen += len(data)
+        metrics.console_bytes.inc(len(data))
         self._buffer += data
         if len(self._buffer) > self.scrollback:
             del self._buffer[: len(self._buffer) - self.scrollback]
@@ -199,6 +201,7 @@ class ConsoleHub:
                 queue.offer(data)
             except asyncio.QueueFull:
                 log.warning("console %s: dropping a client that stopped reading", self.name)
+                metrics.console_dropped_readers.inc()
                 self._clients.discard(queue)
                 _end_queue(queue)
 

@@ -29,7 +29,7 @@ from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import VmSpec
 
-from . import procs
+from . import audit, procs
 from .backend import close_backends
 from .controller import RuntimePaths, VmController
 from .controller.transfers import DEFAULT_PULL_TIMEOUT_S
@@ -154,6 +154,7 @@ def setup_logging(fmt: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    audit.setup()  # JSON lines whatever the format: the audit trail is parsed by tools
 
 
 @dataclass
@@ -264,7 +265,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
         log.info("serving %s (state %s, cache %s)", paths.shared / "api.sock", paths.state, paths.cache)
         if health_listen:
             health, bound = await health_api.serve_health(vm, health_listen)
-            log.info("health probes on http://%s:%d (/healthz, /readyz only)", *bound)
+            log.info("health probes and metrics on http://%s:%d (/healthz, /readyz, /metrics only)", *bound)
         shutdown_wait = asyncio.create_task(vm.shutdown_requested.wait())
         stop_wait = asyncio.create_task(stop.wait())
         await asyncio.wait({shutdown_wait, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

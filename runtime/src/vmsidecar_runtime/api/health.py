@@ -1,10 +1,12 @@
-"""Health: ``GET /healthz`` and ``GET /readyz``, on the API socket and on the health-only listener.
+"""Health: ``GET /healthz`` and ``GET /readyz``, on the API socket and on the health-only listener,
+and ``GET /metrics`` on the health-only listener only.
 
-The handlers are the API's own (one implementation); the health-only app serves them, and only
-them, on TCP (``serve --health-listen HOST:PORT``) so that the kubelet's ``httpGet`` probes cost
-the runtime one small request instead of a Python process per probe
-(``vmsidecar-runtime ready``: 1.1-1.7 s of CPU, 61 MB). That port carries no API: every other
-path is a 404, every other method a 405, a body or a query a 400, and the requests are small.
+The probe handlers are the API's own (one implementation); the health-only app serves them and
+the Prometheus metrics (``metrics.py``), and nothing else, on TCP (``serve --health-listen
+HOST:PORT``) so that the kubelet's ``httpGet`` probes cost the runtime one small request instead
+of a Python process per probe (``vmsidecar-runtime ready``: 1.1-1.7 s of CPU, 61 MB), and
+Prometheus scrapes the port the pod already exposes. That port carries no API: every other path
+is a 404, every other method a 405, a body or a query a 400, and the requests are small.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.models import Health
 from vmsidecar_contract.state import Phase
 
+from .. import metrics
 from ..controller import VmController
 from .listen import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG, parse_listen
 
@@ -28,7 +31,7 @@ MAX_LINE = 1024
 MAX_FIELD = 1024
 #: probes come every few seconds on a fresh connection: an idle one is closed soon
 KEEPALIVE_S = 5.0
-HEALTH_ROUTES = ("/healthz", "/readyz")
+HEALTH_ROUTES = ("/healthz", "/readyz", "/metrics")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -45,6 +48,13 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body.model_dump(), status=200 if ready else 503)
 
 
+async def metrics_handler(request: web.Request) -> web.Response:
+    """The runtime's Prometheus metrics, in the text format ``prometheus_client`` writes."""
+    response = web.Response(body=metrics.exposition())
+    response.headers["Content-Type"] = metrics.CONTENT_TYPE_LATEST
+    return response
+
+
 def _refusal(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": code, "message": message}, status=status)
 
@@ -53,8 +63,8 @@ def _refusal(status: int, code: str, message: str) -> web.Response:
 async def _only_probes(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every request that is not a bare GET of a health path is refused before a handler runs."""
     if request.path not in HEALTH_ROUTES:
-        return _refusal(404, "not_found", f"{request.path} is not served here: this port serves only GET /healthz and "
-                        "GET /readyz (the API is on the runtime's Unix socket)")
+        return _refusal(404, "not_found", f"{request.path} is not served here: this port serves only GET /healthz, "
+                        "GET /readyz and GET /metrics (the API is on the runtime's Unix socket)")
     if request.method != "GET":
         response = _refusal(405, "method_not_allowed", f"{request.method} is not allowed on {request.path}; use GET")
         response.headers["Allow"] = "GET"
@@ -65,11 +75,13 @@ async def _only_probes(request: web.Request, handler: Handler) -> web.StreamResp
 
 
 def make_health_app(vm: VmController) -> web.Application:
-    """The health-only application: two GET routes, no body read, ever."""
+    """The health-only application: three GET routes, no body read, ever."""
     app = web.Application(middlewares=[_only_probes], client_max_size=1)
     app[CONTROLLER] = vm
     app.router.add_get("/healthz", healthz, allow_head=False)
     app.router.add_get("/readyz", readyz, allow_head=False)
+    app.router.add_get("/metrics", metrics_handler, allow_head=False)
+    metrics.bind(vm.metrics_state)
     return app
 
 

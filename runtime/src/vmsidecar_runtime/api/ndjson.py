@@ -20,6 +20,9 @@ from vmsidecar_contract.endpoints import MEDIA_TYPES
 from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.state import VmState
 
+from .. import metrics
+from .audit import STREAM_ERROR_KEY
+
 #: the least time between two progress lines (and how often the stream checks for its client); the
 #: result line is written as soon as the work ends
 PROGRESS_INTERVAL_S = 0.2
@@ -67,6 +70,7 @@ async def progress_stream(request: web.Request, work: Callable[[Progress], Corou
         last_sent = 0.0
         while not task.done() or not queue.empty():
             if client_gone(request):
+                request[STREAM_ERROR_KEY] = "transfer_cancelled"
                 cancel("its client went away")
                 await asyncio.wait({task})
                 return response
@@ -88,6 +92,8 @@ async def progress_stream(request: web.Request, work: Callable[[Progress], Corou
             final: dict[str, Any] = {"type": "result", "state": task.result().model_dump(mode="json")}
         except VmsidecarError as e:
             final = {"type": "error", **e.to_dict()}
+            request[STREAM_ERROR_KEY] = e.code
+            metrics.error(e.code)
         await write_line(response, final)
         await response.write_eof()
         return response

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 from vmsidecar_contract.endpoints import ENDPOINTS
 from vmsidecar_contract.errors import RequestError
 
+from .audit import BODY_KEY
+
 #: query parameters per (method, path), from the endpoint table; any other is a 400 (a typo must
 #: not pass silently)
 QUERY_PARAMS: dict[tuple[str, str], tuple[str, ...]] = {(e.method, e.path): e.query_names for e in ENDPOINTS
@@ -83,7 +85,8 @@ async def json_body(request: web.Request) -> Any:
     if not text.strip():
         return {}
     try:
-        return json.loads(text, parse_constant=_not_json)
+        request[BODY_KEY] = data = json.loads(text, parse_constant=_not_json)  # for the audit line
+        return data
     except json.JSONDecodeError as e:
         raise RequestError(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                            "send a JSON object") from e

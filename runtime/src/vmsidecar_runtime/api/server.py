@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -23,8 +24,10 @@ from vmsidecar_contract.errors import RequestError, VmsidecarError
 from vmsidecar_contract.models import Accepted, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
 
+from .. import metrics
 from ..controller import VmController
 from ..perms import share
+from .audit import audit_middleware
 from .health import CONTROLLER, healthz, readyz  # the same handlers serve the health-only listener
 from .ndjson import client_gone, open_stream, progress_stream, write_line
 from .parsing import HttpRefusal, bool_query, check_query, json_body, parse, require_disk_image_type
@@ -42,7 +45,16 @@ def _error_response(status: int, code: str, message: str) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Render every error as ``{"error", "message"}``; never let one stop the server."""
+    """Render every error as ``{"error", "message"}`` (counted by code); never let one stop the server."""
+    response = await _rendered(request, handler)
+    if response.status >= 400 and isinstance(response, web.Response) and isinstance(response.body, bytes):
+        with contextlib.suppress(ValueError, AttributeError):
+            if code := json.loads(response.body).get("error"):  # a 503 of /readyz is no error
+                metrics.error(str(code))
+    return response
+
+
+async def _rendered(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except VmsidecarError as e:
@@ -286,7 +298,8 @@ ROUTES = routes()
 
 def make_app(vm: VmController) -> web.Application:
     """The API application for one controller."""
-    app = web.Application(middlewares=[error_middleware, query_middleware], client_max_size=MAX_JSON_BODY)
+    app = web.Application(middlewares=[audit_middleware, error_middleware, query_middleware],
+                          client_max_size=MAX_JSON_BODY)
     app[CONTROLLER] = vm
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

@@ -15,6 +15,7 @@ from pathlib import Path
 from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 
+from .. import metrics
 from ..backend import Backend
 from ..snapshots import CONSOLES, Snapshot
 from .disks import Disks
@@ -43,6 +44,7 @@ class Boot:
         accel = self._machine.choose_accel(spec)
         snap = self._snapshots.plan(spec, accel.accel)
         if snap is not None and await self._restore(spec, snap):
+            metrics.snapshot_lookup("hit")
             return True
         await self._cold(spec)
         return False
@@ -63,6 +65,8 @@ class Boot:
         and return False (the caller boots cold)."""
         started = time.monotonic()
         if not await self._snapshots.verify(snap):  # never handed to QEMU
+            if new_boot:
+                metrics.snapshot_lookup("seal_broken")
             return False
         try:
             # a fresh overlay on the snapshot's frozen disk; a new boot shows the pristine boot's
@@ -75,6 +79,8 @@ class Boot:
         except VmsidecarError as e:
             await self._machine.stop()
             await self._snapshots.refused(snap, e)
+            if new_boot:
+                metrics.snapshot_lookup("refused")
             return False
         assert self._machine.plan is not None
         await self._snapshots.restored(snap, started, self._machine.plan.guest_agent_socket, new_boot=new_boot)

@@ -10,15 +10,19 @@ answer every refusal before it starts: ``reserve_flash`` (checks, then the trans
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, Phase
 
+from .. import metrics
+from ..audit import redact
 from ..events import EventBus
 from ..hostpaths import HostPathPolicy
 from .disks import Disks, Progress
+from .ledger import LeaseLedger
 from .phase import PhaseMachine, require_spec
 from .power import Power
 from .transfers import Transfer, Transfers
@@ -28,7 +32,9 @@ class DiskOps:
     """Flash and dump, serialized with the power operations."""
 
     def __init__(self, phases: PhaseMachine, events: EventBus, disks: Disks, transfers: Transfers, power: Power,
-                 host_paths: HostPathPolicy) -> None:
+                 host_paths: HostPathPolicy, ledger: Callable[[], LeaseLedger]) -> None:
+        #: the current lease's ledger (a new one every generation)
+        self._ledger = ledger
         self._phases = phases
         self._events = events
         self._disks = disks
@@ -44,15 +50,23 @@ class DiskOps:
         :raise ImageError: for a bad image. :raise TransferError, PullTimeoutError: as ``Transfers``.
         """
         transfer = self._transfers.begin("an upload flash")
+        started = time.monotonic()
+
+        async def counted() -> AsyncIterator[bytes]:  # bytes in, as sent (compressed or not)
+            async for chunk in chunks:
+                transfer.received += len(chunk)
+                yield chunk
+
         try:
             async with self._phases.lock:
                 self._transfers.check(transfer)
                 self._require_off_or(power_off)
-                received = await self._transfers.receive(chunks, transfer, expected_size=expected_size,
+                received = await self._transfers.receive(counted(), transfer, expected_size=expected_size,
                                                          expected_digest=expected_digest)
                 await self._stop_for_flash()
                 self._disks.use_flashed(received)
                 self._events.publish("flashed", digest=received.digest, size=received.size, format=received.format)
+                self._flashed("upload", f"upload@{received.digest}", transfer.received, started)
         finally:
             self._transfers.end(transfer)
 
@@ -78,6 +92,7 @@ class DiskOps:
             the VM was powered on during the pull, TransferError (transfer_cancelled) when the
             transfer was cancelled meanwhile. :raise PullTimeoutError: past the pull deadline.
         """
+        started = time.monotonic()
         try:
             if transfer is None:
                 transfer = self.reserve_flash(reference, power_off=power_off)
@@ -91,9 +106,16 @@ class DiskOps:
                 await self._stop_for_flash()
                 self._disks.use_pulled(disk)
                 self._events.publish("flashed", digest=disk.digest, reference=reference)
+                self._flashed(metrics.source_of(reference), f"{redact(reference)}@{disk.digest}", transfer.received,
+                              started)
         finally:
             if transfer is not None:
                 self._transfers.end(transfer)
+
+    def _flashed(self, source: metrics.Source, target: str, nbytes: int, started: float) -> None:
+        metrics.flash_bytes.labels(source).inc(nbytes)
+        metrics.flash_seconds.labels(source).observe(time.monotonic() - started)
+        self._ledger().flash(target, nbytes)
 
     def _require_off_or(self, power_off: bool) -> None:
         if self._phases.phase in LIVE and not power_off:
@@ -113,4 +135,8 @@ class DiskOps:
         async with self._phases.lock:
             self._phases.require(BOOTABLE, "dump the disk (power it off first)")
             await self._power.ensure_disk(spec)
-            return await self._disks.dump(fmt)
+            path = await self._disks.dump(fmt)
+            size = path.stat().st_size
+            metrics.dump_bytes.inc(size)
+            self._ledger().dump(size)
+            return path

@@ -10,6 +10,8 @@ capture at Ready) takes the lock here. How the guest boots is ``Boot``'s; the ba
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
@@ -17,6 +19,7 @@ from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import LIVE, Phase
 
+from .. import metrics
 from ..backend import Backend, BackendEvent, BackendFactory
 from ..disk import DiskImage
 from ..events import EventBus
@@ -30,6 +33,15 @@ from .readiness import ReadinessWatch
 from .snapshot_ops import SnapshotOps
 from .streams import GuestStreams
 from .transfers import Transfer, Transfers
+
+
+@dataclass(frozen=True)
+class _UntilReady:
+    """A boot under way, timed to its Ready (``boot_to_ready_seconds``, ``recycle_to_ready_seconds``)."""
+
+    kind: metrics.BootKind
+    started: float
+    recycle_started: float | None
 
 
 class Power:
@@ -51,6 +63,8 @@ class Power:
         self._readiness = ReadinessWatch(self._mark_ready, lambda e: phases.fail(Phase.ERROR, e))
         #: the spec of the current boot (readiness is re-armed with it when the guest reboots)
         self._spec: VmSpec | None = None
+        #: the boot whose Ready is to be timed (None after a reset, a stop or a failure)
+        self._until_ready: _UntilReady | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     def _spawn(self, coro: Any) -> None:
@@ -84,8 +98,9 @@ class Power:
         assert self._disks.current is not None
         return self._disks.current
 
-    async def boot(self, spec: VmSpec) -> None:
+    async def boot(self, spec: VmSpec, *, recycle_started: float | None = None) -> None:
         """Boot a fresh overlay of the disk (pulled first when needed): restored, or cold and watched.
+        ``recycle_started``: this boot ends a recycle begun then (timed to Ready).
 
         :raise VmsidecarError: the boot failed (phase Error, the backend stopped).
         """
@@ -95,11 +110,17 @@ class Power:
             await self.ensure_disk(spec)
             self._spec = spec
             self._phases.set(Phase.STARTING)
-            if await self._boot.start(spec):
+            started = time.monotonic()
+            restored = await self._boot.start(spec)
+            kind: metrics.BootKind = "restored" if restored else "cold"
+            metrics.boots.labels(kind).inc()
+            self._until_ready = _UntilReady(kind, started, recycle_started)
+            if restored:
                 self._set_ready()
             else:
                 self._readiness.arm(spec, self._streams.hubs, self._disks.current)
         except VmsidecarError as e:
+            self._until_ready = None
             await self.stop(graceful=False)
             self._phases.fail(Phase.ERROR, e)
             raise
@@ -109,6 +130,7 @@ class Power:
         ``timeout``). The phase stays Stopping; the caller says what comes next."""
         if self.machine.backend is None:
             return
+        self._until_ready = None
         self._readiness.disarm()
         if self.machine.alive:
             # A guest still booting has nothing to save and usually no ACPI handler yet: stop it hard.
@@ -128,6 +150,7 @@ class Power:
         """Hard reset of a live guest: a new boot on the same disk, watched for readiness."""
         assert self._spec is not None
         self._readiness.disarm()
+        self._until_ready = None  # a reset's boot is no boot from off (not timed)
         self.machine.begin_boot("reset")
         await self.machine.reset()
         self._phases.set(Phase.RUNNING, reason="reset")
@@ -152,6 +175,12 @@ class Power:
 
     def _set_ready(self) -> None:
         self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
+        timed, self._until_ready = self._until_ready, None
+        if timed is not None:
+            now = time.monotonic()
+            metrics.boot_to_ready.labels(timed.kind).observe(now - timed.started)
+            if timed.recycle_started is not None:
+                metrics.recycle_to_ready.observe(now - timed.recycle_started)
 
     async def _capture(self, key: str) -> None:
         async with self._phases.lock:
@@ -178,6 +207,7 @@ class Power:
             self._spawn(self._guest_powered_off(backend, data))
         elif event == BackendEvent.RESET and phase in (Phase.RUNNING, Phase.READY) and machine.is_new_boot():
             assert self._spec is not None
+            self._until_ready = None
             machine.begin_boot("guest reboot")
             self._phases.set(Phase.RUNNING, reason="guest reset")
             self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)

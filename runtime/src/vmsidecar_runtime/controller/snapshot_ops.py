@@ -34,6 +34,7 @@ from vmsidecar_contract.errors import HostError, ImageError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import SnapshotInfo
 
+from .. import metrics
 from ..backend import Backend, guest_agent
 from ..backend.common import TCG_CPU
 from ..backend.factory import supports_snapshots
@@ -98,14 +99,19 @@ class SnapshotOps:
         reason = None
         if spec.snapshot == "off":
             reason = "snapshot: off in the spec"
+            metrics.snapshot_lookup("disabled")
         elif not self._supports(spec.backend):
             reason = f"the {spec.backend} backend has no memory snapshots yet"
+            metrics.snapshot_lookup("backend_unsupported")
         elif spec.arch != "x86_64":  # only x86_64 gets a vmgenid (backend/qemu_argv.py): decisions.md
             reason = f"{spec.arch}: no vmgenid, the guest's RNG would repeat — cold boot"
+            metrics.snapshot_lookup("arch_unsupported")
         elif self._disks.flashed is not None or base is None:
             reason = "the disk was flashed in this lease"
+            metrics.snapshot_lookup("flashed")
         elif self._paths.overlay.exists():
             reason = "the disk already has this lease's changes (power cycle within a lease)"
+            metrics.snapshot_lookup("lease_changes")
         if reason is not None:
             self._why(reason)
             return None
@@ -115,6 +121,7 @@ class SnapshotOps:
             readiness = effective_readiness(spec, base).readiness
         except ImageError as e:  # the boot fails at its readiness watch, with this reason
             self._why(e.message)
+            metrics.snapshot_lookup("readiness_invalid")
             return None
         return snapshot_key(spec, base.digest, accel, cpu, readiness)
 
@@ -133,9 +140,11 @@ class SnapshotOps:
             return snap
         if key in self._uncapturable:
             self._why(self._uncapturable[key])
+            metrics.snapshot_lookup("uncapturable")
         else:
             self._capture_key = key
             self._why("no snapshot yet for this spec and image: this boot captures one at Ready")
+            metrics.snapshot_lookup("none_cached")
         return None
 
     def take_capture(self) -> str | None:
@@ -200,6 +209,7 @@ class SnapshotOps:
         update["clock"] = await self._correct_clock(snap, agent_socket)
         if new_boot:
             update |= {"boot": "restored", "reason": None}
+            metrics.snapshot_restore.observe(update["restore_seconds"])
         self.info = self.info.model_copy(update=update)
 
     async def _correct_clock(self, snap: Snapshot, agent_socket: Path) -> str:
@@ -252,6 +262,7 @@ class SnapshotOps:
             log.warning("no memory snapshot: %s", e.message)
             return None
         capture.seconds = round(time.monotonic() - capture.started, 3)
+        metrics.snapshot_capture.observe(capture.seconds)
         log.info("memory snapshot %s captured in %.2f s (%d MB)", capture.key, capture.seconds, snap.size >> 20)
         return snap
 

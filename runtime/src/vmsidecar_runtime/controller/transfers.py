@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from vmsidecar_contract.errors import PullTimeoutError, TransferError
 from vmsidecar_contract.spec import VmSpec
 
+from .. import metrics
 from ..disk import DiskImage
 from ..events import EventBus
 from .disks import Disks, Progress
@@ -52,6 +53,8 @@ class Transfer:
     #: why it was cancelled (None while it may still be installed)
     reason: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    #: bytes it brought in (a pull's download; 0 from the cache)
+    received: int = 0
 
     def cancel(self, reason: str) -> None:
         if self.reason is None:
@@ -167,6 +170,11 @@ class Transfers:
                                                     transfer, abort)
         self._events.publish("pulled", reference=disk.source, digest=pulled.digest, cached=pulled.cached,
                              bytes_downloaded=pulled.bytes_downloaded)
+        source = metrics.source_of(reference or spec.image or "")
+        metrics.pull_bytes.labels(source).inc(pulled.bytes_downloaded)
+        metrics.pull_seconds.labels(source).observe(seconds)
+        if transfer is not None:
+            transfer.received = pulled.bytes_downloaded
         return disk, round(seconds, 3)
 
     async def receive(self, chunks: AsyncIterable[bytes], transfer: Transfer, *, expected_size: int | None,

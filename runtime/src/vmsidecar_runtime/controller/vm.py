@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from vmsidecar_contract.errors import SpecError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, Phase, SnapshotInfo, VmState
 
+from .. import audit, metrics, procs
 from ..backend import BackendFactory, create_backend
 from ..disk import DiskImage
 from ..events import EventBus
@@ -29,6 +31,7 @@ from ..hostpaths import HostPathPolicy
 from .disk_ops import DiskOps
 from .disks import Disks, Progress
 from .lease import Lease
+from .ledger import LeaseLedger
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
 from .power import Power
@@ -59,8 +62,10 @@ class VmController:
         self._snapshots = SnapshotOps(paths, self.disks)
         self._power = Power(paths, self._phases, self.events, self.disks, self.streams, self._snapshots,
                             self._lease, self._transfers, backend_factory)
+        #: what the current generation's lease did, for its summary line at the recycle
+        self.ledger = LeaseLedger(self.generation)
         self._disk_ops = DiskOps(self._phases, self.events, self.disks, self._transfers, self._power,
-                                 self.host_paths)
+                                 self.host_paths, lambda: self.ledger)
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
         self._background: set[asyncio.Task[None]] = set()
@@ -83,6 +88,14 @@ class VmController:
     @property
     def snapshot_info(self) -> SnapshotInfo:
         return self._snapshots.info
+
+    def metrics_state(self) -> metrics.State:
+        """What a scrape reads (``metrics.StateCollector``): cheap, no lock."""
+        from ..oci.cache import DiskCache  # the cache's module: not on a warm start's path before the API
+
+        return metrics.State(phase=self.phase, generation=self.generation,
+                             qemu_pid=metrics.qemu_child(procs.OWN) if self._power.machine.alive else None,
+                             cache_bytes=DiskCache(self.paths.cache).size())
 
     def state(self) -> VmState:
         """A snapshot for ``GET /v1/vm``."""
@@ -140,6 +153,7 @@ class VmController:
         async with self._phases.lock:
             await self._power.stop(graceful=True, timeout=20)
             self._phases.set(Phase.STOPPED, reason="shutdown")
+            audit.write(**self.ledger.summary("shutdown"))
         self.shutdown_requested.set()
 
     # ---- spec ----------------------------------------------------------------------------
@@ -235,26 +249,39 @@ class VmController:
         self.cancel_transfer("the next lease claimed the VM")
         if self._lease.claim_unclaimed():
             await self._snapshots.capture_finished()
-            self.events.publish("claimed", generation=self.generation)
+            self._claimed()
             return self.state()
         async with self._phases.lock:
             if not self._lease.claim_unclaimed():
                 await self._recycle_locked(boot=True, claim=True)
-            self.events.publish("claimed", generation=self.generation)
+            self._claimed()
             return self.state()
+
+    def _claimed(self) -> None:
+        self.ledger.claimed()
+        metrics.leases_claimed.inc()
+        self.events.publish("claimed", generation=self.generation)
 
     async def _recycle_locked(self, *, boot: bool, claim: bool = False) -> None:
         """``claim``: the fresh generation is the claiming lease's from the start (its boot is
         never captured, and no other claim can take it in the meantime)."""
-        await self._power.stop(graceful=False)
-        await self._lease.clear(claim=claim)  # disk files, scrollback, console clients
-        self._power.machine.forget_lease()  # timings, last exit
-        self._phases.last_error = None
-        self.events.generation += 1
-        self._phases.set(Phase.STOPPED, reason="recycled")
-        self.events.publish("recycled", generation=self.generation)
-        if boot and self.spec is not None and self.spec.image:
-            await self._power.boot(self.spec)
+        started = time.monotonic()
+        try:
+            await self._power.stop(graceful=False)
+            await self._lease.clear(claim=claim)  # disk files, scrollback, console clients
+            self._power.machine.forget_lease()  # timings, last exit
+            self._phases.last_error = None
+            audit.write(**self.ledger.summary("claim" if claim else "recycle"))
+            self.events.generation += 1
+            self.ledger = LeaseLedger(self.generation)
+            self._phases.set(Phase.STOPPED, reason="recycled")
+            self.events.publish("recycled", generation=self.generation)
+            if boot and self.spec is not None and self.spec.image:
+                await self._power.boot(self.spec, recycle_started=started)
+        except Exception:
+            metrics.recycles.labels("error").inc()
+            raise
+        metrics.recycles.labels("ok").inc()
 
     # ---- disks ---------------------------------------------------------------------------
     def begin_transfer(self, what: str) -> Transfer:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.errors import HostError
+from vmsidecar_runtime import metrics
 from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.limits import parse_size
 from vmsidecar_runtime.image.sniff import DiskFormat
@@ -256,6 +257,7 @@ class DiskCache:
                 total -= size
                 removed.append(item)
             self._forget(removed)
+        metrics.cache_evictions.inc(len(removed))
         if removed:
             log.info("image cache over its budget of %s: evicted %s (least recently used)",
                      _human(budget), ", ".join(removed))
@@ -263,6 +265,10 @@ class DiskCache:
             log.warning("the image cache holds %s in use, more than its budget of %s; raise --cache-budget "
                         "(%s) or give the cache volume more room", _human(total), _human(budget), BUDGET_ENV)
         return removed
+
+    def size(self) -> int:
+        """Bytes on disk of the disks and snapshots (what the budget counts)."""
+        return sum(size for _, size, _ in self._items({}))
 
     def _items(self, index: dict[str, Any]) -> list[tuple[str, int, float]]:
         """(item, bytes on disk, last use) of every disk and complete-or-not snapshot directory."""
