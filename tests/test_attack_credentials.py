@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry
+from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry, auth_file
 from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError, RegistryError
@@ -112,13 +112,6 @@ token_service = token_service_with("stolen-nothing")
 def fakes(n: int, *answers: Callable[[http.server.BaseHTTPRequestHandler], None]) -> Iterator[list[FakeRegistry]]:
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(FakeRegistry(answers[i] if i < len(answers) else None)) for i in range(n)]
-
-
-def auth_file(path: Path, entries: dict[str, tuple[str, str]]) -> Path:
-    """A containers-auth.json / docker config.json with ``auth`` entries."""
-    auths = {host: {"auth": base64.b64encode(f"{u}:{p}".encode()).decode()} for host, (u, p) in entries.items()}
-    path.write_text(json.dumps({"auths": auths}))
-    return path
 
 
 def pool_env(tmp_path: Path, host: str, *, file_hosts: tuple[str, ...] = (), insecure: tuple[str, ...] = ()

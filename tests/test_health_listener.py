@@ -1,68 +1,32 @@
 """The health-only TCP listener (issue 21 item 2): what the kubelet's httpGet probes reach.
 
-It serves ``GET /healthz`` and ``GET /readyz`` and nothing else — the API stays on the Unix
-socket — and a probe costs the runtime well under the 20 ms of CPU the issue allows (the exec
+It serves ``GET /healthz`` and ``GET /readyz`` (and ``GET /metrics``: tests/test_metrics.py) and
+nothing else — the API stays on the Unix socket — and a probe costs the runtime well under the 20 ms of CPU the issue allows (the exec
 probe it replaces, ``vmsidecar-runtime ready``, cost 1.1-1.7 s a run).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fixtures.waiting import wait_until_async
+from fixtures.health import health_runtime as _health_runtime
+from fixtures.health import http_get as _get
 
 #: the goal of issue 21: CPU per probe, runtime side
 PROBE_CPU_GOAL_S = 0.020
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(port: int, path: str, method: str = "GET", body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One request on a new connection, as the kubelet probes (no keep-alive)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request(method, path, body=body, headers={"Connection": "close", **(headers or {})})
-        response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        conn.close()
-
-
 def _cpu_s(pid: int) -> float:
     """utime + stime of one process (its threads, not its children: QEMU is not counted)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-async def _health_runtime(start_runtime: Any, **kwargs: Any) -> tuple[Any, int]:
-    port = _free_port()
-    rt = await start_runtime(extra_args=["--health-listen", f"127.0.0.1:{port}", *kwargs.pop("extra_args", [])],
-                             **kwargs)
-
-    def answers() -> bool:
-        try:
-            _get(port, "/healthz")
-            return True
-        except OSError:
-            return False
-
-    # the health site starts with the API
-    await wait_until_async(answers, 10, f"127.0.0.1:{port} to answer", detail=lambda: rt.log_text()[-2000:])
-    return rt, port
 
 
 async def test_health_listener_serves_probes_and_nothing_else(start_runtime: Any, tiny_image: Any) -> None:
@@ -77,7 +41,7 @@ async def test_health_listener_serves_probes_and_nothing_else(start_runtime: Any
     # the API is not on this port, whatever the method: not one state-changing endpoint
     for method, path in [("GET", "/v1/vm"), ("GET", "/v1/vm/spec"), ("PUT", "/v1/vm/spec"), ("POST", "/v1/shutdown"),
                          ("POST", "/v1/vm/power"), ("POST", "/v1/vm/recycle"), ("GET", "/v1/events"),
-                         ("GET", "/v1/vm/disk"), ("GET", "/"), ("GET", "/metrics"), ("GET", "/healthz/"),
+                         ("GET", "/v1/vm/disk"), ("GET", "/"), ("GET", "/metrics/"), ("GET", "/healthz/"),
                          ("GET", "/openapi.json")]:
         status, _, body = _get(port, path, method, body=b"{}" if method != "GET" else None)
         assert status == 404, (method, path, status, body)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -19,6 +20,9 @@ AUDIT_LOGGER = "vmsidecar.audit"
 log = logging.getLogger(AUDIT_LOGGER)
 #: a reference longer than this is cut (a lease holder's megabyte-long reference must not flood the log)
 MAX_TARGET = 512
+#: ``user:password@`` in free text (an error message quoting what a caller sent)
+#: (at the start of a URL's authority or of a quoted reference: ``repo:tag@sha256:`` is no userinfo)
+_USERINFO = re.compile(r"(?:(?<=://)|(?<=[\s'\"(])|^)[^\s'\"/@:]+:[^\s'\"/@]+@")
 
 
 def redact(reference: str | None) -> str | None:
@@ -41,6 +45,11 @@ def redact(reference: str | None) -> str | None:
             head = head.rpartition("@")[2]
         text = head + slash + tail
     return text if len(text) <= MAX_TARGET else text[:MAX_TARGET] + "…"
+
+
+def scrub(text: str) -> str:
+    """``text`` (a message that may quote a caller's reference) with every ``user:password@`` cut out."""
+    return _USERINFO.sub("<redacted>@", text)
 
 
 def write(**fields: Any) -> None:

@@ -24,7 +24,7 @@ from vmsidecar_contract.errors import RequestError, VmsidecarError
 from vmsidecar_contract.models import Accepted, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
 
-from .. import metrics
+from .. import audit, metrics
 from ..controller import VmController
 from ..perms import share
 from .audit import audit_middleware
@@ -58,10 +58,11 @@ async def _rendered(request: web.Request, handler: Handler) -> web.StreamRespons
     try:
         return await handler(request)
     except VmsidecarError as e:
-        log.info("%s %s -> %d %s: %s", request.method, request.path, e.http_status, e.code, e.message)
+        # the message may quote a caller's reference: the log gets it without credentials
+        log.info("%s %s -> %d %s: %s", request.method, request.path, e.http_status, e.code, audit.scrub(e.message))
         return web.json_response(e.to_dict(), status=e.http_status)
     except HttpRefusal as e:
-        log.info("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
+        log.info("%s %s -> %d: %s", request.method, request.path, e.status, audit.scrub(e.message))
         return _error_response(e.status, "http_error", e.message)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
