@@ -217,10 +217,10 @@ async def test_a_pull_whose_client_went_away_is_cancelled_and_never_installed(
     vm = fvm.vm
     await _ready(fvm)
     base = vm.state().image_digest
-    transfer = vm.begin_transfer("the flash from a client that goes away")
+    transfer = vm.transfers.begin("the flash from a client that goes away")
     flash = asyncio.create_task(vm.flash_reference(f"file:{fake_images.other}", power_off=True, transfer=transfer))
     await held.wait_started()
-    vm.cancel_transfer("its client went away", transfer)
+    vm.transfers.cancel("its client went away", transfer)
     with pytest.raises(TransferError) as exc:
         await flash
     assert exc.value.code == "transfer_cancelled" and "its client went away" in exc.value.message
@@ -240,7 +240,7 @@ async def test_a_pull_past_its_deadline_ends_with_pull_timeout_and_frees_the_slo
     # the deadline also bounds the recycle's own pull of the base below: 0.3 s was too short for
     # that real pull on a loaded CI machine
     assert 1.5 <= time.monotonic() - started < 5
-    vm.end_transfer(vm.begin_transfer("the next flash"))  # the slot is free again
+    vm.transfers.end(vm.transfers.begin("the next flash"))  # the slot is free again
     await vm.recycle()
     assert (await until(vm, READY)).generation == 1
 

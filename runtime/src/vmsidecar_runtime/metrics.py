@@ -13,8 +13,9 @@ holder sends can create one (no unbounded cardinality).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -156,6 +157,17 @@ def rss_bytes(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+@contextlib.contextmanager
+def outcome(counter: Counter) -> Iterator[None]:
+    """Count the block under ``counter``'s ``outcome`` label: ``error`` when it raises, else ``ok``."""
+    try:
+        yield
+    except Exception:
+        counter.labels("error").inc()
+        raise
+    counter.labels("ok").inc()
 
 
 def qemu_child(pids: Iterable[int]) -> int | None:

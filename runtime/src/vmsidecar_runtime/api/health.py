@@ -19,7 +19,7 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.models import Health
 from vmsidecar_contract.state import Phase
 
-from .. import metrics
+from .. import metrics, procs
 from ..controller import VmController
 from .listen import HEALTH_LISTEN_ENV, HEALTH_LISTEN_FLAG, parse_listen
 
@@ -81,8 +81,16 @@ def make_health_app(vm: VmController) -> web.Application:
     app.router.add_get("/healthz", healthz, allow_head=False)
     app.router.add_get("/readyz", readyz, allow_head=False)
     app.router.add_get("/metrics", metrics_handler, allow_head=False)
-    metrics.bind(vm.metrics_state)
+    metrics.bind(lambda: _scraped(vm))
     return app
+
+
+def _scraped(vm: VmController) -> metrics.State:
+    """What a scrape reads: cheap, no lock (QEMU is the runtime's one qemu-system child, if any)."""
+    from ..oci.cache import DiskCache  # the cache's module: not on a warm start's path before the API
+
+    return metrics.State(phase=vm.phase, generation=vm.generation, qemu_pid=metrics.qemu_child(procs.OWN),
+                         cache_bytes=DiskCache(vm.paths.cache).size())
 
 
 async def serve_health(vm: VmController, listen: str) -> tuple[web.AppRunner, tuple[str, int]]:

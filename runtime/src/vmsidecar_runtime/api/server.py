@@ -187,8 +187,8 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
         request,
         lambda progress: vm.flash_reference(req.reference, power_off=req.power_off, progress=progress,
                                             transfer=transfer),
-        cancel=lambda why: vm.cancel_transfer(why, transfer),
-        release=lambda: vm.end_transfer(transfer))
+        cancel=lambda why: vm.transfers.cancel(why, transfer),
+        release=lambda: vm.transfers.end(transfer))
 
 
 async def get_disk(request: web.Request) -> web.StreamResponse:

@@ -2,8 +2,8 @@
 
 A lease is tied to the runtime's generation (docs/architecture.md, "Leases and recycling"); the
 controller bumps it at every recycle and decides when a claim or a recycle happens. ``Lease`` keeps
-whether the current generation is claimed, refuses a recycle meant for an earlier generation, and
-clears what an ending lease leaves.
+whether the current generation is claimed and what its lease did (the audit trail's summary),
+refuses a recycle meant for an earlier generation, and clears what an ending lease leaves.
 
 The exporter claims when it hands a lease out, before the lease can do anything (CAN and network
 forwards reach the guest without a runtime call).
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from vmsidecar_contract.errors import GenerationChangedError
 
+from .. import audit
 from ..events import EventBus
 from .disks import Disks
+from .ledger import LeaseLedger
 from .streams import GuestStreams
 
 
@@ -27,6 +29,8 @@ class Lease:
         self._events = events
         #: a lease has the current generation (no capture starts; the next claim recycles first)
         self.claimed = False
+        #: what the current generation's lease did, for its summary line when it ends
+        self.ledger = LeaseLedger()
 
     def require_generation(self, if_generation: int | None) -> None:
         """:raise GenerationChangedError: ``if_generation`` is no longer the current one (an earlier
@@ -51,3 +55,9 @@ class Lease:
         await self._disks.discard_lease()
         self._streams.clear_for_next_lease()
         self.claimed = claim
+        self.summarize("claim" if claim else "recycle")
+        self.ledger = LeaseLedger()
+
+    def summarize(self, ended_by: str) -> None:
+        """The audit trail's summary line of the current generation's lease."""
+        audit.write(**self.ledger.summary(self._events.generation, ended_by))

@@ -1,6 +1,6 @@
 """What one lease did, for the audit trail's summary line at its end (``vmsidecar.audit``).
 
-The controller keeps one ``LeaseLedger`` per generation: ``DiskOps`` adds what a flash brought in
+``Lease`` keeps one ``LeaseLedger`` per generation: ``DiskOps`` adds what a flash brought in
 and a dump took out, the API's audit middleware the power operations a caller asked for, the
 claim when the lease began. The recycle (or the shutdown of ExitAndReplace) drains it into one
 summary and starts the next generation's.
@@ -17,7 +17,6 @@ from typing import Any
 class LeaseLedger:
     """One generation's activity."""
 
-    generation: int
     started: float = field(default_factory=time.monotonic)
     claimed_at: float | None = None
     #: every disk flashed: ``REFERENCE@DIGEST`` (``upload@DIGEST`` for an upload), credentials stripped
@@ -40,11 +39,11 @@ class LeaseLedger:
     def power_operation(self) -> None:
         self.power_operations += 1
 
-    def summary(self, ended_by: str) -> dict[str, Any]:
+    def summary(self, generation: int, ended_by: str) -> dict[str, Any]:
         """The summary line's fields; the lease's duration runs from its claim (else from the
         generation's start, for a generation no lease claimed)."""
         since = self.claimed_at if self.claimed_at is not None else self.started
-        return {"audit": "lease", "generation": self.generation, "claimed": self.claimed_at is not None,
+        return {"audit": "lease", "generation": generation, "claimed": self.claimed_at is not None,
                 "ended_by": ended_by, "flashed": list(self.flashed), "power_operations": self.power_operations,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "duration_s": round(time.monotonic() - since, 3)}

@@ -74,6 +74,14 @@ class Machine:
         """Whether a backend process/domain exists and runs."""
         return self.backend is not None and self.backend.alive
 
+    def forwards(self) -> dict[str, str]:
+        """Each network forward's host address, once a boot plan has given it a port."""
+        plan = self.plan
+        if plan is None:
+            return {}
+        return {f.name: f"{f.host_address}:{plan.ports[f.name]}" for f in plan.spec.network.forwards
+                if f.name in plan.ports}
+
     def choose_accel(self, spec: VmSpec) -> AccelChoice:
         """KVM or TCG for the next boot, with the reason."""
         self.accel = choose_accel(spec.accel, spec.arch)

@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import SpecError, VmsidecarError
+from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, Phase, SnapshotInfo, VmState
 
-from .. import audit, metrics, procs
+from .. import metrics
 from ..backend import BackendFactory, create_backend
 from ..disk import DiskImage
 from ..events import EventBus
 from ..hostpaths import HostPathPolicy
+from .admission import admit_api_spec
 from .disk_ops import DiskOps
 from .disks import Disks, Progress
 from .lease import Lease
@@ -57,15 +58,14 @@ class VmController:
         self.disks = Disks(paths, pull_fn)
         self.streams = GuestStreams(paths)
         self._phases = PhaseMachine(self.events)
-        self._transfers = Transfers(self.disks, self.events, pull_timeout)
+        #: the VM's one disk transfer slot (``Transfers``: begin, end, cancel)
+        self.transfers = Transfers(self.disks, self.events, pull_timeout)
         self._lease = Lease(self.disks, self.streams, self.events)
         self._snapshots = SnapshotOps(paths, self.disks)
         self._power = Power(paths, self._phases, self.events, self.disks, self.streams, self._snapshots,
-                            self._lease, self._transfers, backend_factory)
-        #: what the current generation's lease did, for its summary line at the recycle
-        self.ledger = LeaseLedger(self.generation)
-        self._disk_ops = DiskOps(self._phases, self.events, self.disks, self._transfers, self._power,
-                                 self.host_paths, lambda: self.ledger)
+                            self._lease, self.transfers, backend_factory)
+        self._disk_ops = DiskOps(self._phases, self.events, self.disks, self.transfers, self._power,
+                                 self.host_paths, lambda: self._lease.ledger)
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
         self._background: set[asyncio.Task[None]] = set()
@@ -83,35 +83,27 @@ class VmController:
     @property
     def pull_timeout(self) -> float:
         """Seconds one pull or upload flash may take (serve --pull-timeout)."""
-        return self._transfers.pull_timeout
+        return self.transfers.pull_timeout
+
+    @property
+    def ledger(self) -> LeaseLedger:
+        """What the current generation's lease did (the API's audit middleware counts power operations)."""
+        return self._lease.ledger
 
     @property
     def snapshot_info(self) -> SnapshotInfo:
         return self._snapshots.info
 
-    def metrics_state(self) -> metrics.State:
-        """What a scrape reads (``metrics.StateCollector``): cheap, no lock."""
-        from ..oci.cache import DiskCache  # the cache's module: not on a warm start's path before the API
-
-        return metrics.State(phase=self.phase, generation=self.generation,
-                             qemu_pid=metrics.qemu_child(procs.OWN) if self._power.machine.alive else None,
-                             cache_bytes=DiskCache(self.paths.cache).size())
-
     def state(self) -> VmState:
         """A snapshot for ``GET /v1/vm``."""
         disk, machine, error = self.disks.current, self._power.machine, self._phases.last_error
-        plan = machine.plan
-        forwards = {}
-        if plan is not None:
-            forwards = {f.name: f"{f.host_address}:{plan.ports[f.name]}"
-                        for f in plan.spec.network.forwards if f.name in plan.ports}
         return VmState(
             phase=self.phase, generation=self.generation, boot=machine.boot_count, claimed=self._lease.claimed,
             backend=self.spec.backend if self.spec else "qemu", image=self.spec.image if self.spec else None,
             image_digest=disk.digest if disk else None, disk=disk.source if disk else None,
             accel=machine.accel.accel if machine.accel else None,
             accel_reason=machine.accel.reason if machine.accel else None,
-            timings=machine.timings, forwards=forwards, sockets=self.streams.sockets(),
+            timings=machine.timings, forwards=machine.forwards(), sockets=self.streams.sockets(),
             last_error=error.to_dict() if error else None, last_exit=machine.last_exit,
             console_tail=self.streams.tail() if self.phase in (Phase.ERROR, Phase.CRASHED) else None,
             snapshot=self._snapshots.info, **readiness_state(self.spec, disk),
@@ -153,7 +145,7 @@ class VmController:
         async with self._phases.lock:
             await self._power.stop(graceful=True, timeout=20)
             self._phases.set(Phase.STOPPED, reason="shutdown")
-            audit.write(**self.ledger.summary("shutdown"))
+            self._lease.summarize("shutdown")
         self.shutdown_requested.set()
 
     # ---- spec ----------------------------------------------------------------------------
@@ -164,11 +156,8 @@ class VmController:
         :raise HostPathError: a host path over the API that the administrator did not allow.
         :raise StateError: while the VM runs with a different spec.
         """
-        if from_api and spec.extra_args and not self.allow_extra_args:
-            raise SpecError("extra_args may only be set by an administrator; start the runtime with "
-                            "--allow-extra-args or put them in the runtime's own --spec file")
         if from_api:
-            self.host_paths.check_spec(spec, self.spec)
+            admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
         check_native_can(spec)
         async with self._phases.lock:
             if spec == self.spec:
@@ -230,7 +219,7 @@ class VmController:
         """
         self._lease.require_generation(if_generation)
         # before the lock: an upload flash of the ending lease holds it while it receives
-        self.cancel_transfer(f"the lease it belonged to ended (generation {self.generation} is being recycled)")
+        self.transfers.cancel(f"the lease it belonged to ended (generation {self.generation} is being recycled)")
         async with self._phases.lock:
             self._lease.require_generation(if_generation)
             await self._recycle_locked(boot=boot)
@@ -246,7 +235,7 @@ class VmController:
         before it serves the lease): from then on no capture starts; one already under way (it
         began on a guest no lease had) is waited for.
         """
-        self.cancel_transfer("the next lease claimed the VM")
+        self.transfers.cancel("the next lease claimed the VM")
         if self._lease.claim_unclaimed():
             await self._snapshots.capture_finished()
             self._claimed()
@@ -258,7 +247,7 @@ class VmController:
             return self.state()
 
     def _claimed(self) -> None:
-        self.ledger.claimed()
+        self._lease.ledger.claimed()
         metrics.leases_claimed.inc()
         self.events.publish("claimed", generation=self.generation)
 
@@ -266,35 +255,18 @@ class VmController:
         """``claim``: the fresh generation is the claiming lease's from the start (its boot is
         never captured, and no other claim can take it in the meantime)."""
         started = time.monotonic()
-        try:
+        with metrics.outcome(metrics.recycles):
             await self._power.stop(graceful=False)
-            await self._lease.clear(claim=claim)  # disk files, scrollback, console clients
+            await self._lease.clear(claim=claim)  # disk files, scrollback, console clients, the ledger's summary
             self._power.machine.forget_lease()  # timings, last exit
             self._phases.last_error = None
-            audit.write(**self.ledger.summary("claim" if claim else "recycle"))
             self.events.generation += 1
-            self.ledger = LeaseLedger(self.generation)
             self._phases.set(Phase.STOPPED, reason="recycled")
             self.events.publish("recycled", generation=self.generation)
             if boot and self.spec is not None and self.spec.image:
                 await self._power.boot(self.spec, recycle_started=started)
-        except Exception:
-            metrics.recycles.labels("error").inc()
-            raise
-        metrics.recycles.labels("ok").inc()
 
     # ---- disks ---------------------------------------------------------------------------
-    def begin_transfer(self, what: str) -> Transfer:
-        """Reserve the VM's one disk transfer for this generation (``Transfers.begin``; the caller ends it)."""
-        return self._transfers.begin(what)
-
-    def end_transfer(self, transfer: Transfer) -> None:
-        self._transfers.end(transfer)
-
-    def cancel_transfer(self, reason: str, transfer: Transfer | None = None) -> None:
-        """Give up the transfer under way (only ``transfer``, when named): nothing of it is installed."""
-        self._transfers.cancel(reason, transfer)
-
     async def pull(self, reference: str | None = None, *, progress: Progress | None = None,
                    transfer: Transfer | None = None) -> DiskImage:
         """Pull an image into the cache (or reuse it) as a base disk; nothing is installed (``Transfers.pull``)."""
