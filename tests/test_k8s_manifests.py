@@ -125,7 +125,8 @@ def test_every_emptydir_is_bounded_and_the_cache_budget_fits_its_volume(name: st
     """A guest's writes, flashes and logs, and the image cache, cannot fill the node (issue 19 item 8)."""
     spec = _pod_specs()[name]
     empty_dirs = [v for v in spec["volumes"] if "emptyDir" in v]
-    assert {v["name"] for v in empty_dirs} >= {"shared", "state"}
+    # scripts/pod renders pod.yaml's emptyDirs with the pod's name in front (vmsidecar-shared)
+    assert {v["name"].removeprefix("vmsidecar-") for v in empty_dirs} >= {"shared", "state"}
     for volume in empty_dirs:
         assert volume["emptyDir"].get("sizeLimit"), f"{name}: emptyDir {volume['name']} has no sizeLimit"
     runtime = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "runtime")
