@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Any
 from anyio import connect_unix
 from jumpstarter.driver import Driver, export, exportstream
 
+from .metrics import metered_driver
+
 if TYPE_CHECKING:
     from .driver import VirtualMachine
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmConsole(Driver):
     """``j vm console start-console|pipe`` and ``.pexpect()``: the guest's serial or virtio console.

@@ -35,6 +35,7 @@ from vmsidecar_contract.spec import VmSpec, load_spec
 from .console import VmConsole
 from .lease_exit import request_exit_after_lease, serves_a_lease
 from .link import RuntimeLink
+from .metrics import lease_ended, lease_started, metered_driver
 from .power import VmPower
 from .storage import VmStorage
 
@@ -47,6 +48,7 @@ SPEC_RETRY_S = 120.0
 SPEC_RETRY_EVERY_S = 0.5
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VirtualMachine(Driver):
     """A VM served by a vmsidecar runtime over its Unix-socket API."""
@@ -65,6 +67,8 @@ class VirtualMachine(Driver):
     _spec: VmSpec | None = field(init=False, default=None, repr=False)
     #: upstream ``Can`` children, whose python-can buses ``close`` shuts down
     _can_children: list[Any] = field(init=False, default_factory=list, repr=False)
+    #: when this tree's lease began (``metrics.lease_started``); None for a tree that serves no lease
+    _lease_began: float | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,6 +138,8 @@ class VirtualMachine(Driver):
         super().reset()
         self.link = RuntimeLink(Path(self.socket), spec=self._spec, on_claim=self._on_claim)
         lease = serves_a_lease()
+        if lease and self._lease_began is None:
+            self._lease_began = lease_started()
         try:
             if lease:
                 self.link.claim_now()  # pushes the spec first
@@ -182,6 +188,9 @@ class VirtualMachine(Driver):
 
     def close(self) -> None:
         """Session end: for a tree that served a lease, recycle (InPlaceReuse) or stop the runtime (ExitAndReplace)."""
+        if self._lease_began is not None:  # the lease ends with its session, before the recycle
+            lease_ended(self._lease_began)
+            self._lease_began = None
         try:
             generation = self.link.claimed_generation
             if generation is None:

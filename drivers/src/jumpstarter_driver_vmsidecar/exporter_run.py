@@ -9,6 +9,9 @@ without importing the rest of the CLI, and does the parent's job (restart after 
 rapid-failure limit) in a loop. ``run`` takes ``jmp run``'s options, so a pod's
 ``args: [run, --exporter-config, …]`` work unchanged; anything else (another subcommand,
 ``--exporter NAME``, ``--help``) is handed to the real ``jmp``.
+
+``--metrics-listen HOST:PORT`` (or ``VMSIDECAR_EXPORTER_METRICS_LISTEN``) serves the exporter's own
+Prometheus metrics (``metrics``) at ``GET /metrics``; ``jmp run`` has no such option.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from .metrics_http import METRICS_LISTEN_ENV, METRICS_LISTEN_FLAG
 
 #: the argv[0] name lease_exit recognises as "jmp run" in controller mode
 PROG = "vmsidecar-exporter"
@@ -37,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key")
     p.add_argument("--passphrase")
     p.add_argument("--log-level")
+    p.add_argument(METRICS_LISTEN_FLAG, dest="metrics_listen", default=os.environ.get(METRICS_LISTEN_ENV) or None)
     return p
 
 
@@ -79,6 +85,14 @@ def run(argv: list[str]) -> int:
         print(f"Error: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=(args.log_level or "INFO").upper())
+    if args.metrics_listen is not None:
+        from .metrics_http import serve_metrics
+
+        try:
+            serve_metrics(args.metrics_listen)
+        except (ValueError, OSError) as e:
+            print(f"Error: {e}", file=sys.stderr)
+            return 2
     sys.argv = [PROG, "run", *argv]  # lease_exit reads the mode from argv, as it does under `jmp run`
 
     from jumpstarter.config.exporter import ExporterConfigV1Alpha1

@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from jumpstarter.driver import Driver, export
 
+from .metrics import metered_driver
+
 if TYPE_CHECKING:
     from .driver import VirtualMachine
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmGpio(Driver):
     """``gpio``: one child per line of the spec."""
@@ -83,6 +86,7 @@ class _Line(Driver):
         return int((await self._call({"op": "get"}))["value"])
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmGpioOutput(_Line):
     """A guest input the host drives (``j vm gpio NAME on|off|read``)."""
@@ -102,6 +106,7 @@ class VmGpioOutput(_Line):
         await self._call({"op": "set", "value": 0})
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmGpioInput(_Line):
     """A guest output the host reads and waits on."""

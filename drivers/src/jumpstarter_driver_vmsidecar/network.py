@@ -11,10 +11,13 @@ from anyio import connect_tcp
 from jumpstarter.driver import Driver, export, exportstream
 from jumpstarter_driver_network.driver import NetworkInterface
 
+from .metrics import metered_driver
+
 if TYPE_CHECKING:
     from .driver import VirtualMachine
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmForward(NetworkInterface, Driver):
     """``j vm <name> forward-tcp PORT``: the runtime picked the host port at boot; it is read each time."""

@@ -10,6 +10,8 @@ from jumpstarter.driver import Driver, export
 from jumpstarter_driver_power.common import PowerReading
 from jumpstarter_driver_power.driver import PowerInterface
 
+from .metrics import metered_driver
+
 if TYPE_CHECKING:
     from .driver import VirtualMachine
 
@@ -18,6 +20,7 @@ ON_READING = PowerReading(voltage=5.0, current=1.0)
 OFF_READING = PowerReading(voltage=0.0, current=0.0)
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmPower(PowerInterface, Driver):
     """``j vm power on|off|cycle|read``; ``hard_reset`` presses the reset button."""

@@ -26,6 +26,8 @@ from pydantic import TypeAdapter
 
 from vmsidecar_contract.client import RuntimeClient
 
+from .metrics import metered_driver
+
 if TYPE_CHECKING:
     from .driver import VirtualMachine
 
@@ -65,6 +67,7 @@ async def check_url(handle: Any, *, allow_local: bool) -> None:
             "true in the exporter config (a laptop, never a shared pod)")
 
 
+@metered_driver
 @dataclass(kw_only=True)
 class VmStorage(FlasherInterface, Driver):
     """``j vm storage flash FILE|URL|oci://REF`` and ``dump FILE``."""
