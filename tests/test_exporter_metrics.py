@@ -90,9 +90,9 @@ def test_every_exported_method_of_every_driver_is_counted_and_keeps_its_kind() -
 
 
 def test_listen_address_errors_name_the_flag_and_the_form() -> None:
-    assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_listen("127.0.0.1:8082") == ("127.0.0.1", 8082)
     assert parse_listen("[::1]:0") == ("::1", 0)
-    for bad in ("9464", "localhost:9464", "127.0.0.1:70000", ":9464"):
+    for bad in ("8082", "localhost:8082", "127.0.0.1:70000", ":8082"):
         with pytest.raises(ValueError, match=r"--metrics-listen .* is not HOST:PORT .*VMSIDECAR_EXPORTER_METRICS_LISTEN"):
             parse_listen(bad)
 

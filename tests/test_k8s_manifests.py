@@ -17,6 +17,7 @@ from vmsidecar_runtime.oci.cache import BUDGET_ENV, DEFAULT_BUDGET
 
 ROOT = Path(__file__).parents[1]
 CRDS = ROOT / "tests" / "data" / "upstream-crds"  # vendored; source and commit in its README
+MONITORING_CRDS = ROOT / "tests" / "data" / "prometheus-operator-crds"  # the same, for the PodMonitor
 K8S_VERSION = "1.31"
 
 
@@ -24,13 +25,14 @@ def _docs(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def _crd_schema(kind: str) -> dict:
-    for crd in CRDS.glob("*.yaml"):
+def _crd_schema(kind: str, api_version: str = "virtualtarget.jumpstarter.dev/v1alpha1") -> dict:
+    group, _, name = api_version.partition("/")
+    for crd in [*CRDS.glob("*.yaml"), *MONITORING_CRDS.glob("*.yaml")]:
         doc = yaml.safe_load(crd.read_text())
-        if doc["spec"]["names"]["kind"] == kind:
-            version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1alpha1")
+        if doc["spec"]["group"] == group and doc["spec"]["names"]["kind"] == kind:
+            version = next(v for v in doc["spec"]["versions"] if v["name"] == name)
             return version["schema"]["openAPIV3Schema"]
-    raise AssertionError(f"no CRD for {kind} in {CRDS}")
+    raise AssertionError(f"no CRD for {api_version} {kind} in {CRDS} or {MONITORING_CRDS}")
 
 
 MANIFESTS = sorted((ROOT / "container" / "k8s").glob("*.yaml"))
@@ -39,8 +41,8 @@ MANIFESTS = sorted((ROOT / "container" / "k8s").glob("*.yaml"))
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
 def test_manifest_validates(path: Path) -> None:
     for doc in _docs(path):
-        if doc["apiVersion"].startswith("virtualtarget.jumpstarter.dev/"):
-            jsonschema.validate(doc, _crd_schema(doc["kind"]))
+        if doc["apiVersion"].startswith(("virtualtarget.jumpstarter.dev/", "monitoring.coreos.com/")):
+            jsonschema.validate(doc, _crd_schema(doc["kind"], doc["apiVersion"]))
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -215,3 +217,35 @@ def test_scripts_pod_gives_each_pod_its_own_empty_dirs() -> None:
     a, b = empty_dirs("pod-a"), empty_dirs("pod-b")
     assert a and not a & b
     assert all(v.startswith("pod-a-") for v in a)
+
+
+def _podmonitor() -> dict:
+    return next(d for d in _docs(ROOT / "container" / "k8s" / "podmonitor.yaml") if d["kind"] == "PodMonitor")
+
+
+def test_the_podmonitor_scrapes_what_the_sample_pod_serves() -> None:
+    """Issue 22: each endpoint names a port the sample pod declares, on the listener its env turns on,
+    and the selector picks that pod (a renamed port or label would silently scrape nothing)."""
+    monitor = _podmonitor()
+    pod = next(d for d in _docs(ROOT / "container" / "k8s" / "pod-sidecar.yaml") if d["kind"] == "Pod")
+    labels = pod["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert set(monitor["spec"]["podTargetLabels"]) <= set(labels)
+    listens = {"health": "VMSIDECAR_HEALTH_LISTEN", "metrics": "VMSIDECAR_EXPORTER_METRICS_LISTEN"}
+    containers = {c["name"]: c for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]}
+    scraped = set()
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["path"] == "/metrics"
+        owner, port = next((c, p) for c in containers.values() for p in c.get("ports", [])
+                           if p["name"] == endpoint["port"])
+        env = {e["name"]: e.get("value") for e in owner.get("env", [])}
+        assert env[listens[endpoint["port"]]] == f"0.0.0.0:{port['containerPort']}", (owner["name"], env)
+        scraped.add(owner["name"])
+    assert scraped == {"runtime", "exporter"}
+
+
+def test_a_bad_podmonitor_is_caught() -> None:
+    bad = _podmonitor()
+    bad["spec"]["podMetricsEndpoints"] = [{"portNumber": 70000}]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, _crd_schema(bad["kind"], bad["apiVersion"]))

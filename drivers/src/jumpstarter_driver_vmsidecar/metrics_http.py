@@ -44,7 +44,7 @@ def parse_listen(value: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(
             f"{METRICS_LISTEN_FLAG} {value!r} is not HOST:PORT with an IP address and a port 0-65535 "
-            f"(e.g. 0.0.0.0:9464 in a pod, 127.0.0.1:9464 on a laptop, [::]:9464; also {METRICS_LISTEN_ENV})"
+            f"(e.g. 0.0.0.0:8082 in a pod, 127.0.0.1:8082 on a laptop, [::]:8082; also {METRICS_LISTEN_ENV})"
         ) from None
     return host, port
 
