@@ -24,8 +24,10 @@ from jumpstarter.driver.decorators import (
     MARKER_STREAMCALL,
     MARKER_STREAMING_DRIVERCALL,
 )
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
+#: no ``*_created`` series, as in the runtime's metrics: they double the exposition for nothing
+disable_created_metrics()
 #: the exporter's registry (not prometheus_client's global one: only these metrics are served)
 REGISTRY = CollectorRegistry(auto_describe=True)
 
