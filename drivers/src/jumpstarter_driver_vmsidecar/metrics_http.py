@@ -9,7 +9,6 @@ nothing is dropped after ``TIMEOUT_S`` and at most ``MAX_CLIENTS`` are served at
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -17,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vmsidecar_contract import listen
 
 from .metrics import REGISTRY
 
@@ -29,24 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[ADDR]:PORT``) → (host, port); port 0 picks a free one.
-
-    :raise ValueError: naming the flag, the value and the form it takes.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port = int(port_text)
-        if not sep or not host or not 0 <= port <= 65535:
-            raise ValueError(value)
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(
-            f"{METRICS_LISTEN_FLAG} {value!r} is not HOST:PORT with an IP address and a port 0-65535 "
-            f"(e.g. 0.0.0.0:8082 in a pod, 127.0.0.1:8082 on a laptop, [::]:8082; also {METRICS_LISTEN_ENV})"
-        ) from None
-    return host, port
+    """``HOST:PORT`` → (host, port). :raise ValueError: naming the flag, the value and the form it takes."""
+    return listen.parse_listen(value, flag=METRICS_LISTEN_FLAG, env=METRICS_LISTEN_ENV, example_port=8082)
 
 
 class _Handler(BaseHTTPRequestHandler):
