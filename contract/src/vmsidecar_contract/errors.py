@@ -169,6 +169,10 @@ class ImageError(VmsidecarError):
         "manifest_not_found": "no such manifest",
         "unknown_form": "vmsidecar-oci push: a form other than artifact or containerdisk",
         "bad_readiness": "the image's io.vmsidecar.readiness.* annotations are not valid readiness settings",
+        "no_image": "vmsidecar-oci snapshot push: the spec names no image",
+        "not_registry_image": "vmsidecar-oci snapshot push: the spec's image is a file, with no OCI manifest",
+        "no_snapshot": "vmsidecar-oci snapshot push: the cache holds no snapshot of the spec",
+        "bad_snapshot": "vmsidecar-oci snapshot push: the cached snapshot fails its seal check",
     }
 
 

@@ -58,6 +58,12 @@ _UNIT_SHIFT = {"K": 10, "M": 20, "G": 30, "T": 40}
 #: upper bounds: a spec arrives over the API, and an absurd value must be a 400, not a failed boot
 MAX_MEMORY_MIB = 1 << 20  # 1 TiB
 MAX_TEXT = 4096
+#: a QEMU CPU model name (``max``, ``host``, ``Skylake-Client-v4``, ``cortex-a57``): one argv item,
+#: and no comma, so never a property list (``max,+vmx``) or anything but a model
+CPU_MODEL_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
+#: ``REGISTRY[:PORT]/REPO``: a repository, never a tag or digest (the runtime finds the artifact by
+#: the image's digest); checked again by the runtime's reference parser
+SNAPSHOT_SOURCE_PATTERN = r"^[A-Za-z0-9.\[\]:-]+/[a-z0-9._/-]+$"
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 #: bitrates slcand can set (-s0 … -s8)
 SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1000000)
@@ -261,6 +267,10 @@ class VmSpec(_Model):
     arch: Annotated[str, WithJsonSchema(_ARCH_SCHEMA)] = Field(
         default_factory=host_arch, description="x86_64 (or amd64) or aarch64 (or arm64); default: the host's")
     machine: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # a type name, no options
+    #: QEMU's CPU model by name (``-cpu NAME``; no ``+feature`` options): default ``host`` under KVM,
+    #: ``max`` (x86_64) or ``cortex-a57`` (aarch64) under TCG. Snapshots carry it in their key: a
+    #: named model makes them portable between nodes whose host CPUs differ (``host`` does not).
+    cpu: str | None = Field(default=None, max_length=64, pattern=CPU_MODEL_PATTERN)
     cpus: int = Field(default=1, ge=1, le=64)
     memory: Annotated[int, WithJsonSchema(_MEMORY_SCHEMA)] = Field(
         default=512, description="MiB; accepts '512M', '1G'; 16 MiB to 1 TiB")
@@ -281,6 +291,11 @@ class VmSpec(_Model):
     #: (recycles, warm starts); off: always boot. Falls back to a cold boot, with the reason in
     #: the state, whenever a snapshot cannot be taken or used.
     snapshot: Literal["auto", "off"] = "auto"
+    #: ``REGISTRY/REPO`` (no tag, no digest) to look for a snapshot artifact of this spec and image
+    #: in when the cache has none (``vmsidecar-oci snapshot push`` publishes them): found by the
+    #: image's manifest digest, used only when its key matches this runtime's exactly, fetched by
+    #: digest and verified; anything else boots cold, with the reason in the state (docs/oci.md).
+    snapshot_source: str | None = Field(default=None, max_length=MAX_TEXT, pattern=SNAPSHOT_SOURCE_PATTERN)
     #: Extra QEMU arguments, appended verbatim as separate argv items. For admins only: the
     #: runtime refuses them over the API unless started with --allow-extra-args.
     extra_args: list[Annotated[str, Field(max_length=MAX_TEXT)]] = Field(default=[], max_length=256)
@@ -369,7 +384,8 @@ def load_spec_text(text: str, source: str = "spec") -> VmSpec:
 
 
 #: Top-level scalar fields settable as VMSIDECAR_<FIELD> environment variables.
-ENV_FIELDS = ("image", "arch", "machine", "cpus", "memory", "accel", "firmware", "backend", "libvirt_uri")
+ENV_FIELDS = ("image", "arch", "machine", "cpu", "cpus", "memory", "accel", "firmware", "backend", "libvirt_uri",
+              "snapshot_source")
 #: Readiness fields settable as VMSIDECAR_READY_<FIELD> (and ``--ready-<field>`` flags).
 READY_ENV_FIELDS = ("pattern", "console", "timeout")
 

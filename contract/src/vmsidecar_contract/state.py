@@ -55,11 +55,20 @@ class Timings(BaseModel):
     pull: float | None = None
 
 
+SourceRefusal = Literal["not_found", "key_mismatch", "unreachable", "tampered", "bad_artifact", "too_large",
+                        "not_registry_image", "timeout"]
+
+
 class SnapshotInfo(BaseModel):
     """How memory snapshots serve this VM (``spec.snapshot``)."""
 
-    #: how the current boot began: booted cold, restored from the snapshot, or not begun
-    boot: Literal["none", "cold", "restored"] = "none"
+    #: how the current boot began: booted cold, restored from the snapshot in the cache, restored
+    #: from a snapshot fetched from the spec's ``snapshot_source`` (the cache had none), or not begun
+    boot: Literal["none", "cold", "restored", "registry_warm"] = "none"
+    #: why no snapshot of the spec's ``snapshot_source`` was used, when one was looked for (details
+    #: in ``reason``): none published for this image, a key that differs, the source unreachable or
+    #: refusing, an artifact that fails its digests or cannot be read, or one past the size caps
+    source_refusal: SourceRefusal | None = None
     #: why the current boot was cold, or why no snapshot is taken (flashed disk, libvirt, a device …)
     reason: str | None = None
     #: the snapshot in the cache for this spec and image, if any

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", help="VM spec file (YAML/JSON) instead of --image")
     p.add_argument("--memory", default=None)
     p.add_argument("--cpus", type=int, default=None)
+    p.add_argument("--cpu", metavar="MODEL", help="QEMU CPU model (default host under KVM, max under TCG)")
+    p.add_argument("--snapshot-source", metavar="REGISTRY/REPO",
+                   help="start from the snapshot artifact published there (vmsidecar-oci snapshot push) when "
+                        "the local cache has none: Ready without booting")
     p.add_argument("--recycle", choices=["ExitAndReplace", "InPlaceReuse"], default="ExitAndReplace")
     p.add_argument("--ready-pattern", metavar="REGEX",
                    help="regex on the console that makes the guest Ready ('' = as soon as it runs); default: the "
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="vmsidecar-local-"))
     options: list[str] = []
     for flag, value in (("--image", args.image), ("--memory", args.memory), ("--cpus", args.cpus),
+                        ("--cpu", args.cpu), ("--snapshot-source", args.snapshot_source),
                         ("--ready-pattern", args.ready_pattern), ("--ready-console", args.ready_console),
                         ("--ready-timeout", args.ready_timeout)):
         if value is not None:

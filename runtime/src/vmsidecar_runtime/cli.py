@@ -195,7 +195,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     # a wrong auth file or unscoped credentials stop the runtime now, not at its first pull
     registry_auth.configure(auth_file=args.registry_auth, insecure=args.insecure_registry)
     overrides: dict[str, Any] = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
-                                 "accel": args.accel, "backend": args.backend}
+                                 "accel": args.accel, "backend": args.backend, "cpu": args.cpu,
+                                 "snapshot_source": args.snapshot_source}
     ready = {k: v for k, v in {"pattern": args.ready_pattern, "console": args.ready_console,
                                "timeout": args.ready_timeout}.items() if v is not None}
     overrides["readiness"] = ready or None  # merged field by field over the file's and env's
@@ -228,6 +229,10 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--image", help="image reference (OCI, oci-layout:DIR[:TAG], file:PATH)")
     s.add_argument("--arch")
     s.add_argument("--cpus", type=int)
+    s.add_argument("--cpu", metavar="MODEL", help="QEMU CPU model (default host under KVM, max under TCG); also VMSIDECAR_CPU")
+    s.add_argument("--snapshot-source", metavar="REGISTRY/REPO",
+                   help="repository of snapshot artifacts to start from on an empty cache (docs/oci.md); "
+                        "also VMSIDECAR_SNAPSHOT_SOURCE")
     s.add_argument("--memory")
     s.add_argument("--accel", choices=["auto", "kvm", "tcg"])
     s.add_argument("--backend", choices=["qemu", "libvirt"])

@@ -42,6 +42,9 @@ class DiskImage:
     source: str  # the reference or "flash"
     #: the image's ``io.vmsidecar.*`` annotations (readiness); none for files and flashed streams
     annotations: Mapping[str, str] = field(default_factory=dict, compare=False)
+    #: the OCI manifest the disk came from (what a snapshot artifact's ``subject`` names); none for
+    #: files and flashed streams
+    manifest_digest: str | None = field(default=None, compare=False)
 
 
 async def run_tool(*argv: str) -> tuple[int, str, str]:

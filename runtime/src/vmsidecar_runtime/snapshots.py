@@ -70,13 +70,18 @@ def _qemu_version(arch: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else ""
 
 
+#: spec fields outside the key: whether and where snapshots are looked for change no guest, and
+#: the CPU model is in the key as the effective one (a spec naming the default shares its key)
+KEY_EXCLUDES = {"snapshot", "libvirt_uri", "snapshot_source", "cpu"}
+
+
 def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readiness: Readiness | None = None) -> str:
     """The cache key of the snapshot of ``spec`` booted from ``image_digest``, captured when
     ``readiness`` (default: the spec's) was met."""
     material = {
         "format": FORMAT,
         "image": image_digest,
-        "spec": spec.model_dump(mode="json", exclude={"snapshot", "libvirt_uri"})
+        "spec": spec.model_dump(mode="json", exclude=KEY_EXCLUDES)
         | {"readiness": (readiness or spec.readiness).model_dump(mode="json")},
         "qemu": qemu_version(spec.arch),
         "accel": accel,

@@ -9,6 +9,7 @@ import os
 import shutil
 
 from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import VmSpec
 
 from ..plan import BootPlan
 
@@ -23,6 +24,23 @@ TCG_CPU = {"x86_64": "max", "aarch64": "cortex-a57"}
 TCG_TB_SIZE_MIB = 64
 #: the Debian package that ships each architecture's emulator
 EMULATOR_PACKAGE = {"x86_64": "qemu-system-x86", "aarch64": "qemu-system-arm"}
+
+
+def effective_cpu(spec: VmSpec, accel: str) -> str:
+    """The QEMU CPU model of a boot: the spec's ``cpu``, else ``host`` under KVM and
+    :data:`TCG_CPU` under TCG (snapshots carry it in their key: ``-cpu host`` state does not move
+    between different host CPUs, a named model does).
+
+    :raise HostError: ``cpu: host`` under TCG (QEMU has no host CPU to pass through without KVM).
+    """
+    if spec.cpu is None:
+        return "host" if accel == "kvm" else TCG_CPU[spec.arch]
+    if spec.cpu == "host" and accel != "kvm":
+        raise HostError(
+            "cpu: host passes the host's CPU through, which needs KVM, and this boot runs under TCG; set cpu "
+            f"to a named model (e.g. {TCG_CPU[spec.arch]}), or give the runtime a usable /dev/kvm"
+        )
+    return spec.cpu
 
 
 def accel_option(accel: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..plan import GUEST_AGENT_PORT, SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
 from . import netguard
-from .common import MACHINE, TCG_CPU, accel_option, qemu_binary, user_netdev
+from .common import MACHINE, accel_option, effective_cpu, qemu_binary, user_netdev
 
 #: id of the user-mode NIC's netdev
 NETDEV_ID = "net0"
@@ -35,7 +35,7 @@ def _base(plan: BootPlan) -> list[str]:
         "-nodefaults", "-no-user-config", "-display", "none",
         "-machine", machine,
         "-accel", accel_option(plan.accel),
-        "-cpu", "host" if plan.accel == "kvm" else TCG_CPU[spec.arch],
+        "-cpu", effective_cpu(spec, plan.accel),
         "-smp", str(spec.cpus),
         "-m", f"{spec.memory}M",
         # Paused until the runtime has attached to every console: no boot byte is lost.

@@ -43,6 +43,8 @@ class Boot:
         """
         accel = self._machine.choose_accel(spec)
         snap = self._snapshots.plan(spec, accel.accel)
+        if snap is None:  # a cache miss: the spec's snapshot_source may have one
+            snap = await self._snapshots.from_source(spec)
         if snap is not None and await self._restore(spec, snap):
             metrics.snapshot_lookup("hit")
             return True

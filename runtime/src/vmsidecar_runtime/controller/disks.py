@@ -56,7 +56,8 @@ class Disks:
         pulled = await asyncio.to_thread(self._pull_fn or oci_pull, ref, self.paths.cache, arch=spec.arch,
                                          progress=progress or (lambda done, total: None))
         await check_image(pulled.path, pulled.format, f"image {ref}")  # also re-checks older cache entries
-        disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref, pulled.annotations)
+        disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref, pulled.annotations,
+                         pulled.manifest_digest)
         return disk, pulled, time.monotonic() - started
 
     async def overlay(self, backing: DiskImage | None = None) -> Path:

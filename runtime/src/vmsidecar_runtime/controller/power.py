@@ -112,7 +112,8 @@ class Power:
             self._phases.set(Phase.STARTING)
             started = time.monotonic()
             restored = await self._boot.start(spec)
-            kind: metrics.BootKind = "restored" if restored else "cold"
+            kind: metrics.BootKind = "cold" if not restored else (
+                "registry_warm" if self._snapshots.info.boot == "registry_warm" else "restored")
             metrics.boots.labels(kind).inc()
             self._until_ready = _UntilReady(kind, started, recycle_started)
             if restored:

@@ -36,13 +36,12 @@ from vmsidecar_contract.state import SnapshotInfo
 
 from .. import metrics
 from ..backend import Backend, guest_agent
-from ..backend.common import TCG_CPU
 from ..backend.factory import supports_snapshots
 from ..disk import DiskImage
-from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, snapshot_key
+from ..snapshot_identity import SnapshotIdentity, identify
+from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore
 from .disks import Disks
 from .paths import RuntimePaths
-from .readiness import effective_readiness
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +53,8 @@ CLOCK_TIMEOUT_S = 5.0
 #: how long Ready waits for guest-set-time's answer: the clock is set when the agent reads the
 #: command; the answer waits for ``hwclock -w`` (up to ~2.6 s under TCG), which Ready need not
 CLOCK_ANSWER_WAIT_S = 0.3
+#: bound on fetching a snapshot from the spec's snapshot_source (a cold boot is the fallback)
+SOURCE_FETCH_TIMEOUT_S = 120.0
 CLOCK_CORRECTED = "corrected"
 CLOCK_NO_AGENT = "no guest agent"
 
@@ -88,6 +89,10 @@ class SnapshotOps:
         self._uncapturable: dict[str, str] = {}
         #: set while a capture runs (it started before any lease had the guest); a claim waits for it
         self._capturing: asyncio.Event | None = None
+        #: what the current boot's snapshot must match (its key and the fields behind it)
+        self._identity: SnapshotIdentity | None = None
+        #: the snapshot this boot fetched from the spec's snapshot_source (its restore is "registry_warm")
+        self._fetched: Path | None = None
 
     def _why(self, reason: str) -> None:
         self.info = self.info.model_copy(update={"reason": reason})
@@ -116,19 +121,20 @@ class SnapshotOps:
             self._why(reason)
             return None
         assert base is not None
-        cpu = "host" if accel == "kvm" else TCG_CPU[spec.arch]
-        try:  # the image's annotations may set the readiness, i.e. the instant a snapshot is taken
-            readiness = effective_readiness(spec, base).readiness
-        except ImageError as e:  # the boot fails at its readiness watch, with this reason
+        try:
+            self._identity = identify(spec, base, accel)
+        except (ImageError, HostError) as e:  # the boot fails with this reason (readiness watch, QEMU's argv)
             self._why(e.message)
             metrics.snapshot_lookup("readiness_invalid")
             return None
-        return snapshot_key(spec, base.digest, accel, cpu, readiness)
+        return self._identity.key
 
     def plan(self, spec: VmSpec, accel: str) -> Snapshot | None:
         """Before a boot: the snapshot to restore, or None (and whether to capture one)."""
         self._capture_key = None
-        self.info = self.info.model_copy(update={"clock": None})
+        self._identity = None
+        self._fetched = None
+        self.info = self.info.model_copy(update={"clock": None, "source_refusal": None})
         key = self._key(spec, accel)
         self._planned_key = key
         snap = self._store.find(key) if key is not None else None
@@ -146,6 +152,31 @@ class SnapshotOps:
             self._why("no snapshot yet for this spec and image: this boot captures one at Ready")
             metrics.snapshot_lookup("none_cached")
         return None
+
+    async def from_source(self, spec: VmSpec) -> Snapshot | None:
+        """On a cache miss (this boot was to capture): the snapshot of the spec's ``snapshot_source``,
+        fetched, checked and committed to the cache; None (refusal recorded) when there is none to use.
+        Only the spec's source is read: a flashed or pulled disk never gets here (``_key``)."""
+        from ..oci.snapshot_fetch import SourceRefused, fetch_snapshot  # here: registry code only when asked
+
+        source, key, identity, base = spec.snapshot_source, self._capture_key, self._identity, self._disks.current
+        if source is None or key is None or identity is None or base is None:
+            return None
+        started = time.monotonic()
+        try:
+            snap = await asyncio.to_thread(fetch_snapshot, source, identity, base, self._store,
+                                           deadline=started + SOURCE_FETCH_TIMEOUT_S)
+        except SourceRefused as e:
+            log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
+            self.info = self.info.model_copy(update={"source_refusal": e.code})
+            self._why(f"no snapshot from the snapshot_source {source}: {e.message}; this boot captures one at Ready")
+            return None
+        log.info("snapshot %s fetched from %s in %.2f s (%d MB)", key, source, time.monotonic() - started,
+                 snap.size >> 20)
+        self._fetched, self._capture_key = snap.path, None
+        self._store.hold([self._disks.base, self._disks.current], snap)
+        self.info = self.info.model_copy(update={"available": True, "size": snap.size})
+        return snap
 
     def take_capture(self) -> str | None:
         """At a boot's Ready: the key this boot is to capture, or None (asked once per boot)."""
@@ -208,7 +239,7 @@ class SnapshotOps:
         update: dict[str, Any] = {"available": True, "restore_seconds": round(time.monotonic() - started, 3)}
         update["clock"] = await self._correct_clock(snap, agent_socket)
         if new_boot:
-            update |= {"boot": "restored", "reason": None}
+            update |= {"boot": "registry_warm" if snap.path == self._fetched else "restored", "reason": None}
             metrics.snapshot_restore.observe(update["restore_seconds"])
         self.info = self.info.model_copy(update=update)
 

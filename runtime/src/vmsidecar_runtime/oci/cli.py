@@ -95,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_http(p)
 
+    p = sub.add_parser("snapshot", help="memory snapshots as registry artifacts")
+    snap_sub = p.add_subparsers(dest="snapshot_command", required=True)
+    p = snap_sub.add_parser(
+        "push", help="publish the snapshot a runtime captured for a spec, as an OCI artifact referring to its image",
+        description="Publish the memory snapshot of SPEC's guest from the cache (a runtime with that spec must "
+        "have reached Ready on it) as an OCI 1.1 artifact whose subject is the image's manifest; a runtime "
+        "whose spec sets snapshot_source to REGISTRY/REPO then starts from it on an empty cache.")
+    p.add_argument("ref", help="REGISTRY/REPO[:TAG] (runtimes name REGISTRY/REPO as their snapshot_source)")
+    p.add_argument(
+        "--cache", type=Path, default=None, help=f"cache root (default ${ENV_CACHE} or {DEFAULT_CACHE})"
+    )
+    p.add_argument("--spec", type=Path, default=None,
+                   help="the VM spec the runtime ran (YAML/JSON; also VMSIDECAR_SPEC and VMSIDECAR_* as for the runtime)")
+    add_http(p)
+
     p = sub.add_parser("inspect", help="print what a reference resolves to (no disk download)")
     p.add_argument("ref")
     p.add_argument("--arch", default=None)
@@ -185,6 +200,19 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"{disk.format} {disk.digest} ({disk.size} bytes, {state}, {elapsed:.2f} s)", file=sys.stderr
             )
+        return 0
+    if args.command == "snapshot":
+        from vmsidecar_contract.spec import spec_from_sources
+
+        from .snapshot_push import push_snapshot
+
+        cache = args.cache or Path(os.environ.get(ENV_CACHE) or DEFAULT_CACHE)
+        start = time.monotonic()
+        pushed = push_snapshot(args.ref, cache, spec_from_sources(args.spec), plain_http=args.plain_http)
+        print(pushed.reference)
+        print(f"snapshot {pushed.key} of {pushed.subject}: {pushed.entry_bytes >> 20} MB in the cache, "
+              f"{pushed.pushed_bytes >> 20} MB pushed in {time.monotonic() - start:.2f} s"
+              + (" (referrers tag schema updated)" if pushed.tag_schema else ""), file=sys.stderr)
         return 0
     if args.command == "inspect":
         from .pull import inspect

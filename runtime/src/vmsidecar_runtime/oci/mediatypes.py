@@ -39,6 +39,12 @@ OCI_LAYER_TAR_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 
 DISKIMAGE_PREFIX = "application/vnd.diskimage."
 
+#: a memory snapshot published by ``vmsidecar-oci snapshot push`` (OCI 1.1 artifact; docs/oci.md)
+SNAPSHOT_ARTIFACT_TYPE = "application/vnd.vmsidecar.snapshot.v1"
+#: one file of a snapshot's cache entry, as it is / zstd-compressed (the title names the file)
+SNAPSHOT_FILE = "application/vnd.vmsidecar.snapshot.file.v1"
+SNAPSHOT_FILE_ZSTD = "application/vnd.vmsidecar.snapshot.file.v1+zstd"
+
 ANNOTATION_TITLE = "org.opencontainers.image.title"
 ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
 ANNOTATION_DISK_DIGEST = "io.vmsidecar.disk.digest"

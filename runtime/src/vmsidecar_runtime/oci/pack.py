@@ -245,7 +245,7 @@ def pack_artifact(
         disk_digest, disk_size = reader.digest, reader.size
     else:
         layer_path = workdir / f"layer-{disk.name}{_SUFFIX[compression]}.part"
-        disk_digest, disk_size, layer_digest, layer_size = _compress(disk, layer_path, compression)
+        disk_digest, disk_size, layer_digest, layer_size = compress_file(disk, layer_path, compression)
         name += _SUFFIX[compression]
     layer = Blob(
         media_type=disk_media_type(fmt, compression),
@@ -263,7 +263,8 @@ def pack_artifact(
     return Packed(manifest, digest, [config, layer], entry, fmt, disk_digest, disk_size)
 
 
-def _compress(disk: Path, out: Path, compression: Compression) -> tuple[str, int, str, int]:
+def compress_file(disk: Path, out: Path, compression: Compression) -> tuple[str, int, str, int]:
+    """Compress ``disk`` into ``out``: the digest and size of the input, then of the output."""
     with open(disk, "rb") as src, open(out, "wb") as f:
         reader = _HashingReader(src)
         blob = _HashingWriter(f)

@@ -21,7 +21,7 @@ from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryE
 from vmsidecar_runtime.image.digest import sha256_digest
 
 from .auth import HOW_TO_INSECURE, Credentials, RegistryConfig, current_config
-from .mediatypes import ACCEPT, load_document
+from .mediatypes import ACCEPT, OCI_INDEX, load_document
 from .reference import Reference
 from .transport import TRIES, OrasRegistry, Unreachable
 
@@ -204,11 +204,39 @@ class RegistryClient:
 
         :raise RegistryError: when the registry refuses it.
         """
+        self.put_manifest_response(reference, data, media_type)
+        return sha256_digest(data)
+
+    def put_manifest_response(self, reference: str, data: bytes, media_type: str) -> requests.Response:
+        """:meth:`put_manifest`, returning the registry's answer (its ``OCI-Subject`` header says
+        whether it indexed the manifest's ``subject`` itself).
+
+        :raise RegistryError: when the registry refuses it.
+        """
         url = f"{self.scheme}://{self.container.manifest_url(reference)}"
         response = self._call("pushing manifest", "PUT", url, data=data, headers={"Content-Type": media_type})
+        response.close()
         if response.status_code not in (200, 201, 202):
             raise self._fail(response, "pushing the manifest", f"{self.ref.name}:{reference}")
-        return sha256_digest(data)
+        return response
+
+    def referrers(self, digest: str, artifact_type: str) -> dict | None:
+        """The OCI 1.1 referrers index of ``digest`` filtered by ``artifact_type``, or None when the
+        registry has no referrers API (a 404: the caller reads the referrers tag schema instead).
+
+        :raise RegistryError: unreachable, unauthorized, or an answer that is not an index.
+        """
+        url = f"{self.scheme}://{self.host}/v2/{self.ref.repository}/referrers/{digest}"
+        subject = f"{self.ref.name} referrers of {digest}"
+        response = self._call("listing referrers", "GET", f"{url}?artifactType={artifact_type}",
+                              headers={"Accept": OCI_INDEX}, stream=True)
+        with contextlib.closing(response):
+            if response.status_code == 404:
+                return None
+            if response.status_code != 200:
+                raise self._fail(response, "the referrers", subject)
+            data = _read_limited(response, MAX_MANIFEST, subject)
+        return RawManifest(data, OCI_INDEX, sha256_digest(data)).json()
 
     def tags(self) -> list[str] | None:
         """The repository's tags (first page); ``None`` when the repository does not exist.

@@ -12,7 +12,7 @@ from vmsidecar_contract.errors import HostError
 
 from ...plan import SERIAL, VIRTIO_CONSOLE, BootPlan, channel_stream
 from .. import netguard
-from ..common import MACHINE, TCG_CPU, emulator_path, user_netdev
+from ..common import MACHINE, effective_cpu, emulator_path, user_netdev
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 ET.register_namespace("qemu", QEMU_NS)
@@ -86,13 +86,14 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> 
 
     features = _sub(root, "features")
     _sub(features, "acpi")  # the ACPI power button is how a graceful power-off reaches the guest
-    if plan.accel == "kvm":
+    model = effective_cpu(spec, plan.accel)
+    if model == "host":
         _sub(root, "cpu", mode="host-passthrough")
-    elif TCG_CPU[spec.arch] == "max":
+    elif model == "max":
         _sub(root, "cpu", mode="maximum", check="none")  # libvirt's name for QEMU's -cpu max
     else:
         cpu = _sub(root, "cpu", mode="custom", match="exact", check="none")
-        _sub(cpu, "model", TCG_CPU[spec.arch], fallback="forbid")
+        _sub(cpu, "model", model, fallback="forbid")
 
     # the runtime's state machine decides what a power-off or a crash means
     _sub(root, "on_poweroff", "destroy")

@@ -1,0 +1,254 @@
+"""A runtime's cache miss, served from the spec's ``snapshot_source``: find, check, fetch, stage.
+
+Only the repository the spec names is asked, never a reference a lease holder gave (a flashed or
+pulled disk has no snapshot at all: ``SnapshotOps``). The order of trust:
+
+1. discovery: the referrers of the image's manifest (the referrers API, else the referrers tag
+   schema), filtered by ``artifactType`` and by every identity annotation equal to this runtime's
+   (the listing is a hint: the manifest's own annotations decide);
+2. the artifact's manifest fetched by the digest found, and checked again (type, subject, key);
+3. each layer fetched by digest, its bytes hashed against it, decompressed under the same caps as
+   an image pull (:mod:`..image.limits`, :mod:`..image.decompress`), into a staged entry;
+4. the files checked against the seal in the entry's ``meta.json``, the frozen overlay's backing
+   file pointed at this cache's copy of the image, and the entry committed (sealed again); the
+   restore then verifies it like any other entry.
+
+Every refusal is a :class:`SourceRefused` with a code from a fixed set (``SnapshotInfo``'s
+``source_refusal``) and a message naming the cause; the guest then boots cold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError, VmsidecarError
+
+from ..disk import DiskImage
+from ..image.checks import parse_qcow2_header
+from ..image.decompress import open_decompressed
+from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
+from ..image.sniff import QCOW2_MAGIC
+from ..procs import child_env
+from ..snapshot_identity import SnapshotIdentity
+from ..snapshots import Snapshot, SnapshotStore
+from .cache import hash_file, remove_tree
+from .mediatypes import (
+    ANNOTATION_TITLE,
+    SNAPSHOT_ARTIFACT_TYPE,
+    SNAPSHOT_FILE,
+    SNAPSHOT_FILE_ZSTD,
+    check_title,
+)
+from .reference import parse_reference
+from .registry import RegistryClient
+from .snapshot_artifact import (
+    MAX_CANDIDATES,
+    MAX_FILES,
+    MAX_MANIFESTS_READ,
+    META_FILE,
+    is_digest,
+    referrers_tag,
+)
+from .unpack import BlobReader
+
+CHUNK = 1 << 20
+RESEND = "push the snapshot again (vmsidecar-oci snapshot push)"
+
+
+class SourceRefused(Exception):
+    """No snapshot of the source is used: ``code`` (``SnapshotInfo.source_refusal``) and why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,
+                   deadline: float, limits: Limits = DEFAULT_LIMITS) -> Snapshot:
+    """The snapshot of ``identity`` from the repository ``source``, committed to ``store``.
+
+    Blocking: run it in a thread. ``deadline`` (``time.monotonic()``) bounds the whole fetch.
+
+    :raise SourceRefused: nothing usable there; the message says why.
+    """
+    if base.manifest_digest is None:
+        raise SourceRefused("not_registry_image", f"the image {base.source} is a file or a flashed disk, with no OCI "
+                            "manifest for a snapshot artifact to refer to; use an image from a registry")
+    reference = parse_reference(source)
+    client = RegistryClient(reference)
+    try:
+        digest, artifact = _find(client, base.manifest_digest, identity)
+        return _fetch(client, digest, artifact, identity, base, store, deadline, limits)
+    except RegistryError as e:
+        raise SourceRefused("unreachable", e.message) from None
+    finally:
+        client.close()
+
+
+def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity) -> tuple[str, dict]:
+    """The digest and manifest document of the artifact to fetch (fetched by digest, checked)."""
+    where = client.ref.name
+    listing = client.referrers(subject, SNAPSHOT_ARTIFACT_TYPE)
+    if listing is None:  # no referrers API: the tag schema
+        raw = client.get_manifest_or_none(referrers_tag(subject))
+        listing = raw.json() if raw is not None else {}
+    entries = listing.get("manifests") if isinstance(listing.get("manifests"), list) else []
+    candidates = [d for d in entries[:MAX_CANDIDATES] if isinstance(d, dict)
+                  and d.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE and is_digest(d.get("digest"))]
+    if not candidates:
+        raise SourceRefused("not_found", f"{where} has no snapshot artifact for the image's manifest {subject}; "
+                            "publish one with vmsidecar-oci snapshot push")
+    # the listing's annotations are only a hint (whoever writes the index writes them): those that
+    # claim this key are read first, and the manifest itself decides
+    notes = [(d.get("annotations") if isinstance(d.get("annotations"), dict) else {}) for d in candidates]
+    ranked = sorted(zip(candidates, notes, strict=True), key=lambda c: identity.mismatch(c[1]) is not None)
+    first: tuple[str, str] | None = None
+    for descriptor, _ in ranked[:MAX_MANIFESTS_READ]:
+        digest = descriptor["digest"]
+        try:
+            doc = client.get_manifest(digest).json()  # digest-checked
+        except DigestMismatchError as e:
+            raise SourceRefused("tampered", e.message) from None
+        except ImageError as e:  # not JSON
+            raise SourceRefused("bad_artifact", e.message) from None
+        problem = _artifact_problem(doc, subject, identity)
+        if problem is None:
+            return digest, doc
+        first = first or (problem[0], f"the snapshot artifact {digest} in {where} is refused: {problem[1]}")
+    assert first is not None
+    raise SourceRefused(first[0], f"{first[1]}; publish one captured by this runtime's setup "
+                        "(same image, QEMU, machine, CPU model, accelerator, spec)")
+
+
+def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity) -> tuple[str, str] | None:
+    """``(refusal code, reason)`` when the artifact's own manifest is not this runtime's snapshot."""
+    if doc.get("artifactType") != SNAPSHOT_ARTIFACT_TYPE:
+        return "bad_artifact", f"its artifactType is {doc.get('artifactType')!r}, not {SNAPSHOT_ARTIFACT_TYPE}"
+    named = doc.get("subject")
+    if not isinstance(named, dict) or named.get("digest") != subject:
+        return "bad_artifact", f"its subject is not the image's manifest {subject}"
+    notes = doc.get("annotations")
+    why = identity.mismatch(notes if isinstance(notes, dict) else {})
+    return None if why is None else ("key_mismatch", why)
+
+
+def _layers(doc: dict, where: str, limits: Limits) -> list[tuple[str, dict]]:
+    """``(file name, descriptor)`` of each layer, checked: known types, plain unique names, bounded sizes."""
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_FILES:
+        raise SourceRefused("bad_artifact", f"{where} has no layers list of 1 to {MAX_FILES} files; {RESEND}")
+    found: list[tuple[str, dict]] = []
+    for d in layers:
+        if not isinstance(d, dict) or not is_digest(d.get("digest")) or not isinstance(d.get("size"), int):
+            raise SourceRefused("bad_artifact", f"{where} has a layer without a digest or size; {RESEND}")
+        if d.get("mediaType") not in (SNAPSHOT_FILE, SNAPSHOT_FILE_ZSTD):
+            raise SourceRefused("bad_artifact", f"{where} has a layer of type {d.get('mediaType')!r}, which is not a "
+                                f"snapshot file; {RESEND}")
+        title = (d.get("annotations") or {}).get(ANNOTATION_TITLE) if isinstance(d.get("annotations"), dict) else None
+        try:
+            check_title(title if isinstance(title, str) else "", where)
+        except ImageError:
+            raise SourceRefused("bad_artifact", f"{where} has a layer titled {title!r}, not a plain file name; "
+                                f"{RESEND}") from None
+        if d["size"] > limits.max_disk_bytes:
+            raise SourceRefused("too_large", f"{where} has a {human_size(d['size'])} layer, past this runtime's "
+                                f"{human_size(limits.max_disk_bytes)} limit per file")
+        found.append((title, d))  # type: ignore[arg-type]
+    names = [name for name, _ in found]
+    if len(set(names)) != len(names) or META_FILE not in names:
+        raise SourceRefused("bad_artifact", f"{where} names a file twice or has no {META_FILE}; {RESEND}")
+    return found
+
+
+def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIdentity, base: DiskImage,
+           store: SnapshotStore, deadline: float, limits: Limits) -> Snapshot:
+    where = f"the snapshot artifact {digest} in {client.ref.name}"
+    layers = _layers(doc, where, limits)
+    staged = store.staging(identity.key)
+    try:
+        for name, descriptor in layers:
+            _download(client, descriptor, staged.path / name, f"{name} of {where}", deadline, limits)
+        meta = staged.meta()
+        if meta is None:
+            raise SourceRefused("bad_artifact", f"{where} has no readable {META_FILE}; {RESEND}")
+        files = {name for name, _ in layers if name != META_FILE}
+        if set(meta.files) != files:
+            raise SourceRefused("bad_artifact", f"{where} has the files {sorted(files)}, not the ones its "
+                                f"{META_FILE} seals ({sorted(meta.files)}); {RESEND}")
+        for name, digest in meta.files.items():
+            if hash_file(staged.path / name) != digest:
+                raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
+                                    f"recorded at capture; {RESEND}")
+        _rebase_frozen_overlay(staged, base, where)
+        return store.commit(staged, identity.key, {}, meta)  # sealed again: the overlay's header changed
+    except BaseException:
+        remove_tree(staged.path)
+        raise
+
+
+def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, deadline: float,
+              limits: Limits) -> None:
+    """One layer into ``out``: hashed against its digest, decompressed under ``limits``."""
+    compression = "zstd" if descriptor["mediaType"] == SNAPSHOT_FILE_ZSTD else None
+    reader: BlobReader | None = None
+    try:
+        with client.open_blob(descriptor) as chunks, open(out, "wb") as f:
+            reader = BlobReader(_until(chunks, deadline, where), digest=descriptor["digest"], size=descriptor["size"],
+                                where=where)
+            _, stream = open_decompressed(reader, compression, Origin(where, RESEND), limits)
+            while data := stream.read(CHUNK):
+                f.write(data)
+            reader.drain()
+        reader.verify()
+    except DigestMismatchError as e:
+        raise SourceRefused("tampered", e.message) from None
+    except ImageError as e:
+        # the bytes did not decompress: say "altered" when they are not the ones the digest names
+        if reader is not None:
+            with contextlib.suppress(VmsidecarError):
+                reader.drain()
+            try:
+                reader.verify()
+            except DigestMismatchError as mismatch:
+                raise SourceRefused("tampered", mismatch.message) from None
+        raise SourceRefused("too_large" if e.code == "disk_too_large" else "bad_artifact", e.message) from None
+
+
+def _until(chunks: Iterable[bytes], deadline: float, where: str) -> Iterator[bytes]:
+    for chunk in chunks:
+        if time.monotonic() > deadline:
+            raise SourceRefused("timeout", f"fetching {where} took longer than the fetch's bound; the registry is "
+                                "slow or the snapshot large: the next boot tries again")
+        yield chunk
+
+
+def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str) -> None:
+    """Point the frozen overlay's backing file at this cache's copy of the image (the capturing
+    node's path is recorded in it), after checking it is a qcow2 overlay with no data file."""
+    origin = Origin(f"the frozen overlay of {where}", RESEND)
+    try:
+        with open(staged.disk, "rb") as f:
+            head = f.read(64 << 10)
+        if not head.startswith(QCOW2_MAGIC):
+            raise SourceRefused("bad_artifact", f"{origin.what} is not a qcow2 image; {RESEND}")
+        header = parse_qcow2_header(head, origin)
+    except OSError as e:
+        raise SourceRefused("bad_artifact", f"{origin.what} cannot be read ({e.strerror}); {RESEND}") from None
+    except ImageError as e:
+        raise SourceRefused("bad_artifact", e.message) from None
+    if header.data_file is not None or not header.backing_file:
+        raise SourceRefused("bad_artifact", f"{origin.what} is not an overlay of the image (a data file, or no "
+                            f"backing file); {RESEND}")
+    qemu_img = shutil.which("qemu-img") or "qemu-img"
+    # -u: only the header's backing name changes; the image is never opened through the old name
+    done = subprocess.run([qemu_img, "rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
+                           str(staged.disk)], capture_output=True, text=True, timeout=60, env=child_env())
+    if done.returncode != 0:
+        raise SourceRefused("bad_artifact", f"{origin.what} cannot be rebased onto {base.path} "
+                            f"({done.stderr.strip()[:200]}); {RESEND}")
