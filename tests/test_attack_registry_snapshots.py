@@ -1,0 +1,253 @@
+"""Attacks on snapshot artifacts in a registry (issue 23, item 2), without a guest.
+
+Whoever can push to a repository, or alter the registry's storage, is the attacker: a runtime
+whose spec names that repository as its ``snapshot_source`` must restore only a snapshot of its
+own key, fetched by digest, whose every byte is the one its digests and its seal name, and
+never one from another repository. Each refusal carries a code of the fixed set
+(``SnapshotInfo.source_refusal``) and a message naming the cause.
+
+The snapshot here is a real cache entry, sealed by the real ``SnapshotStore`` (RAM-like bytes, a
+real qcow2 frozen overlay on the pulled image, scrollback); it is published by the real
+``vmsidecar-oci snapshot push`` code to a real distribution 2.8 registry (no referrers API: the
+tag schema) and fetched by the runtime's own fetch. tests/test_registry_snapshots.py boots guests
+from real captures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from fixtures.registry import Crafter, RunningRegistry, start_registry
+from vmsidecar_contract.spec import load_spec
+from vmsidecar_runtime.accel import choose_accel
+from vmsidecar_runtime.disk import DiskImage
+from vmsidecar_runtime.oci import pull, push_artifact
+from vmsidecar_runtime.oci.mediatypes import OCI_INDEX, OCI_MANIFEST, SNAPSHOT_FILE, SNAPSHOT_FILE_ZSTD
+from vmsidecar_runtime.oci.reference import parse_reference
+from vmsidecar_runtime.oci.registry import RegistryClient
+from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
+from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, fetch_snapshot
+from vmsidecar_runtime.oci.snapshot_push import push_snapshot
+from vmsidecar_runtime.snapshot_identity import PREFIX, SnapshotIdentity, identify
+from vmsidecar_runtime.snapshots import SnapshotMeta, SnapshotStore
+
+pytestmark = pytest.mark.timeout(240)
+
+TITLE = "org.opencontainers.image.title"
+
+
+@dataclass
+class Published:
+    """An image and the snapshot artifact of its spec in one repository."""
+
+    registry: RunningRegistry
+    repo: str
+    spec: dict
+    identity: SnapshotIdentity
+    subject: str
+    artifact: str
+    memory: bytes
+
+    @property
+    def source(self) -> str:
+        return f"{self.registry.host}/{self.repo}"
+
+
+def _base(image: str, cache: Path) -> DiskImage:
+    pulled = pull(image, cache, arch="x86_64")
+    return DiskImage(pulled.path, pulled.format, pulled.digest, image, pulled.annotations, pulled.manifest_digest)
+
+
+def _publish(registry: RunningRegistry, repo: str, disk: Path, work: Path) -> Published:
+    """Push ``disk`` to ``repo``, seal a snapshot entry of its spec in a cache, push the snapshot."""
+    image = f"{registry.host}/{repo}:v1"
+    push_artifact(disk, image)
+    spec = {"image": image, "memory": "256M"}
+    cache = work / "capture-cache"
+    base = _base(image, cache)
+    identity = identify(load_spec(spec), base, choose_accel("auto", "x86_64").accel)
+    store = SnapshotStore(cache)
+    staged = store.staging(identity.key)
+    memory = os.urandom(96 << 10) + b"\0" * (256 << 10)  # RAM-like: some noise, many zero pages
+    staged.memory.write_bytes(memory)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
+                    str(staged.disk)], check=True, timeout=30)
+    store.commit(staged, identity.key, {"ttyS0": b"VMSIDECAR-READY image=fake\n"}, SnapshotMeta(guest_agent=False))
+    pushed = push_snapshot(registry.host + "/" + repo, cache, load_spec(spec))
+    assert pushed.tag_schema  # distribution 2.8 has no referrers API
+    assert base.manifest_digest is not None
+    return Published(registry, repo, spec, identity, base.manifest_digest, pushed.digest, memory)
+
+
+@pytest.fixture(scope="module")
+def published(registry: RunningRegistry, oci_qcow2: Path, tmp_path_factory: pytest.TempPathFactory) -> Published:
+    return _publish(registry, "snapattack/good", oci_qcow2, tmp_path_factory.mktemp("snapattack"))
+
+
+def _fetch(pub: Published, cache: Path, *, source: str | None = None, identity: SnapshotIdentity | None = None):
+    base = _base(pub.spec["image"], cache)
+    return fetch_snapshot(source or pub.source, identity or pub.identity, base, SnapshotStore(cache),
+                          deadline=time.monotonic() + 60)
+
+
+def _refused(pub: Published, cache: Path, **kw) -> SourceRefused:
+    with pytest.raises(SourceRefused) as info:
+        _fetch(pub, cache, **kw)
+    assert not list((cache / "snapshots").glob(f"{pub.identity.key}")), "a refused snapshot reached the cache"
+    assert not list((cache / "snapshots").glob(".incoming-*")), "the staged entry was left behind"
+    return info.value
+
+
+def _client(pub: Published, repo: str | None = None) -> RegistryClient:
+    return RegistryClient(parse_reference(f"{pub.registry.host}/{repo or pub.repo}"))
+
+
+def _republish(pub: Published, repo: str, edit) -> str:  # type: ignore[no-untyped-def]
+    """Copy the artifact (blobs, image manifest) into ``repo`` with ``edit(manifest, client, tmp)``
+    applied; list only that one in the subject's referrers tag schema index. Returns its digest."""
+    src, dst = _client(pub), _client(pub, repo)
+    try:
+        image = src.get_manifest(pub.subject)
+        doc = src.get_manifest(pub.artifact).json()
+        with tempfile.TemporaryDirectory() as tmp:
+            for d in [doc["config"], *json.loads(image.data)["layers"], json.loads(image.data)["config"], *doc["layers"]]:
+                with src.open_blob(d) as chunks:
+                    dst.push_blob_bytes(b"".join(chunks), d["mediaType"], Path(tmp))
+            dst.put_manifest(pub.subject, image.data, image.media_type)
+            edit(doc, dst, Path(tmp))
+        data = json.dumps(doc).encode()
+        digest = dst.put_manifest(Crafter.digest(data), data, OCI_MANIFEST)
+        entry = {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(data), "artifactType": doc["artifactType"],
+                 "annotations": dict(pub.identity.annotations())}  # the listing claims the right key
+        index = json.dumps({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [entry]}).encode()
+        dst.put_manifest(referrers_tag(pub.subject), index, OCI_INDEX)
+        return digest
+    finally:
+        src.close()
+        dst.close()
+
+
+def _layer(doc: dict, name: str) -> dict:
+    return next(d for d in doc["layers"] if d["annotations"][TITLE] == name)
+
+
+def test_the_published_snapshot_is_fetched_verified_and_rebased_onto_this_cache(published: Published,
+                                                                                tmp_path: Path) -> None:
+    # the control: everything right, so each refusal below is the check it names, not a broken fetch
+    cache = tmp_path / "cache"
+    snap = _fetch(published, cache)
+    assert snap.path == cache / "snapshots" / published.identity.key
+    assert snap.memory.read_bytes() == published.memory
+    base = _base(published.spec["image"], cache)
+    assert SnapshotStore(cache).verify(snap, base) is None  # the seal and the overlay's backing file hold
+    doc = _client(published).get_manifest(published.artifact).json()
+    assert doc["artifactType"] == "application/vnd.vmsidecar.snapshot.v1"
+    assert doc["config"]["mediaType"] == "application/vnd.oci.empty.v1+json"
+    assert doc["subject"]["digest"] == published.subject
+    assert _layer(doc, "memory")["mediaType"] == SNAPSHOT_FILE_ZSTD
+    assert _layer(doc, "meta.json")["mediaType"] == SNAPSHOT_FILE
+    assert {k.removeprefix(PREFIX) for k in doc["annotations"]} == {
+        "key", "image-digest", "qemu-version", "machine", "cpu", "accelerator", "readiness", "runtime-version", "format"}
+
+
+def test_an_artifact_of_another_key_is_refused_naming_the_field(published: Published, tmp_path: Path) -> None:
+    def other_qemu(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        doc["annotations"][PREFIX + "qemu-version"] = "QEMU emulator version 99.0.0"
+
+    _republish(published, "snapattack/wrongkey", other_qemu)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/wrongkey")
+    assert refusal.code == "key_mismatch"
+    assert "QEMU version is 'QEMU emulator version 99.0.0'" in refusal.message, refusal.message
+
+
+def test_a_runtime_of_another_cpu_model_refuses_the_artifact(published: Published, tmp_path: Path) -> None:
+    refusal = _refused(published, tmp_path / "cache", identity=replace(published.identity, cpu="Skylake-Client"))
+    assert refusal.code == "key_mismatch" and "CPU model" in refusal.message, refusal.message
+
+
+def test_an_artifact_in_another_repository_is_never_read(published: Published, tmp_path: Path) -> None:
+    # the image (and so the subject) is in both repositories; the artifact only in snapattack/good
+    client = _client(published, "snapattack/elsewhere")
+    image = _client(published).get_manifest(published.subject)
+    try:  # the image manifest's blobs first: a registry takes no manifest without them
+        with tempfile.TemporaryDirectory() as tmp:
+            for d in [json.loads(image.data)["config"], *json.loads(image.data)["layers"]]:
+                with _client(published).open_blob(d) as chunks:
+                    client.push_blob_bytes(b"".join(chunks), d["mediaType"], Path(tmp))
+        client.put_manifest(published.subject, image.data, image.media_type)
+    finally:
+        client.close()
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/elsewhere")
+    assert refusal.code == "not_found", refusal.message
+
+
+@pytest.mark.parametrize("name", ["memory", "ttyS0.console"])  # zstd-compressed, and as it is
+def test_a_layer_whose_bytes_are_not_its_digest_is_refused(oci_qcow2: Path, tmp_path: Path, name: str) -> None:
+    # the registry's storage altered: distribution serves a blob's file as it is. A registry of its
+    # own: blobs are shared by digest across repositories
+    with start_registry(tmp_path / "registry") as reg:
+        pub = _publish(reg, "snapattack/tampered", oci_qcow2, tmp_path / "work")
+        doc = _client(pub).get_manifest(pub.artifact).json()
+        blob = reg.blob_data(_layer(doc, name)["digest"])
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0x55
+        blob.write_bytes(bytes(data))
+        refusal = _refused(pub, tmp_path / "cache")
+    assert refusal.code == "tampered" and "digest" in refusal.message, refusal.message
+
+
+def test_a_layer_of_the_right_digest_that_does_not_decompress_is_refused(published: Published,
+                                                                         tmp_path: Path) -> None:
+    def garbled(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        layer = _layer(doc, "memory")
+        good = zstandard.ZstdCompressor(write_checksum=True).compress(published.memory)  # as the push writes it
+        bad = good[:32] + bytes(b ^ 0xFF for b in good[32:64]) + good[64:]  # a real frame, garbled after its header
+        client.push_blob_bytes(bad, SNAPSHOT_FILE_ZSTD, tmp)
+        layer.update(digest=Crafter.digest(bad), size=len(bad))
+
+    _republish(published, "snapattack/garbled", garbled)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/garbled")
+    assert refusal.code == "bad_artifact" and "decompress" in refusal.message, refusal.message
+
+
+def test_a_layer_of_the_right_digest_that_is_not_the_sealed_file_is_refused(published: Published,
+                                                                            tmp_path: Path) -> None:
+    def swapped(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        layer = _layer(doc, "memory")
+        other = os.urandom(len(published.memory))  # another guest's RAM, honestly digested
+        client.push_blob_bytes(other, SNAPSHOT_FILE, tmp)
+        layer.update(mediaType=SNAPSHOT_FILE, digest=Crafter.digest(other), size=len(other))
+
+    _republish(published, "snapattack/swapped", swapped)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/swapped")
+    assert refusal.code == "tampered" and "meta.json" in refusal.message, refusal.message
+
+
+def test_a_layer_titled_as_a_path_is_refused(published: Published, tmp_path: Path) -> None:
+    def escaping(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        _layer(doc, "memory")["annotations"][TITLE] = "../../memory"
+
+    _republish(published, "snapattack/escape", escaping)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/escape")
+    assert refusal.code == "bad_artifact" and "plain file name" in refusal.message, refusal.message
+    assert not (tmp_path / "memory").exists()
+
+
+def test_an_index_claiming_the_right_key_for_a_manifest_of_another_is_refused(published: Published,
+                                                                             tmp_path: Path) -> None:
+    # _republish lists the artifact with this runtime's annotations: the manifest's own decide
+    def other_cpu(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        doc["annotations"][PREFIX + "cpu"] = "host"
+
+    _republish(published, "snapattack/lying-index", other_cpu)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/lying-index")
+    assert refusal.code == "key_mismatch" and "CPU model" in refusal.message, refusal.message
