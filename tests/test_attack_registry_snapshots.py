@@ -20,13 +20,14 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import zstandard
 
-from fixtures.registry import Crafter, RunningRegistry, start_registry
+from fixtures.registry import Crafter, RunningRegistry, copy_manifest, start_registry
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.accel import choose_accel
 from vmsidecar_runtime.disk import DiskImage
@@ -111,18 +112,14 @@ def _client(pub: Published, repo: str | None = None) -> RegistryClient:
     return RegistryClient(parse_reference(f"{pub.registry.host}/{repo or pub.repo}"))
 
 
-def _republish(pub: Published, repo: str, edit) -> str:  # type: ignore[no-untyped-def]
-    """Copy the artifact (blobs, image manifest) into ``repo`` with ``edit(manifest, client, tmp)``
-    applied; list only that one in the subject's referrers tag schema index. Returns its digest."""
+def _republish(pub: Published, repo: str, edit: Callable[[dict, RegistryClient, Path], None]) -> str:
+    """Copy the image and the artifact into ``repo`` with ``edit(manifest, client, tmp)`` applied to
+    the artifact; list only that one in the subject's referrers tag schema index. Returns its digest."""
     src, dst = _client(pub), _client(pub, repo)
     try:
-        image = src.get_manifest(pub.subject)
-        doc = src.get_manifest(pub.artifact).json()
+        copy_manifest(src, dst, pub.subject)
+        doc = copy_manifest(src, dst, pub.artifact)
         with tempfile.TemporaryDirectory() as tmp:
-            for d in [doc["config"], *json.loads(image.data)["layers"], json.loads(image.data)["config"], *doc["layers"]]:
-                with src.open_blob(d) as chunks:
-                    dst.push_blob_bytes(b"".join(chunks), d["mediaType"], Path(tmp))
-            dst.put_manifest(pub.subject, image.data, image.media_type)
             edit(doc, dst, Path(tmp))
         data = json.dumps(doc).encode()
         digest = dst.put_manifest(Crafter.digest(data), data, OCI_MANIFEST)
@@ -176,16 +173,12 @@ def test_a_runtime_of_another_cpu_model_refuses_the_artifact(published: Publishe
 
 def test_an_artifact_in_another_repository_is_never_read(published: Published, tmp_path: Path) -> None:
     # the image (and so the subject) is in both repositories; the artifact only in snapattack/good
-    client = _client(published, "snapattack/elsewhere")
-    image = _client(published).get_manifest(published.subject)
-    try:  # the image manifest's blobs first: a registry takes no manifest without them
-        with tempfile.TemporaryDirectory() as tmp:
-            for d in [json.loads(image.data)["config"], *json.loads(image.data)["layers"]]:
-                with _client(published).open_blob(d) as chunks:
-                    client.push_blob_bytes(b"".join(chunks), d["mediaType"], Path(tmp))
-        client.put_manifest(published.subject, image.data, image.media_type)
+    src, dst = _client(published), _client(published, "snapattack/elsewhere")
+    try:
+        copy_manifest(src, dst, published.subject)
     finally:
-        client.close()
+        src.close()
+        dst.close()
     refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/elsewhere")
     assert refusal.code == "not_found", refusal.message
 

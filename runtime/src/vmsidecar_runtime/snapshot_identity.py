@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass
 from vmsidecar_contract.spec import VmSpec
 
 from .backend.common import MACHINE, effective_cpu
-from .controller.readiness import effective_readiness
 from .disk import DiskImage
 from .snapshots import FORMAT, qemu_version, snapshot_key
 
@@ -83,6 +82,9 @@ def identify(spec: VmSpec, base: DiskImage, accel: str) -> SnapshotIdentity:
     :raise ImageError: the image's readiness annotations are invalid (the boot fails on them too).
     :raise HostError: the spec's CPU model cannot run under ``accel`` (``cpu: host`` under TCG).
     """
+    # here: the controller package's __init__ loads the controller, whose snapshot_ops imports this module
+    from .controller.readiness import effective_readiness
+
     cpu = effective_cpu(spec, accel)
     # the image's annotations may set the readiness, i.e. the instant a snapshot is taken
     readiness = effective_readiness(spec, base).readiness
