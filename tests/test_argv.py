@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from vmsidecar_contract.errors import HostError, SpecError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend.qemu_argv import build_argv
 from vmsidecar_runtime.plan import BootPlan, Firmware
@@ -34,6 +37,17 @@ def test_defaults_boot_paused_on_overlay_with_both_consoles() -> None:
 def test_kvm_uses_host_cpu() -> None:
     argv = build_argv(_plan({"cpus": 4, "memory": "2G"}, accel="kvm"))
     assert _opt(argv, "-cpu") == ["host"] and _opt(argv, "-smp") == ["4"] and _opt(argv, "-m") == ["2048M"]
+
+
+def test_a_named_cpu_model_is_one_argv_item_and_host_needs_kvm() -> None:
+    assert _opt(build_argv(_plan({"cpu": "Skylake-Client-v4"})), "-cpu") == ["Skylake-Client-v4"]
+    assert _opt(build_argv(_plan({"cpu": "qemu64"}, accel="kvm")), "-cpu") == ["qemu64"]  # portable under KVM
+    assert _opt(build_argv(_plan({"cpu": "host"}, accel="kvm")), "-cpu") == ["host"]
+    with pytest.raises(HostError, match="cpu: host passes the host's CPU through, which needs KVM"):
+        build_argv(_plan({"cpu": "host"}))
+    for bad in ("max,+vmx", "max -device foo", "-cpu", "", "a" * 65, "max\n"):
+        with pytest.raises(SpecError, match="cpu"):
+            load_spec({"cpu": bad})
 
 
 def test_forwards_use_the_resolved_ports() -> None:

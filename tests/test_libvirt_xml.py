@@ -46,6 +46,13 @@ def test_kvm_domain_uses_host_cpu() -> None:
     assert root.find("cpu").get("mode") == "host-passthrough"  # type: ignore[union-attr]
 
 
+def test_a_named_cpu_model_is_a_custom_model_libvirt_may_not_replace() -> None:
+    cpu = _render(_plan(cpu="Skylake-Client")).find("cpu")
+    assert cpu is not None and cpu.get("mode") == "custom" and cpu.get("match") == "exact"
+    model = cpu.find("model")
+    assert model is not None and model.text == "Skylake-Client" and model.get("fallback") == "forbid"
+
+
 def test_disk_is_the_plans_overlay() -> None:
     disks = _render(_plan()).findall("devices/disk")
     assert len(disks) == 1

@@ -29,6 +29,10 @@ def test_sizes(text: str | int, mib: int) -> None:
         ({"arch": "aarch64"}, "aarch64 has no BIOS; set firmware: uefi"),
         ({"network": {"forwards": [{"name": "a", "guest_port": 1}, {"name": "a", "guest_port": 2}]}}, "must be unique"),
         ({"network": {"forwards": [{"name": "Bad Name", "guest_port": 22}]}}, "is not a valid name"),
+        # a repository to search by the image's digest: never a tag or digest of someone's choosing
+        ({"snapshot_source": "registry:5000/snaps:latest"}, "is not a repository; write REGISTRY/REPO, without a tag"),
+        ({"snapshotSource": "registry:5000/snaps@sha256:" + "a" * 64}, "is not a repository; write REGISTRY/REPO"),
+        ({"cpu": "max,+vmx"}, "cpu: 'max,+vmx' is not a QEMU CPU model name; name one model"),
     ],
 )
 def test_bad_fields_name_the_field_and_fix(data: dict, message: str) -> None:

@@ -95,6 +95,24 @@ def _check_name(value: str) -> str:
     return value
 
 
+def _check_cpu(value: str) -> str:
+    if not re.fullmatch(CPU_MODEL_PATTERN, value):
+        raise ValueError(f"{value!r} is not a QEMU CPU model name; name one model (e.g. max, host, Skylake-Client-v4, "
+                         "cortex-a57), without options or +features")
+    return value
+
+
+def _check_source(value: str) -> str:
+    if not re.fullmatch(SNAPSHOT_SOURCE_PATTERN, value):
+        raise ValueError(f"{value!r} is not a repository; write REGISTRY/REPO, without a tag or digest (the "
+                         "runtime finds the snapshot by the image's digest)")
+    return value
+
+
+#: the patterns are also in the document (the validators' own messages name the fix)
+CpuModel = Annotated[str, AfterValidator(_check_cpu), Field(json_schema_extra={"pattern": CPU_MODEL_PATTERN})]
+SnapshotSource = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_check_source),
+                           Field(json_schema_extra={"pattern": SNAPSHOT_SOURCE_PATTERN})]
 #: the pattern is also in the document (the validator's own message names the fix)
 Name = Annotated[str, AfterValidator(_check_name), Field(json_schema_extra={"pattern": _NAME_RE.pattern})]
 #: what the document says of memory: MiB as a number, or a size text (bounds checked on the value)
@@ -270,7 +288,7 @@ class VmSpec(_Model):
     #: QEMU's CPU model by name (``-cpu NAME``; no ``+feature`` options): default ``host`` under KVM,
     #: ``max`` (x86_64) or ``cortex-a57`` (aarch64) under TCG. Snapshots carry it in their key: a
     #: named model makes them portable between nodes whose host CPUs differ (``host`` does not).
-    cpu: str | None = Field(default=None, max_length=64, pattern=CPU_MODEL_PATTERN)
+    cpu: CpuModel | None = None
     cpus: int = Field(default=1, ge=1, le=64)
     memory: Annotated[int, WithJsonSchema(_MEMORY_SCHEMA)] = Field(
         default=512, description="MiB; accepts '512M', '1G'; 16 MiB to 1 TiB")
@@ -295,7 +313,7 @@ class VmSpec(_Model):
     #: in when the cache has none (``vmsidecar-oci snapshot push`` publishes them): found by the
     #: image's manifest digest, used only when its key matches this runtime's exactly, fetched by
     #: digest and verified; anything else boots cold, with the reason in the state (docs/oci.md).
-    snapshot_source: str | None = Field(default=None, max_length=MAX_TEXT, pattern=SNAPSHOT_SOURCE_PATTERN)
+    snapshot_source: SnapshotSource | None = None
     #: Extra QEMU arguments, appended verbatim as separate argv items. For admins only: the
     #: runtime refuses them over the API unless started with --allow-extra-args.
     extra_args: list[Annotated[str, Field(max_length=MAX_TEXT)]] = Field(default=[], max_length=256)
