@@ -75,11 +75,12 @@ def _spec(guest: Guest) -> dict:
     return {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
 
 
-def start(tree: Tree, guest: Guest, work: Path) -> dict[str, float | str | None]:
-    """One ``serve`` from spawn to Ready; returns the seconds of each column and the boot kind."""
+def start(tree: Tree, guest: Guest, work: Path, spec_doc: dict | None = None) -> dict[str, float | str | None]:
+    """One ``serve`` from spawn to Ready (of ``spec_doc``, default the guest's from its file);
+    returns the seconds of each column and the boot kind."""
     work.mkdir(parents=True)
     spec = work / "spec.json"
-    spec.write_text(json.dumps(_spec(guest)))
+    spec.write_text(json.dumps(spec_doc or _spec(guest)))
     sock = work / "shared" / "api.sock"
     log = work / "runtime.log"
     argv = [sys.executable, "-m", "vmsidecar_runtime.cli", "serve", "--spec", str(spec), "--shared-dir",
