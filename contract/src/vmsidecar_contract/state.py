@@ -56,7 +56,7 @@ class Timings(BaseModel):
 
 
 SourceRefusal = Literal["not_found", "key_mismatch", "unreachable", "tampered", "bad_artifact", "too_large",
-                        "not_registry_image", "timeout"]
+                        "not_registry_image", "timeout", "host_error"]
 
 
 class SnapshotInfo(BaseModel):
@@ -67,7 +67,8 @@ class SnapshotInfo(BaseModel):
     boot: Literal["none", "cold", "restored", "registry_warm"] = "none"
     #: why no snapshot of the spec's ``snapshot_source`` was used, when one was looked for (details
     #: in ``reason``): none published for this image, a key that differs, the source unreachable or
-    #: refusing, an artifact that fails its digests or cannot be read, or one past the size caps
+    #: refusing, an artifact that fails its digests or cannot be read, one past the size caps, a
+    #: file: image (no manifest), the fetch's time bound, the cache not writable
     source_refusal: SourceRefusal | None = None
     #: why the current boot was cold, or why no snapshot is taken (flashed disk, libvirt, a device …)
     reason: str | None = None

@@ -80,13 +80,20 @@ def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, sto
     if base.manifest_digest is None:
         raise SourceRefused("not_registry_image", f"the image {base.source} is a file or a flashed disk, with no OCI "
                             "manifest for a snapshot artifact to refer to; use an image from a registry")
-    reference = parse_reference(source)
-    client = RegistryClient(reference)
+    try:
+        client = RegistryClient(parse_reference(source))
+    except VmsidecarError as e:  # the registry configuration (auth file, insecure list) is wrong
+        raise SourceRefused("host_error", e.message) from None
     try:
         digest, artifact = _find(client, base.manifest_digest, identity)
         return _fetch(client, digest, artifact, identity, base, store, deadline, limits)
     except RegistryError as e:
         raise SourceRefused("unreachable", e.message) from None
+    except VmsidecarError as e:  # the cache cannot be written (HostError)
+        raise SourceRefused("host_error", e.message) from None
+    except OSError as e:
+        raise SourceRefused("host_error", f"the snapshot cannot be written to the cache ({e.strerror or e}); free "
+                            "space in the cache volume") from None
     finally:
         client.close()
 
