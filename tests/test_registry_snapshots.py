@@ -203,3 +203,18 @@ async def test_a_snapshot_in_another_repository_is_never_read(start_runtime: Any
     assert state.snapshot.boot == "cold" and state.snapshot.source_refusal == "not_found", state.snapshot
     assert "regsnap/elsewhere has no snapshot artifact" in (state.snapshot.reason or ""), state.snapshot
     assert os.path.isdir(tmp_path / "cache" / "snapshots" / published.key)  # captured here, at Ready
+
+
+@pytest.mark.timeout(300)
+def test_vmsidecar_shell_starts_from_the_registry_on_an_empty_cache(published: Published, tmp_path: Path) -> None:
+    # a developer's laptop: the same spec, the source on the command line, a cache that never saw the guest
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(published.spec))
+    env = {**clean_environ(keep=ENV_KEEP), "VMSIDECAR_CACHE_DIR": str(tmp_path / "laptop-cache")}
+    result = subprocess.run(
+        [sys.executable, "-m", "jumpstarter_driver_vmsidecar.local", "--spec", str(spec_file),
+         "--snapshot-source", published.source, "--", "vmsidecar-runtime", "status", "--json"],
+        env=env, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout[result.stdout.index("{"):])
+    assert state["phase"] == "Ready" and state["snapshot"]["boot"] == "registry_warm", state["snapshot"]
