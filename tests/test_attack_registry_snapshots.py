@@ -244,3 +244,25 @@ def test_an_index_claiming_the_right_key_for_a_manifest_of_another_is_refused(pu
     _republish(published, "snapattack/lying-index", other_cpu)
     refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/lying-index")
     assert refusal.code == "key_mismatch" and "CPU model" in refusal.message, refusal.message
+
+
+def test_a_frozen_overlay_that_grows_the_guests_disk_past_the_limit_is_refused(published: Published,
+                                                                               tmp_path: Path) -> None:
+    # a consistently sealed artifact whose overlay claims 2 PiB: the guest could fill the host through it
+    def huge_overlay(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        overlay = tmp / "disk.qcow2"
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "/capture/base.qcow2", "-F", "qcow2",
+                        str(overlay), "2P"], check=True, timeout=30)
+        data = overlay.read_bytes()
+        meta_layer = _layer(doc, "meta.json")
+        with client.open_blob(meta_layer) as chunks:
+            meta = json.loads(b"".join(chunks))
+        meta["files"]["disk.qcow2"] = Crafter.digest(data)
+        meta_bytes = json.dumps(meta).encode()
+        for name, blob in (("disk.qcow2", data), ("meta.json", meta_bytes)):
+            client.push_blob_bytes(blob, SNAPSHOT_FILE, tmp)
+            _layer(doc, name).update(mediaType=SNAPSHOT_FILE, digest=Crafter.digest(blob), size=len(blob))
+
+    _republish(published, "snapattack/huge", huge_overlay)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/huge")
+    assert refusal.code == "too_large" and "2 PiB" in refusal.message, refusal.message

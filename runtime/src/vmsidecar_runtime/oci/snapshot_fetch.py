@@ -29,7 +29,7 @@ from pathlib import Path
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError, VmsidecarError
 
 from ..disk import DiskImage
-from ..image.checks import parse_qcow2_header
+from ..image.checks import check_virtual_size, parse_qcow2_header
 from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC
@@ -192,7 +192,7 @@ def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIde
             if hash_file(staged.path / name) != digest:
                 raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
                                     f"recorded at capture; {RESEND}")
-        _rebase_frozen_overlay(staged, base, where)
+        _rebase_frozen_overlay(staged, base, where, limits)
         return store.commit(staged, identity.key, {}, meta)  # sealed again: the overlay's header changed
     except BaseException:
         remove_tree(staged.path)
@@ -235,9 +235,10 @@ def _until(chunks: Iterable[bytes], deadline: float, where: str) -> Iterator[byt
         yield chunk
 
 
-def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str) -> None:
+def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits: Limits) -> None:
     """Point the frozen overlay's backing file at this cache's copy of the image (the capturing
-    node's path is recorded in it), after checking it is a qcow2 overlay with no data file."""
+    node's path is recorded in it), after checking it is a qcow2 overlay with no data file and a
+    virtual size within the image limit."""
     origin = Origin(f"the frozen overlay of {where}", RESEND)
     try:
         with open(staged.disk, "rb") as f:
@@ -252,6 +253,10 @@ def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str) -> Non
     if header.data_file is not None or not header.backing_file:
         raise SourceRefused("bad_artifact", f"{origin.what} is not an overlay of the image (a data file, or no "
                             f"backing file); {RESEND}")
+    try:  # every boot's overlay is made over it: it is the disk the guest sees, held to the image limit
+        check_virtual_size(header.virtual_size, origin, limits)
+    except ImageError as e:
+        raise SourceRefused("too_large", e.message) from None
     qemu_img = shutil.which("qemu-img") or "qemu-img"
     # -u: only the header's backing name changes; the image is never opened through the old name
     done = subprocess.run([qemu_img, "rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
