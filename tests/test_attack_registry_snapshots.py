@@ -266,3 +266,14 @@ def test_a_frozen_overlay_that_grows_the_guests_disk_past_the_limit_is_refused(p
     _republish(published, "snapattack/huge", huge_overlay)
     refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/huge")
     assert refusal.code == "too_large" and "2 PiB" in refusal.message, refusal.message
+
+
+def test_a_meta_json_built_to_exhaust_the_parser_is_refused(published: Published, tmp_path: Path) -> None:
+    def deep_meta(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        deep = b"[" * 20000 + b"]" * 20000  # Python's parser recurses: a RecursionError, not a refusal
+        client.push_blob_bytes(deep, SNAPSHOT_FILE, tmp)
+        _layer(doc, "meta.json").update(digest=Crafter.digest(deep), size=len(deep))
+
+    _republish(published, "snapattack/deep-meta", deep_meta)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/deep-meta")
+    assert refusal.code == "bad_artifact" and "meta.json" in refusal.message, refusal.message

@@ -43,6 +43,7 @@ from .mediatypes import (
     SNAPSHOT_FILE,
     SNAPSHOT_FILE_ZSTD,
     check_title,
+    load_document,
 )
 from .reference import parse_reference
 from .registry import RegistryClient
@@ -57,6 +58,8 @@ from .snapshot_artifact import (
 from .unpack import BlobReader
 
 CHUNK = 1 << 20
+#: a snapshot's meta.json is a few hundred bytes (the seal of a handful of files)
+MAX_META = 64 << 10
 RESEND = "push the snapshot again (vmsidecar-oci snapshot push)"
 
 
@@ -163,6 +166,9 @@ def _layers(doc: dict, where: str, limits: Limits) -> list[tuple[str, dict]]:
         except ImageError:
             raise SourceRefused("bad_artifact", f"{where} has a layer titled {title!r}, not a plain file name; "
                                 f"{RESEND}") from None
+        if title == META_FILE and d["size"] > MAX_META:
+            raise SourceRefused("bad_artifact", f"{where} has a {human_size(d['size'])} {META_FILE}, which no "
+                                f"snapshot has; {RESEND}")
         if d["size"] > limits.max_disk_bytes:
             raise SourceRefused("too_large", f"{where} has a {human_size(d['size'])} layer, past this runtime's "
                                 f"{human_size(limits.max_disk_bytes)} limit per file")
@@ -181,6 +187,10 @@ def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIde
     try:
         for name, descriptor in layers:
             _download(client, descriptor, staged.path / name, f"{name} of {where}", deadline, limits)
+        try:  # bounded nesting first: meta() is json.loads, which recurses
+            load_document(staged.meta_file.read_bytes())
+        except ValueError:
+            raise SourceRefused("bad_artifact", f"the {META_FILE} of {where} is not a snapshot's; {RESEND}") from None
         meta = staged.meta()
         if meta is None:
             raise SourceRefused("bad_artifact", f"{where} has no readable {META_FILE}; {RESEND}")
