@@ -277,3 +277,18 @@ def test_a_meta_json_built_to_exhaust_the_parser_is_refused(published: Published
     _republish(published, "snapattack/deep-meta", deep_meta)
     refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/deep-meta")
     assert refusal.code == "bad_artifact" and "meta.json" in refusal.message, refusal.message
+
+
+def test_an_artifact_sealed_without_the_memory_stream_is_refused(published: Published, tmp_path: Path) -> None:
+    def no_memory(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        doc["layers"] = [d for d in doc["layers"] if d["annotations"][TITLE] != "memory"]
+        with client.open_blob(_layer(doc, "meta.json")) as chunks:
+            meta = json.loads(b"".join(chunks))
+        del meta["files"]["memory"]
+        data = json.dumps(meta).encode()
+        client.push_blob_bytes(data, SNAPSHOT_FILE, tmp)
+        _layer(doc, "meta.json").update(digest=Crafter.digest(data), size=len(data))
+
+    _republish(published, "snapattack/no-memory", no_memory)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/no-memory")
+    assert refusal.code == "bad_artifact" and "lacks files every snapshot has" in refusal.message, refusal.message

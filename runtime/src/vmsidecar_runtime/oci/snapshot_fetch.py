@@ -203,10 +203,14 @@ def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIde
                 raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
                                     f"recorded at capture; {RESEND}")
         _rebase_frozen_overlay(staged, base, where, limits)
-        return store.commit(staged, identity.key, {}, meta)  # sealed again: the overlay's header changed
+        snap = store.commit(staged, identity.key, {}, meta)  # sealed again: the overlay's header changed
     except BaseException:
         remove_tree(staged.path)
         raise
+    if store.find(identity.key) is None:  # sealed, but not all a snapshot needs (the store says what)
+        remove_tree(snap.path)
+        raise SourceRefused("bad_artifact", f"{where} lacks files every snapshot has; {RESEND}")
+    return snap
 
 
 def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, deadline: float,
