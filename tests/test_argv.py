@@ -67,7 +67,7 @@ def test_every_boot_has_the_guest_agent_port_on_a_private_socket() -> None:
         argv = build_argv(_plan(spec))
         devices = _opt(argv, "-device")
         assert devices.count("virtio-serial-pci,id=vser0,max_ports=48") == 1, spec
-        assert "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0" in devices, spec
+        assert "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0,id=qga0-port" in devices, spec
         # in the runtime's private run dir (/r), never the shared dir the lease holder reaches
         assert "socket,id=qga0,path=/r/qga.sock,server=on,wait=off" in _opt(argv, "-chardev"), spec
 

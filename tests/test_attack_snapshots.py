@@ -41,6 +41,17 @@ def _flip_a_byte(path: Path) -> None:
         f.write(bytes([byte[0] ^ 0x55]))
 
 
+def _rewrite_ram(path: Path) -> None:
+    """Rewrite one page of guest RAM the capture wrote (not a hole): what every restore maps."""
+    os.chmod(path.parent, 0o755)
+    with open(path, "r+b") as f:
+        data_at = os.lseek(f.fileno(), path.stat().st_size // 2, os.SEEK_DATA)
+        f.seek(data_at)
+        page = f.read(4096)
+        f.seek(data_at)
+        f.write(bytes(b ^ 0x55 for b in page))
+
+
 def _evil_overlay(path: Path) -> None:
     """Replace the frozen overlay with a qcow2 whose backing file is a host file."""
     os.chmod(path.parent, 0o755)
@@ -70,8 +81,11 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     assert first.stop() == 0
     snap = _snapshot_dir(cache)
     assert (snap.stat().st_mode & 0o777) == 0o555, oct(snap.stat().st_mode)
+    # the RAM file of the templated form: QEMU 7.2 opens it read-write to map it privately, so
+    # it stays writable for its owner (snapshots.py); its seal is what protects it (attack 2)
     assert {p.name: p.stat().st_mode & 0o777 for p in snap.iterdir()} == dict.fromkeys(
-        ("memory", "disk.qcow2", "meta.json", "ttyS0.console", "hvc0.console"), 0o444)
+        ("memory", "disk.qcow2", "meta.json", "ttyS0.console", "hvc0.console"), 0o444) | {"ram": 0o644}
+    assert state.snapshot.form == "templated", state.snapshot
 
     # 1. one byte of the memory stream rewritten (QEMU would load it: RAM pages carry no checksum)
     _flip_a_byte(snap / "memory")
@@ -86,7 +100,21 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     assert _sha256(_snapshot_dir(cache) / "memory") != tampered
     assert second.stop() == 0
 
-    # 2. the frozen overlay replaced by one that makes QEMU open a host file, and its seal forged
+    # 2. one page of the templated snapshot's RAM file rewritten: every restore maps that file, and
+    # the device state (the stream) is intact, so QEMU would run the attacker's page in the guest
+    snap = _snapshot_dir(cache)
+    _rewrite_ram(snap / "ram")
+    tampered = _sha256(snap / "ram")
+    third = await start_runtime(spec, name="after-ram", extra_args=args)
+    state = await third.client().wait_ready(240)
+    reason = state.snapshot.reason or ""
+    print(f"RAM file rewritten: {state.snapshot}")
+    assert state.snapshot.boot == "cold", state.snapshot
+    assert "ram" in reason and "sha256" in reason and "removed" in reason, reason
+    assert _sha256(_snapshot_dir(cache) / "ram") != tampered
+    assert third.stop() == 0
+
+    # 3. the frozen overlay replaced by one that makes QEMU open a host file, and its seal forged
     snap = _snapshot_dir(cache)
     _evil_overlay(snap / "disk.qcow2")
     _forge_seal(snap, "disk.qcow2")

@@ -57,6 +57,11 @@ class Timings(BaseModel):
 
 SourceRefusal = Literal["not_found", "key_mismatch", "unreachable", "tampered", "bad_artifact", "too_large",
                         "not_registry_image", "timeout", "host_error"]
+#: why a snapshot takes the full-stream form instead of the templated one (the fixed set)
+FORM_REASON_GPIO = "vhost-user GPIO shares guest RAM with its backend process"
+FORM_REASON_RUNTIME = "VMSIDECAR_SNAPSHOT_FORM=stream on this runtime"
+FormReason = Literal["vhost-user GPIO shares guest RAM with its backend process",
+                     "VMSIDECAR_SNAPSHOT_FORM=stream on this runtime"]
 
 
 class SnapshotInfo(BaseModel):
@@ -82,6 +87,12 @@ class SnapshotInfo(BaseModel):
     #: guest agent before Ready), "no guest agent" (none answered at capture; the clock stays
     #: behind), "failed: <why>"; None when the boot neither restored nor captured
     clock: str | None = None
+    #: the snapshot's form: "templated" (guest RAM in a file every restore maps copy-on-write; the
+    #: stream holds device state only) or "stream" (RAM in the migration stream); None when this
+    #: spec gets no snapshot
+    form: Literal["templated", "stream"] | None = None
+    #: why the form is "stream" (None when templated)
+    form_reason: FormReason | None = None
 
 
 class ExitInfo(BaseModel):

@@ -36,6 +36,19 @@ class Firmware:
 
 
 @dataclass(frozen=True)
+class RamFile:
+    """Guest RAM in a file: a templated snapshot's RAM (``snapshots.py``).
+
+    The boot that captures maps it shared (``share``): the guest's RAM is the file, so the capture
+    writes only device state. A restore maps it privately (copy-on-write): the guest's writes stay
+    in its own pages and never reach the file, which every restore of the snapshot maps.
+    """
+
+    path: Path
+    share: bool
+
+
+@dataclass(frozen=True)
 class BootPlan:
     """What one boot needs; built by the runtime, consumed by a backend."""
 
@@ -49,6 +62,8 @@ class BootPlan:
     firmware: Firmware | None = None
     #: a memory snapshot to restore instead of booting (QEMU waits for it: ``-incoming defer``)
     incoming: Path | None = None
+    #: guest RAM in a file (a templated snapshot's capture or restore); None: anonymous memory
+    ram: RamFile | None = None
 
     @property
     def qmp_socket(self) -> Path:

@@ -19,7 +19,7 @@ from vmsidecar_contract.spec import VmSpec
 
 from .backend.common import MACHINE, effective_cpu
 from .disk import DiskImage
-from .snapshots import FORMAT, qemu_version, snapshot_key
+from .snapshots import FORMAT, qemu_version, snapshot_form, snapshot_key
 
 #: annotation prefix of the fields; ``…key`` is the snapshot key itself (the spec hash)
 PREFIX = "io.vmsidecar.snapshot."
@@ -89,7 +89,8 @@ def identify(spec: VmSpec, base: DiskImage, accel: str) -> SnapshotIdentity:
     # the image's annotations may set the readiness, i.e. the instant a snapshot is taken
     readiness = effective_readiness(spec, base).readiness
     return SnapshotIdentity(
-        key=snapshot_key(spec, base.digest, accel, cpu, readiness),
+        # the form is in the key, not a field of its own: an artifact of the other form is "another spec"
+        key=snapshot_key(spec, base.digest, accel, cpu, readiness, snapshot_form(spec)[0]),
         image_digest=base.digest,
         qemu_version=qemu_version(spec.arch),
         machine=spec.machine or MACHINE[spec.arch],

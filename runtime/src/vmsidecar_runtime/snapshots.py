@@ -12,6 +12,16 @@ be the same pristine guest: the image digest, the spec (devices, memory, CPUs â€
 effective readiness (which decides the instant of capture, and may come from the image's
 annotations rather than the spec), the QEMU binary's version, the accelerator and the CPU model. A snapshot that QEMU refuses
 anyway is discarded and the guest boots cold.
+
+Two forms (``SnapshotMeta.form``, part of the key):
+
+- **templated** (the default): the guest's RAM is a file of its own, ``ram``. The boot that
+  captures already runs with its RAM in that file (shared), so the capture writes only the
+  device state to ``memory``; each restore maps ``ram`` privately (copy-on-write) and loads the
+  device state. Every instance restored from it shares the file's unwritten pages in the page
+  cache, and a restore costs the same whatever the guest's RAM.
+- **stream**: ``memory`` holds the RAM too (QEMU's migration stream); the fallback where guest
+  RAM cannot be a private file mapping (``FORM_REASONS``).
 """
 
 from __future__ import annotations
@@ -27,11 +37,14 @@ import os
 import subprocess
 import tempfile
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_contract.spec import Readiness, VmSpec
+from vmsidecar_contract.state import FORM_REASON_GPIO, FORM_REASON_RUNTIME
 
 from .backend.common import qemu_binary
 from .disk import DiskImage
@@ -44,8 +57,18 @@ from .procs import child_env
 log = logging.getLogger(__name__)
 
 #: bump when the layout or the meaning of a snapshot changes: older ones are then never matched
-#: (2: every QEMU has the guest agent's port; the snapshot has meta.json; 3: sealed)
-FORMAT = 3
+#: (2: every QEMU has the guest agent's port; the snapshot has meta.json; 3: sealed; 4: templated
+#: form, the agent's port has a device id)
+FORMAT = 4
+TEMPLATED = "templated"
+STREAM = "stream"
+#: a RAM file's seal hashes it in chunks: a chunk in a hole (guest RAM never written, not on disk)
+#: is not read, its digest is the zero chunk's; the digest depends on the content only
+RAM_CHUNK = 4 << 20
+RAM_DIGEST = "sha256-4m:"
+#: ``stream`` makes this runtime capture full-stream snapshots (a pool owner's choice: a cache
+#: volume whose files should not be mapped by every instance, e.g. a network file system)
+FORM_ENV = "VMSIDECAR_SNAPSHOT_FORM"
 #: consoles whose scrollback a restored guest shows
 CONSOLES = ("ttyS0", "hvc0")
 
@@ -75,10 +98,12 @@ def _qemu_version(arch: str) -> str:
 KEY_EXCLUDES = {"snapshot", "libvirt_uri", "snapshot_source", "cpu"}
 
 
-def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readiness: Readiness | None = None) -> str:
+def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readiness: Readiness | None = None,
+                 form: str = TEMPLATED) -> str:
     """The cache key of the snapshot of ``spec`` booted from ``image_digest``, captured when
-    ``readiness`` (default: the spec's) was met."""
+    ``readiness`` (default: the spec's) was met, in ``form``."""
     material = {
+        "form": form,
         "format": FORMAT,
         "image": image_digest,
         "spec": spec.model_dump(mode="json", exclude=KEY_EXCLUDES)
@@ -90,14 +115,27 @@ def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readines
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def snapshot_form(spec: VmSpec) -> tuple[str, str | None]:
+    """The form of ``spec``'s snapshot on this runtime, and why it is not templated."""
+    if spec.gpio:
+        # vhost-user maps guest RAM shared with its backend process for the instance's whole life:
+        # a restored instance would write into the template every instance maps
+        return STREAM, FORM_REASON_GPIO
+    if os.environ.get(FORM_ENV, TEMPLATED) == STREAM:
+        return STREAM, FORM_REASON_RUNTIME
+    return TEMPLATED, None
+
+
 @dataclass(frozen=True)
 class SnapshotMeta:
     """What the capture found out about the guest."""
 
     #: a guest agent answered at capture: a restore sets the guest's clock through it
     guest_agent: bool = False
-    #: the seal: ``sha256:<hex>`` of every other file of the snapshot, at commit
+    #: the seal: ``sha256:<hex>`` of every other file of the snapshot, at commit (``ram``: ``RAM_DIGEST``)
     files: dict[str, str] = field(default_factory=dict)
+    #: ``TEMPLATED`` (RAM in ``ram``) or ``STREAM`` (RAM in the migration stream)
+    form: str = STREAM
 
 
 @dataclass(frozen=True)
@@ -108,8 +146,13 @@ class Snapshot:
 
     @property
     def memory(self) -> Path:
-        """The migration stream (RAM and device state)."""
+        """The migration stream: device state, and the RAM unless the snapshot is templated."""
         return self.path / "memory"
+
+    @property
+    def ram(self) -> Path:
+        """A templated snapshot's guest RAM (a restore maps it privately)."""
+        return self.path / "ram"
 
     @property
     def disk(self) -> Path:
@@ -128,7 +171,10 @@ class Snapshot:
             files = data["files"]
             if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
                 return None
-            return SnapshotMeta(guest_agent=bool(data["guest_agent"]), files=files)
+            form = data.get("form", STREAM)
+            if form not in (TEMPLATED, STREAM):
+                return None
+            return SnapshotMeta(guest_agent=bool(data["guest_agent"]), files=files, form=form)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -141,8 +187,8 @@ class Snapshot:
 
     @property
     def size(self) -> int:
-        """Bytes on disk."""
-        return sum(p.stat().st_size for p in self.path.iterdir())
+        """Bytes on disk (a RAM file's holes, RAM the guest never wrote, take none)."""
+        return sum(p.stat().st_blocks * 512 for p in self.path.iterdir())
 
 
 @dataclass
@@ -170,7 +216,8 @@ class SnapshotStore:
         captured again at the next cold boot's Ready: ``commit`` replaces it). Not yet checked:
         :meth:`verify` before QEMU loads it."""
         snap = Snapshot(self.root / key)
-        complete = snap.memory.is_file() and snap.disk.is_file() and snap.meta() is not None
+        meta = snap.meta() if snap.memory.is_file() and snap.disk.is_file() else None
+        complete = meta is not None and (meta.form != TEMPLATED or snap.ram.is_file())
         return snap if complete else None
 
     def staging(self, key: str) -> Snapshot:
@@ -193,10 +240,15 @@ class SnapshotStore:
         """
         for name, data in consoles.items():
             (staged.path / f"{name}.console").write_bytes(data)
-        files = {item.name: hash_file(item) for item in staged.path.iterdir() if item != staged.meta_file}
-        staged.meta_file.write_text(json.dumps(asdict(SnapshotMeta(meta.guest_agent, files))))
+        started = time.monotonic()
+        files = {item.name: seal_digest(item) for item in staged.path.iterdir() if item != staged.meta_file}
+        log.info("snapshot %s sealed in %.2f s", key, time.monotonic() - started)
+        staged.meta_file.write_text(json.dumps(asdict(SnapshotMeta(meta.guest_agent, files, meta.form))))
         for item in staged.path.iterdir():
-            os.chmod(item, 0o444)
+            # QEMU 7.2 opens a memory-backend-file read-write even to map it privately (its
+            # readonly=on maps the guest's RAM read-only: a ROM), so a RAM file QEMU's UID cannot
+            # write cannot be restored; the seal, not the mode, is what keeps it intact
+            os.chmod(item, 0o644 if item == staged.ram else 0o444)
         final = self.root / key
         if (existing := self.find(key)) is None and final.exists():
             # an incomplete or outdated entry: moved aside first, so the rename below is atomic
@@ -267,7 +319,7 @@ class SnapshotStore:
                 seal = stat_seal(path.stat())
             except OSError as e:
                 return f"{name} cannot be read ({e.strerror})"
-            if (checked is None or checked.seals.get(name) != seal) and hash_file(path) != digest:
+            if (checked is None or checked.seals.get(name) != seal) and seal_digest(path) != digest:
                 return f"{name} does not match the sha256 recorded at capture (altered on disk)"
             seals[name] = seal
         self._checked[str(snap.path)] = _Checked(dir_ino, dict(digests), seals)
@@ -280,9 +332,68 @@ class SnapshotStore:
 
     async def discard(self, snap: Snapshot) -> None:
         """Remove a snapshot QEMU refused, one whose seal broke (or a half-written one)."""
+        await asyncio.to_thread(self.discard_now, snap)
+
+    def discard_now(self, snap: Snapshot) -> None:
+        """``discard``, blocking (a directory of a few files: unlinking a large RAM file a QEMU still
+        maps only drops its name)."""
         self._checked.pop(str(snap.path), None)
-        await asyncio.to_thread(remove_tree, snap.path)
+        remove_tree(snap.path)
         log.info("snapshot %s discarded", snap.path.name)
+
+
+def seal_digest(path: Path) -> str:
+    """A snapshot file's seal digest: ``hash_ram`` for its RAM file, ``hash_file`` for the others."""
+    return hash_ram(path) if path.name == "ram" else hash_file(path)
+
+
+def hash_ram(path: Path) -> str:
+    """``RAM_DIGEST<hex>``: the sha256 of the sha256 of every ``RAM_CHUNK`` of a (sparse) RAM file,
+    in order; chunks are hashed on every core, holes are not read. Empty hex when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return RAM_DIGEST
+    try:
+        size = os.fstat(fd).st_size
+        extents = _data_extents(fd, size)
+
+        def chunk_digest(start: int) -> bytes:
+            length = min(RAM_CHUNK, size - start)
+            if not any(s < start + length and start < e for s, e in extents):
+                return _zero_digest(length)
+            return hashlib.sha256(os.pread(fd, length, start)).digest()
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            digests = list(pool.map(chunk_digest, range(0, size, RAM_CHUNK)))
+    except OSError:
+        return RAM_DIGEST
+    finally:
+        os.close(fd)
+    return RAM_DIGEST + hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _data_extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """The (start, end) of every region of a file that holds data (everything, where the file
+    system cannot tell holes)."""
+    extents: list[tuple[int, int]] = []
+    offset = 0
+    try:
+        while offset < size:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            extents.append((start, end))
+            offset = end
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data after offset
+            return extents
+        return [(0, size)]
+    return extents
+
+
+@functools.cache
+def _zero_digest(length: int) -> bytes:
+    return hashlib.sha256(bytes(length)).digest()
 
 
 def _frozen_overlay_problem(snap: Snapshot, base: DiskImage) -> str | None:

@@ -68,6 +68,8 @@ class Backend(Protocol):
     supports_snapshots: ClassVar[bool]
     #: how the process/domain ended, once it has (``None`` while it runs)
     exit_info: ExitInfo | None
+    #: the guest holds the guest agent's port open (an agent runs in it); a capture records it
+    guest_agent_open: bool
 
     async def launch(self) -> None:
         """Start the guest paused (consoles attach before ``resume``).

@@ -15,6 +15,10 @@ NETDEV_ID = "net0"
 
 #: chardev id of the guest agent's port
 GUEST_AGENT_CHARDEV = "qga0"
+#: device id of the guest agent's port (QMP's VSERPORT_CHANGE names it when the guest opens it)
+GUEST_AGENT_PORT_ID = "qga0-port"
+#: memory-backend id of guest RAM in a file (a templated snapshot)
+RAM_ID = "ram0"
 #: virtio-serial ports: hvc0, up to 30 channels, up to 16 SLCAN buses, the guest agent
 VIRTIO_SERIAL_PORTS = 48
 
@@ -49,11 +53,23 @@ def _base(plan: BootPlan) -> list[str]:
         "-chardev", f"socket,id=qmp,path={plan.qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
     ]
+    return [*argv, *_memory(plan)]
+
+
+def _memory(plan: BootPlan) -> list[str]:
+    spec = plan.spec
+    if plan.ram is not None:
+        # a templated snapshot (snapshots.py): the capturing boot's RAM is the file (share=on), a
+        # restore maps it copy-on-write (share=off) and loads only the device state (x-ignore-shared)
+        assert not spec.gpio, "vhost-user GPIO needs RAM shared with its backend: never templated"
+        share = "on" if plan.ram.share else "off"
+        return ["-object", f"memory-backend-file,id={RAM_ID},mem-path={plan.ram.path},share={share},"
+                f"size={spec.memory}M", "-machine", f"memory-backend={RAM_ID}"]
     if spec.gpio:
         # vhost-user devices need guest RAM the backend process can map.
-        argv += ["-object", f"memory-backend-memfd,id=mem0,size={spec.memory}M,share=on",
-                 "-machine", "memory-backend=mem0"]
-    return argv
+        return ["-object", f"memory-backend-memfd,id=mem0,size={spec.memory}M,share=on",
+                "-machine", "memory-backend=mem0"]
+    return []
 
 
 def _boot(plan: BootPlan) -> list[str]:
@@ -105,7 +121,7 @@ def _guest_agent(plan: BootPlan) -> list[str]:
     # restore. Its socket is in the private run dir, never the shared one: the lease holder must
     # not reach an agent that can set the clock, read files or run commands as root.
     return ["-chardev", f"socket,id={GUEST_AGENT_CHARDEV},path={plan.guest_agent_socket},server=on,wait=off",
-            "-device", f"virtserialport,chardev={GUEST_AGENT_CHARDEV},name={GUEST_AGENT_PORT}"]
+            "-device", f"virtserialport,chardev={GUEST_AGENT_CHARDEV},name={GUEST_AGENT_PORT},id={GUEST_AGENT_PORT_ID}"]
 
 
 def _network(plan: BootPlan) -> list[str]:

@@ -17,6 +17,7 @@ from vmsidecar_contract.spec import VmSpec
 
 from .. import metrics
 from ..backend import Backend
+from ..plan import RamFile
 from ..snapshots import CONSOLES, Snapshot
 from .disks import Disks
 from .machine import Machine
@@ -42,6 +43,7 @@ class Boot:
         :raise VmsidecarError: the guest cannot start (the caller stops what is left and fails).
         """
         accel = self._machine.choose_accel(spec)
+        await self._snapshots.drop_staging()  # an earlier boot's capture that never happened
         snap = self._snapshots.plan(spec, accel.accel)
         if snap is None:  # a cache miss: the spec's snapshot_source may have one
             snap = await self._snapshots.from_source(spec)
@@ -54,12 +56,14 @@ class Boot:
     async def _cold(self, spec: VmSpec) -> None:
         """Boot the guest from its disk; the readiness watch decides when it is Ready."""
         overlay = await self._disks.overlay()
+        ram = await self._snapshots.cold_ram()  # a templated capture's RAM file, if this boot captures
         self._machine.begin_boot("power-on")
         self._snapshots.booting_cold()
-        await self._launch(spec, overlay)
+        await self._launch(spec, overlay, ram=ram)
 
-    async def _launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None) -> None:
-        await self._machine.launch(spec, overlay, incoming)
+    async def _launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
+                      ram: RamFile | None = None) -> None:
+        await self._machine.launch(spec, overlay, incoming, ram)
         self._running()
 
     async def _restore(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool = True) -> bool:
@@ -77,7 +81,7 @@ class Boot:
             if new_boot:
                 self._machine.begin_boot("restore")
                 self._streams.preload({name: snap.console(name) for name in CONSOLES})
-            await self._launch(spec, overlay, snap.memory)
+            await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap))
         except VmsidecarError as e:
             await self._machine.stop()
             await self._snapshots.refused(snap, e)
@@ -93,7 +97,7 @@ class Boot:
         on from the snapshot (which proves it loads). Ready at once (True) unless the snapshot could
         not be stored or restored: the guest then boots cold again (False)."""
         assert self._machine.plan is not None
-        capture = await self._snapshots.save(key, backend, self._machine.plan.guest_agent_socket)
+        capture = await self._snapshots.save(key, backend)
         if capture is None:  # the backend cannot snapshot this guest: it runs on
             return True
         consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}

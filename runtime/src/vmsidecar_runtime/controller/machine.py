@@ -23,7 +23,7 @@ from ..accel import AccelChoice, choose_accel
 from ..backend import Backend, BackendEvent, BackendFactory, EventSink
 from ..events import EventBus
 from ..firmware import prepare_firmware
-from ..plan import BootPlan
+from ..plan import BootPlan, RamFile
 from .paths import RuntimePaths
 from .streams import GuestStreams
 
@@ -120,7 +120,8 @@ class Machine:
         self.last_exit = None
 
     # ---- the backend ---------------------------------------------------------------------
-    async def launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None) -> None:
+    async def launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
+                     ram: RamFile | None = None) -> None:
         """Start the backend paused, attach every stream, then let the guest run.
 
         A free host port for a forward is only free until QEMU binds it: another process may take
@@ -130,7 +131,7 @@ class Machine:
         :raise HostError: the backend cannot start.
         """
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            plan = self._new_plan(spec, overlay, incoming)
+            plan = self._new_plan(spec, overlay, incoming, ram)
             self.plan = plan
             self.expect_exit = False
             self.last_exit = None
@@ -148,11 +149,11 @@ class Machine:
         await self._streams.attach(plan)
         await self.backend.resume()
 
-    def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None) -> BootPlan:
+    def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None, ram: RamFile | None) -> BootPlan:
         assert self.accel is not None
         return BootPlan(spec=spec, accel=self.accel.accel, disk=overlay, disk_format="qcow2",
                         run_dir=self._paths.run, ports=ports.allocate(spec.network.forwards),
-                        firmware=prepare_firmware(spec, self._paths.state), incoming=incoming)
+                        firmware=prepare_firmware(spec, self._paths.state), incoming=incoming, ram=ram)
 
     async def reset(self) -> None:
         """Hard reset, like the reset button."""

@@ -13,9 +13,13 @@ the steps it decides on. The rules:
   out, so no capture starts after that, and a claim waits for one already under way). The guest is paused, its state written,
   QEMU stopped, the overlay frozen into the snapshot; then the same boot continues from the
   snapshot just taken, which proves it loads. Consoles keep their clients and scrollback.
-- **Clock**: a restored guest's wall clock resumes at the capture instant. The capture asks
-  whether a guest agent answers (bounded) and records it with the snapshot; every restore of a
-  snapshot with an agent sets the guest's clock to the host's through it before Ready.
+- **Form** (``snapshots.py``): templated unless the spec or the runtime rules it out (the reason
+  is ``info.form_reason``). A cold boot that is to capture a templated snapshot runs with its RAM
+  in a file of the capture's staging directory, so the capture writes device state only.
+- **Clock**: a restored guest's wall clock resumes at the capture instant. The capture records
+  whether the guest holds the guest agent's port open (the backend sees the guest open it: no
+  wait) with the snapshot; every restore of a snapshot with an agent sets the guest's clock to the
+  host's through it before Ready.
 """
 
 from __future__ import annotations
@@ -38,16 +42,14 @@ from .. import metrics
 from ..backend import Backend, guest_agent
 from ..backend.factory import supports_snapshots
 from ..disk import DiskImage
+from ..plan import RamFile
 from ..snapshot_identity import SnapshotIdentity, identify
-from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore
+from ..snapshots import STREAM, TEMPLATED, Snapshot, SnapshotMeta, SnapshotStore, snapshot_form
 from .disks import Disks
 from .paths import RuntimePaths
 
 log = logging.getLogger(__name__)
 
-#: how long the capture waits for a guest agent to answer (once per snapshot; an agent that is
-#: up answers in ~0.1 s, so only a guest without one pays all of it, on its first Ready)
-AGENT_PROBE_S = 3.0
 #: bound on reaching the agent after a restore (it answers a sync in ~10 ms when it is there)
 CLOCK_TIMEOUT_S = 5.0
 #: how long Ready waits for guest-set-time's answer: the clock is set when the agent reads the
@@ -93,6 +95,10 @@ class SnapshotOps:
         self._identity: SnapshotIdentity | None = None
         #: the snapshot this boot fetched from the spec's snapshot_source (its restore is "registry_warm")
         self._fetched: Path | None = None
+        #: the form the current boot's snapshot takes
+        self._form = TEMPLATED
+        #: the staging directory whose ``ram`` the current cold boot runs on (a templated capture)
+        self._staged: Snapshot | None = None
 
     def _why(self, reason: str) -> None:
         self.info = self.info.model_copy(update={"reason": reason})
@@ -127,6 +133,8 @@ class SnapshotOps:
             self._why(e.message)
             metrics.snapshot_lookup("readiness_invalid")
             return None
+        self._form, form_reason = snapshot_form(spec)
+        self.info = self.info.model_copy(update={"form": self._form, "form_reason": form_reason})
         return self._identity.key
 
     def plan(self, spec: VmSpec, accel: str) -> Snapshot | None:
@@ -134,7 +142,8 @@ class SnapshotOps:
         self._capture_key = None
         self._identity = None
         self._fetched = None
-        self.info = self.info.model_copy(update={"clock": None, "source_refusal": None})
+        self.info = self.info.model_copy(update={"clock": None, "source_refusal": None, "form": None,
+                                                 "form_reason": None})
         key = self._key(spec, accel)
         self._planned_key = key
         snap = self._store.find(key) if key is not None else None
@@ -183,7 +192,27 @@ class SnapshotOps:
         key, self._capture_key = self._capture_key, None
         return key
 
+    async def cold_ram(self) -> RamFile | None:
+        """Before a cold boot: the RAM file it runs on, when it is to capture a templated snapshot
+        (in the capture's staging directory, shared: the capture then writes device state only);
+        None: anonymous RAM. Drops an earlier cold boot's staging that was never captured."""
+        await self.drop_staging()
+        if self._capture_key is None or self._form != TEMPLATED:
+            return None
+        self._staged = await asyncio.to_thread(self._store.staging, self._capture_key)
+        return RamFile(self._staged.ram, share=True)
+
+    async def drop_staging(self) -> None:
+        """Remove the staging directory of a capture that will not happen (the boot running on its
+        RAM file keeps its mapping: the file goes when that QEMU ends)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            await self._store.discard(staged)
+
     def abandon_capture(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:  # the lease's guest keeps its mapping; the file goes when its QEMU ends
+            self._store.discard_now(staged)
         self._why("a lease was handed out before this boot was Ready, so it is not captured (the lease may "
                   "have changed the guest); the next pristine boot, after the lease's recycle, captures it")
 
@@ -221,7 +250,8 @@ class SnapshotOps:
         log.warning("memory snapshot %s not restored: %s; removing it and booting cold", snap.path.name, broken)
         await self._store.discard(snap)
         self.info = SnapshotInfo(boot="cold", reason=f"the snapshot failed its seal check: {broken}; "
-                                 "it was removed and a new one is captured at Ready")
+                                 "it was removed and a new one is captured at Ready",
+                                 form=self.info.form, form_reason=self.info.form_reason)
         self._capture_key = self._planned_key
         return False
 
@@ -231,13 +261,17 @@ class SnapshotOps:
         self._paths.overlay.unlink(missing_ok=True)
         await self._store.discard(snap)
         self.info = SnapshotInfo(boot="cold", reason=f"the snapshot was refused ({error.message}); "
-                                 "it was discarded and a new one is captured at Ready")
+                                 "it was discarded and a new one is captured at Ready",
+                                 form=self.info.form, form_reason=self.info.form_reason)
         self._capture_key = self._planned_key
 
     async def restored(self, snap: Snapshot, started: float, agent_socket: Path, *, new_boot: bool) -> None:
         """The guest runs from ``snap``: correct its clock, record the restore."""
         update: dict[str, Any] = {"available": True, "restore_seconds": round(time.monotonic() - started, 3)}
         update["clock"] = await self._correct_clock(snap, agent_socket)
+        meta = snap.meta()
+        if meta is not None:
+            update["form"] = meta.form
         if new_boot:
             update |= {"boot": "registry_warm" if snap.path == self._fetched else "restored", "reason": None}
             metrics.snapshot_restore.observe(update["restore_seconds"])
@@ -259,14 +293,16 @@ class SnapshotOps:
         return CLOCK_CORRECTED
 
     # ---- capture -------------------------------------------------------------------------
-    async def save(self, key: str, backend: Backend, agent_socket: Path) -> Capture | None:
+    async def save(self, key: str, backend: Backend) -> Capture | None:
         """Pause the guest and write its state; None when the backend cannot (recorded, never retried
         for ``key``; the guest runs on)."""
         started = time.monotonic()
-        # asked before the state is saved: the agent's answer is in no later restore's channel
-        agent = await guest_agent.probe(agent_socket, AGENT_PROBE_S)
-        log.info("guest agent at capture: %s (%.2f s)", "answers" if agent else "none", time.monotonic() - started)
-        staged = self._store.staging(key)
+        # the guest opened the agent's port by now if it runs one: no probe, no wait
+        agent = backend.guest_agent_open
+        log.info("guest agent at capture: %s", "port open" if agent else "none")
+        staged, self._staged = self._staged, None
+        if staged is None:  # a full-stream capture: its staging directory is made now
+            staged = self._store.staging(key)
         try:
             await backend.save_state(staged.memory)
         except HostError as e:
@@ -285,8 +321,9 @@ class SnapshotOps:
         staged = capture.staged
         await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
         try:
+            form = TEMPLATED if staged.ram.is_file() else STREAM
             snap = await asyncio.to_thread(self._store.commit, staged, capture.key, consoles,
-                                           SnapshotMeta(guest_agent=capture.guest_agent))
+                                           SnapshotMeta(guest_agent=capture.guest_agent, form=form))
         except HostError as e:
             await self._store.discard(staged)
             self._why(e.message)
@@ -297,6 +334,13 @@ class SnapshotOps:
         log.info("memory snapshot %s captured in %.2f s (%d MB)", capture.key, capture.seconds, snap.size >> 20)
         return snap
 
+    def restore_ram(self, snap: Snapshot) -> RamFile | None:
+        """The RAM a restore of ``snap`` maps: a templated snapshot's file, privately (copy-on-write:
+        the guest's writes never reach the file every restore maps); None for a full stream."""
+        meta = snap.meta()
+        return RamFile(snap.ram, share=False) if meta is not None and meta.form == TEMPLATED else None
+
     def captured(self, capture: Capture, snap: Snapshot) -> None:
         """The captured boot continues from ``snap``, which loaded."""
         self.info = self.info.model_copy(update={"capture_seconds": capture.seconds, "size": snap.size})
+

@@ -35,8 +35,8 @@ from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC
 from ..procs import child_env
 from ..snapshot_identity import SnapshotIdentity
-from ..snapshots import Snapshot, SnapshotStore
-from .cache import hash_file, remove_tree
+from ..snapshots import Snapshot, SnapshotStore, seal_digest
+from .cache import remove_tree
 from .mediatypes import (
     ANNOTATION_TITLE,
     SNAPSHOT_ARTIFACT_TYPE,
@@ -199,7 +199,7 @@ def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIde
             raise SourceRefused("bad_artifact", f"{where} has the files {sorted(files)}, not the ones its "
                                 f"{META_FILE} seals ({sorted(meta.files)}); {RESEND}")
         for name, digest in meta.files.items():
-            if hash_file(staged.path / name) != digest:
+            if seal_digest(staged.path / name) != digest:  # a RAM file's by chunks
                 raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
                                     f"recorded at capture; {RESEND}")
         _rebase_frozen_overlay(staged, base, where, limits)

@@ -71,6 +71,8 @@ class LibvirtBackend:
         self._on_event = on_event
         self.domain_name = f"vmsidecar-{plan.run_dir.name.removeprefix('vmsidecar-')}"
         self.exit_info: ExitInfo | None = None
+        #: never asked: this backend has no memory snapshots (``supports_snapshots``)
+        self.guest_agent_open = False
         self._exited = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: connection.Connection | None = None
