@@ -60,19 +60,28 @@ async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
     return state, time.monotonic() - started
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+#: (backend, snapshot form): the isolation test runs on both forms of the qemu backend's snapshots
+#: (templated is the default; the runtime's setting makes the full-stream one) and on libvirt (none)
+FORMS = [pytest.param("qemu", "templated", id="qemu-templated"), pytest.param("qemu", "stream", id="qemu-stream"),
+         *[pytest.param(b.values[0], None, id=b.values[0], marks=b.marks) for b in BACKENDS[1:]]]
+
+
+@pytest.mark.parametrize(("backend", "form"), FORMS)
 async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
-    start_runtime: Any, tiny_image: Any, backend: str
+    start_runtime: Any, tiny_image: Any, backend: str, form: str | None
 ) -> None:
     # a channel no other test's spec has: a snapshot key of its own, so this first boot captures
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "isolation"}]}
-    rt = await start_runtime(spec, backend=backend)
+    rt = await start_runtime(spec, backend=backend, env={"VMSIDECAR_SNAPSHOT_FORM": form} if form else None)
     client = rt.client()
     first = await client.wait_ready(240)
     console = rt.shared / "console.sock"
     if backend == "qemu":
         assert first.snapshot.boot == "cold" and first.snapshot.available and first.snapshot.size
         assert first.snapshot.capture_seconds is not None
+        assert first.snapshot.form == form, first.snapshot
+        assert first.snapshot.form_reason == (None if form == "templated" else
+                                              "VMSIDECAR_SNAPSHOT_FORM=stream on this runtime"), first.snapshot
     else:
         assert not first.snapshot.available and "libvirt" in (first.snapshot.reason or "")
     seen_random = {await _lease_leaves_traces(console, "lease-one-secret")}
@@ -94,6 +103,48 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
         assert re.fullmatch(r"[0-9a-f]{32}", random_now) and random_now not in seen_random, probe
         seen_random.add(random_now)
         seen_random.add(await _lease_leaves_traces(console, "lease-two-secret"))
+
+
+async def _write_and_list(console_sock: Path, tag: str) -> list[str]:
+    """Dirty RAM (a RAM-only file of 8 MiB and a marker naming ``tag``), return the markers the guest sees."""
+    con = await Console.open(console_sock)
+    try:
+        await con.wake()
+        await con.run(f"dd if=/dev/urandom of=/tmp/fill-{tag} bs=1M count=8 2>/dev/null; echo {tag} > /tmp/marker-{tag}")
+        out = await con.run("echo MARKERS $(cat /tmp/marker-* 2>/dev/null)")
+    finally:
+        await con.close()
+    return next(line for line in out.splitlines() if line.startswith("MARKERS")).split()[1:]
+
+
+async def test_instances_of_one_template_keep_their_ram_to_themselves(start_runtime: Any, tiny_image: Any,
+                                                                     image_cache: Path) -> None:
+    # three pods of one node on one cache: the first captures the template, the others restore it;
+    # all three run at once from the same RAM file, each writes its own data to its RAM
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "template"}]}
+    first = await start_runtime(spec, name="one")
+    state = await first.client().wait_ready(240)
+    assert state.snapshot.form == "templated" and state.snapshot.available, state.snapshot
+    snap = next(p for p in (image_cache / "snapshots").iterdir() if not p.name.startswith("."))
+    ram = snap / "ram"
+    before = hashlib.sha256(ram.read_bytes()).hexdigest(), ram.stat().st_mtime_ns, ram.stat().st_ctime_ns
+    others = await asyncio.gather(start_runtime(spec, name="two"), start_runtime(spec, name="three"))
+    for rt in others:
+        state = await rt.client().wait_ready(120)
+        assert state.snapshot.boot == "restored" and state.snapshot.form == "templated", state.snapshot
+    runtimes = [first, *others]
+    for tag, rt in zip(("one", "two", "three"), runtimes, strict=True):
+        assert await _write_and_list(rt.shared / "console.sock", tag) == [tag]
+    for tag, rt in zip(("one", "two", "three"), runtimes, strict=True):  # after all three wrote
+        assert await _write_and_list(rt.shared / "console.sock", tag) == [tag]
+    # the restores' writes never reached the template (mapped copy-on-write)
+    after = hashlib.sha256(ram.read_bytes()).hexdigest(), ram.stat().st_mtime_ns, ram.stat().st_ctime_ns
+    assert after == before
+    # and a recycle of one restores the template again: pristine
+    await runtimes[1].client().recycle()
+    state = await runtimes[1].client().wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot
+    assert await _write_and_list(runtimes[1].shared / "console.sock", "again") == ["again"]
 
 
 async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image: Any) -> None:
