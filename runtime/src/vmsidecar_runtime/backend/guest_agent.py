@@ -1,4 +1,5 @@
-"""A small qemu-guest-agent (QGA) client: is there an agent, and set the guest's clock.
+"""A small qemu-guest-agent (QGA) client: set the guest's clock (whether a guest runs an agent is
+seen from QMP's VSERPORT_CHANGE, ``backend/qemu.py``).
 
 QGA speaks QMP's JSON, one object per line, but with no greeting and no capabilities
 negotiation; qemu.qmp's ``QMPClient`` waits for a greeting first, so it does not fit and the
@@ -146,20 +147,6 @@ class GuestAgent:
             desc = error.get("desc", error) if isinstance(error, dict) else error
             raise GuestAgentError(f"{command}: {desc}")
         return reply.get("return")
-
-
-async def probe(path: Path, window: float) -> bool:
-    """Whether an agent answers on ``path`` within ``window`` seconds."""
-    try:
-        agent = await GuestAgent.connect(path, timeout=min(window, 1.0))
-    except GuestAgentError:
-        return False
-    async with agent:
-        try:
-            await agent.sync(window)
-            return True
-        except GuestAgentError:
-            return False
 
 
 #: answers still being read after ``set_time`` returned (a reference keeps each task alive)
