@@ -18,6 +18,7 @@ from jumpstarter_driver_gpiod.client import PinState
 from fixtures.attack import VhostMaster
 from fixtures.vmdev import vm_client, vm_runtime
 from fixtures.waiting import wait_until_async
+from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.spec import GpioLine
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.devices import vhost_user as vu
@@ -227,3 +228,13 @@ async def test_j_cli_like_a_bench(gpio_vm: tuple[Any, Any], tiny_image: Any, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     states = [ln.strip() for ln in result.stdout.splitlines() if ln.strip() in ("active", "inactive")]
     assert states == ["active", "inactive", "inactive"], result.stdout
+
+
+async def test_a_gpio_guest_is_never_templated_and_says_why(gpio_vm: tuple[Any, Any]) -> None:
+    # vhost-user maps guest RAM shared with the device's process for the instance's whole life: a
+    # restore mapping the template shared would write into it, so the snapshot is a full stream
+    rt, _ = gpio_vm
+    async with RuntimeClient(rt.socket) as client:
+        state = await client.state()
+    assert state.snapshot.form == "stream", state.snapshot
+    assert state.snapshot.form_reason == "vhost-user GPIO shares guest RAM with its backend process", state.snapshot
