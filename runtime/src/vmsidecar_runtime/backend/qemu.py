@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 
 #: bound on writing or loading a memory snapshot (hundreds of MB at disk speed)
 MIGRATION_TIMEOUT_S = 120.0
-#: the QMP events ``map_qmp_event`` understands (the listener asks QEMU for these only), and
-#: VSERPORT_CHANGE, which the backend keeps to itself (``guest_agent_open``)
-QMP_EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED", "BLOCK_IO_ERROR",
-              "VSERPORT_CHANGE")
+#: the QMP events ``map_qmp_event`` understands
+QMP_EVENTS = ("SHUTDOWN", "POWERDOWN", "RESET", "STOP", "RESUME", "GUEST_PANICKED", "BLOCK_IO_ERROR")
+#: the QMP events the listener asks QEMU for: those, and VSERPORT_CHANGE, which the backend keeps
+#: to itself (``guest_agent_open``)
+LISTENED_EVENTS = (*QMP_EVENTS, "VSERPORT_CHANGE")
 #: the migration bandwidth of every snapshot save: QEMU's default (128 MiB/s) is meant for a live
 #: migration sharing a network; a save to a local file of a paused guest has nothing to share
 #: (issue 23: 96 MB in 0.75 s throttled, 0.16 s lifted). QEMU takes bytes per second.
@@ -170,7 +171,7 @@ class QemuBackend:
                 # up to its whole interval to every launch, a warm start's included
                 await asyncio.sleep(0.01)
         self._qmp = qmp
-        listener = EventListener(QMP_EVENTS)
+        listener = EventListener(LISTENED_EVENTS)
         qmp.register_listener(listener)
         self._tasks.append(asyncio.create_task(self._pump_events(listener), name="qmp-events"))
 
