@@ -268,14 +268,15 @@ async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pul
 
 
 async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_being_captured(
-    start_runtime: Any, tiny_image: Any, jmpctl: Any
+    start_runtime: Any, tiny_image: Any, jmpctl: Any, tmp_path: Path
 ) -> None:
     """The guest is Ready only when the test says so (its readiness pattern), so the lease is
     handed out for certain before the first Ready. Before the fix nothing told the runtime, and the
     boot was captured as the pristine snapshot with whatever the lease had done to it."""
     marker = "LEASE-ATTACK-GO"
+    cache = tmp_path / "cache"  # its own: the session's holds other workers' captures under way
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M",
-                              "readiness": {"pattern": marker, "timeout": 300}})
+                              "readiness": {"pattern": marker, "timeout": 300}}, cache=cache)
     client = rt.client()
     await wait_phase(client, "Running", timeout=60)
     cfg = jmpctl.exporter_config({"vm": {"type": VM_TYPE, "config": {"socket": str(rt.socket),
@@ -295,6 +296,9 @@ async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_bein
             assert state.snapshot.capture_seconds is None and not state.snapshot.available, (
                 f"the boot a lease was handed out in was captured as the pristine snapshot: {state.snapshot}")
             assert "lease" in (state.snapshot.reason or ""), state.snapshot
+            # that boot ran with its RAM in a templated capture's staging file: the lease's RAM must
+            # not stay reachable in the cache (the file is unlinked; the lease's QEMU keeps its mapping)
+            assert not list((cache / "snapshots").glob(".incoming-*")), list((cache / "snapshots").iterdir())
     finally:
         await con.close()
 

@@ -133,6 +133,7 @@ class VmController:
         """Stop the guest (bounded) and close every socket."""
         async with self._phases.lock:
             await self._power.stop(graceful=True, timeout=20)
+            await self._snapshots.drop_staging()  # a capture that will not happen: its RAM file goes
         await self.streams.close()
 
     async def kill(self) -> None:
