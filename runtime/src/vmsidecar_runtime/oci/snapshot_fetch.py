@@ -20,6 +20,7 @@ Every refusal is a :class:`SourceRefused` with a code from a fixed set (``Snapsh
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import time
@@ -224,7 +225,11 @@ def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, d
                                 where=where)
             _, stream = open_decompressed(reader, compression, Origin(where, RESEND), limits)
             while data := stream.read(CHUNK):
-                f.write(data)
+                if data.count(0) == len(data):  # a templated snapshot's unwritten RAM: a hole, as at capture
+                    f.seek(len(data), os.SEEK_CUR)
+                else:
+                    f.write(data)
+            f.truncate()  # the file's length, when it ends in a hole
             reader.drain()
         reader.verify()
     except DigestMismatchError as e:
