@@ -16,10 +16,9 @@ the steps it decides on. The rules:
 - **Form** (``snapshots.py``): templated unless the spec or the runtime rules it out (the reason
   is ``info.form_reason``). A cold boot that is to capture a templated snapshot runs with its RAM
   in a file of the capture's staging directory, so the capture writes device state only.
-- **Clock**: a restored guest's wall clock resumes at the capture instant. The capture records
-  whether the guest holds the guest agent's port open (the backend sees the guest open it: no
-  wait) with the snapshot; every restore of a snapshot with an agent sets the guest's clock to the
-  host's through it before Ready.
+- **Clock** (``guest_clock.py``): the capture records whether the guest holds the guest agent's
+  port open (the backend sees the guest open it: no wait); every restore of a snapshot with an
+  agent sets the guest's clock to the host's through it before Ready.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,38 +37,19 @@ from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import SnapshotInfo
 
 from .. import metrics
-from ..backend import Backend, guest_agent
+from ..backend import Backend
 from ..backend.factory import supports_snapshots
 from ..disk import DiskImage
 from ..plan import RamFile
 from ..snapshot_identity import SnapshotIdentity, identify
 from ..snapshots import STREAM, TEMPLATED, Snapshot, SnapshotMeta, SnapshotStore, snapshot_form
+from .capture import Capture
 from .disks import Disks
+from .guest_clock import correct_clock
 from .paths import RuntimePaths
+from .snapshot_rules import no_snapshot
 
 log = logging.getLogger(__name__)
-
-#: bound on reaching the agent after a restore (it answers a sync in ~10 ms when it is there)
-CLOCK_TIMEOUT_S = 5.0
-#: how long Ready waits for guest-set-time's answer: the clock is set when the agent reads the
-#: command; the answer waits for ``hwclock -w`` (up to ~2.6 s under TCG), which Ready need not
-CLOCK_ANSWER_WAIT_S = 0.3
-#: bound on fetching a snapshot from the spec's snapshot_source (a cold boot is the fallback)
-SOURCE_FETCH_TIMEOUT_S = 120.0
-CLOCK_CORRECTED = "corrected"
-CLOCK_NO_AGENT = "no guest agent"
-
-
-@dataclass
-class Capture:
-    """A capture under way: the guest's state is written, the snapshot not committed yet."""
-
-    key: str
-    staged: Snapshot
-    guest_agent: bool
-    started: float
-    #: seconds from the start to the commit
-    seconds: float = 0.0
 
 
 class SnapshotOps:
@@ -107,24 +86,9 @@ class SnapshotOps:
     def _key(self, spec: VmSpec, accel: str) -> str | None:
         """The key for booting ``spec`` on the spec's own image now, or None (reason recorded)."""
         base = self._disks.current
-        reason = None
-        if spec.snapshot == "off":
-            reason = "snapshot: off in the spec"
-            metrics.snapshot_lookup("disabled")
-        elif not self._supports(spec.backend):
-            reason = f"the {spec.backend} backend has no memory snapshots yet"
-            metrics.snapshot_lookup("backend_unsupported")
-        elif spec.arch != "x86_64":  # only x86_64 gets a vmgenid (backend/qemu_argv.py): decisions.md
-            reason = f"{spec.arch}: no vmgenid, the guest's RNG would repeat — cold boot"
-            metrics.snapshot_lookup("arch_unsupported")
-        elif self._disks.flashed is not None or base is None:
-            reason = "the disk was flashed in this lease"
-            metrics.snapshot_lookup("flashed")
-        elif self._paths.overlay.exists():
-            reason = "the disk already has this lease's changes (power cycle within a lease)"
-            metrics.snapshot_lookup("lease_changes")
-        if reason is not None:
-            self._why(reason)
+        if (why_not := no_snapshot(spec, self._disks, self._paths, self._supports)) is not None:
+            self._why(why_not[0])
+            metrics.snapshot_lookup(why_not[1])
             return None
         assert base is not None
         try:
@@ -166,24 +130,19 @@ class SnapshotOps:
         """On a cache miss (this boot was to capture): the snapshot of the spec's ``snapshot_source``,
         fetched, checked and committed to the cache; None (refusal recorded) when there is none to use.
         Only the spec's source is read: a flashed or pulled disk never gets here (``_key``)."""
-        from ..oci.snapshot_fetch import SourceRefused, fetch_snapshot  # here: registry code only when asked
+        from ..oci.snapshot_fetch import SourceRefused, fetch_in_thread  # here: registry code only when asked
 
         source, key, identity, base = spec.snapshot_source, self._capture_key, self._identity, self._disks.current
         if source is None or key is None or identity is None or base is None:
             return None
-        started = time.monotonic()
         try:
-            snap = await asyncio.to_thread(fetch_snapshot, source, identity, base, self._store,
-                                           deadline=started + SOURCE_FETCH_TIMEOUT_S)
+            snap = await fetch_in_thread(source, identity, base, self._store)
         except SourceRefused as e:
-            log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
-            self.info = self.info.model_copy(update={"source_refusal": e.code})
-            self._why(f"no snapshot from the snapshot_source {source}: {e.message}; this boot captures one at Ready")
+            self.info = self.info.model_copy(update={"source_refusal": e.code, "reason": f"no snapshot from the "
+                                                     f"snapshot_source {source}: {e.message}; this boot captures one at Ready"})
             return None
-        log.info("snapshot %s fetched from %s in %.2f s (%d MB)", key, source, time.monotonic() - started,
-                 snap.size >> 20)
         self._fetched, self._capture_key = snap.path, None
-        self._store.hold([self._disks.base, self._disks.current], snap)
+        self._store.hold([self._disks.base, self._disks.current], snap)  # never evicted while in use
         self.info = self.info.model_copy(update={"available": True, "size": snap.size})
         return snap
 
@@ -268,29 +227,13 @@ class SnapshotOps:
     async def restored(self, snap: Snapshot, started: float, agent_socket: Path, *, new_boot: bool) -> None:
         """The guest runs from ``snap``: correct its clock, record the restore."""
         update: dict[str, Any] = {"available": True, "restore_seconds": round(time.monotonic() - started, 3)}
-        update["clock"] = await self._correct_clock(snap, agent_socket)
-        meta = snap.meta()
-        if meta is not None:
+        update["clock"] = await correct_clock(snap, agent_socket)
+        if (meta := snap.meta()) is not None:
             update["form"] = meta.form
         if new_boot:
             update |= {"boot": "registry_warm" if snap.path == self._fetched else "restored", "reason": None}
             metrics.snapshot_restore.observe(update["restore_seconds"])
         self.info = self.info.model_copy(update=update)
-
-    async def _correct_clock(self, snap: Snapshot, agent_socket: Path) -> str:
-        """Set the restored guest's clock to the host's when the capture found an agent."""
-        meta = snap.meta()
-        if meta is None or not meta.guest_agent:
-            return CLOCK_NO_AGENT
-        started = time.monotonic()
-        try:
-            answered = await guest_agent.set_time(agent_socket, CLOCK_TIMEOUT_S, CLOCK_ANSWER_WAIT_S)
-        except guest_agent.GuestAgentError as e:
-            log.warning("the restored guest's clock was not corrected: %s", e.message)
-            return f"failed: {e.message}"
-        log.info("restored guest's clock set to the host's in %.2f s%s", time.monotonic() - started,
-                 "" if answered else " (the agent is still writing the RTC)")
-        return CLOCK_CORRECTED
 
     # ---- capture -------------------------------------------------------------------------
     async def save(self, key: str, backend: Backend) -> Capture | None:

@@ -19,7 +19,9 @@ Every refusal is a :class:`SourceRefused` with a code from a fixed set (``Snapsh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -58,6 +60,11 @@ from .snapshot_artifact import (
 )
 from .unpack import BlobReader
 
+log = logging.getLogger(__name__)
+
+#: bound on fetching a snapshot from a spec's snapshot_source (a cold boot is the fallback)
+FETCH_TIMEOUT_S = 120.0
+
 CHUNK = 1 << 20
 #: a snapshot's meta.json is a few hundred bytes (the seal of a handful of files)
 MAX_META = 64 << 10
@@ -71,6 +78,23 @@ class SourceRefused(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+async def fetch_in_thread(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,
+                          timeout: float = FETCH_TIMEOUT_S) -> Snapshot:
+    """:func:`fetch_snapshot` in a worker thread, within ``timeout`` seconds, logged either way.
+
+    :raise SourceRefused: nothing usable there; the message says why.
+    """
+    started = time.monotonic()
+    try:
+        snap = await asyncio.to_thread(fetch_snapshot, source, identity, base, store, deadline=started + timeout)
+    except SourceRefused as e:
+        log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
+        raise
+    log.info("snapshot %s fetched from %s in %.2f s (%d MB)", identity.key, source, time.monotonic() - started,
+             snap.size >> 20)
+    return snap
 
 
 def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,

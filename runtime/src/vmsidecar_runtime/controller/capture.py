@@ -1,0 +1,19 @@
+"""A capture under way: what ``SnapshotOps.save`` hands to ``SnapshotOps.commit``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..snapshots import Snapshot
+
+
+@dataclass
+class Capture:
+    """A capture under way: the guest's state is written, the snapshot not committed yet."""
+
+    key: str
+    staged: Snapshot
+    guest_agent: bool
+    started: float
+    #: seconds from the start to the commit
+    seconds: float = 0.0
