@@ -7,6 +7,7 @@ scraped with ``prometheus_client``'s own parser."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import inspect
 import socket
@@ -21,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures.jmp import exporter_config, free_port, jmp_env
-from fixtures.waiting import wait_until_async
+from fixtures.waiting import wait_until, wait_until_async
 from jumpstarter_driver_vmsidecar.metrics import _exported_as
 from jumpstarter_driver_vmsidecar.metrics_http import MAX_CLIENTS, parse_listen
 
@@ -171,14 +172,13 @@ def test_the_listener_serves_metrics_only(tmp_path: Path) -> None:
     proc = _start(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{free_port()}",
                    "--tls-grpc-insecure", "--metrics-listen", f"127.0.0.1:{port}"], jmp_env(), tmp_path / "log")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                status, body = _get(port, "/metrics")
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "log").read_text()
-                time.sleep(0.2)
+        def serving() -> tuple[int, bytes] | None:
+            assert proc.poll() is None, (tmp_path / "log").read_text()
+            with contextlib.suppress(OSError):
+                return _get(port, "/metrics")
+            return None
+
+        status, body = wait_until(serving, 60, "the exporter's metrics listener", interval=0.2)
         assert status == 200 and b"vmsidecar_exporter_leases_total 0.0" in body
         for path in ("/", "/metrics/", "/metrics?x=1", "/healthz", "/../metrics", "//metrics"):
             assert _get(port, path)[0] == 404, path
@@ -186,20 +186,18 @@ def test_the_listener_serves_metrics_only(tmp_path: Path) -> None:
             assert _get(port, "/metrics", method)[0] == 405, method
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CLIENTS + 4)]
         try:
-            time.sleep(0.5)
+            time.sleep(0.5)  # the server tells no one when it has taken the idle clients: give it the time
             with pytest.raises(OSError):  # the slots are full: a new connection is closed at once
                 _get(port, "/metrics")
         finally:
             for s in idle:
                 s.close()
-        deadline = time.monotonic() + 15
-        while True:  # the slots come back when the idle clients go away
-            try:
-                assert _get(port, "/metrics")[0] == 200
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+        def answered() -> bool:
+            with contextlib.suppress(OSError):
+                return _get(port, "/metrics")[0] == 200
+            return False
+
+        wait_until(answered, 15, "a slot back once the idle clients went away", interval=0.2)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -10,7 +10,6 @@ A fuzz pass over the health listener finds nothing but its three paths.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import posixpath
@@ -23,8 +22,11 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fixtures.events import collecting
 from fixtures.health import health_runtime, http_get
 from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry, auth_file
+from fixtures.waiting import wait_until_async
+from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import ImageError, StateError
 from vmsidecar_runtime.oci.cli import main as oci_main
 
@@ -59,6 +61,10 @@ def audit_lines(log: str) -> list[dict[str, Any]]:
     return found
 
 
+async def _captured(client: RuntimeClient) -> bool:
+    return (await client.state()).snapshot.capture_seconds is not None
+
+
 async def pulled_bytes(events: list[dict[str, Any]]) -> list[int]:
     return [e["data"]["bytes_downloaded"] for e in events if e["type"] == "pulled"]
 
@@ -76,46 +82,37 @@ async def test_a_lease_cycle_moves_every_counter_exactly_and_is_audited(
                                     extra_args=["--allow-host-paths", str(Path(tiny_image.disk).parent)],
                                     env={"VMSIDECAR_REGISTRY_AUTH_FILE": str(auth)})
     client = rt.client()
-    events: list[dict[str, Any]] = []
+    async with collecting(client, ["pulled"]) as log:  # subscribed before anything pulls
+        before = scrape(port)
+        assert before[key("vmsidecar_phase", phase="Stopped")] == 1 and before[key("vmsidecar_generation")] == 0
 
-    async def collect() -> None:
-        async for event in client.events(["pulled"]):
-            events.append(event)
-
-    collector = asyncio.create_task(collect())
-    await asyncio.sleep(0.5)  # the event stream is open before anything pulls
-    before = scrape(port)
-    assert before[key("vmsidecar_phase", phase="Stopped")] == 1 and before[key("vmsidecar_generation")] == 0
-
-    # boot: a file: pull, a cold boot that captures at Ready
-    await client.put_spec({"image": disk, "memory": "256M"})
-    await client.wait_ready(300)
-    for _ in range(600):  # Ready comes after the capture and its restore; the state says so
-        if (await client.state()).snapshot.capture_seconds is not None:
-            break
-        await asyncio.sleep(0.5)
-    # lease 1 (generation 0): a refused call, off and on (a cold boot: the overlay has its changes),
-    # a flash from the registry, a failed pull, a reference with credentials in it, a dump
-    assert (await client.claim()).generation == 0
-    with pytest.raises(StateError):
-        await client.put_spec({"image": disk, "memory": "300M"})
-    await client.power("off")
-    await client.power("on")
-    await client.wait_ready(300)
-    flashed = await client.flash_reference(flashed_ref, power_off=True)
-    with pytest.raises(ImageError) as failed:
-        await client.flash_reference(missing_ref)
-    with pytest.raises(ImageError) as holder:
-        await client.flash_reference(holder_ref)
-    dumped = await client.dump(tmp_path / "dump.qcow2")
-    state = await client.recycle(if_generation=0)
-    assert state.phase.value == "Ready" and state.snapshot.boot == "restored", state
-    # lease 2 (generation 1): claimed, recycled
-    assert (await client.claim()).generation == 1
-    state = await client.recycle(if_generation=1)
-    assert state.phase.value == "Ready" and state.generation == 2
-    after = scrape(port)
-    collector.cancel()
+        # boot: a file: pull, a cold boot that captures at Ready
+        await client.put_spec({"image": disk, "memory": "256M"})
+        await client.wait_ready(300)
+        # Ready comes after the capture and its restore; the state says so
+        await wait_until_async(lambda: _captured(client), 300, "the capture's figures in the state")
+        # lease 1 (generation 0): a refused call, off and on (a cold boot: the overlay has its changes),
+        # a flash from the registry, a failed pull, a reference with credentials in it, a dump
+        assert (await client.claim()).generation == 0
+        with pytest.raises(StateError):
+            await client.put_spec({"image": disk, "memory": "300M"})
+        await client.power("off")
+        await client.power("on")
+        await client.wait_ready(300)
+        flashed = await client.flash_reference(flashed_ref, power_off=True)
+        with pytest.raises(ImageError) as failed:
+            await client.flash_reference(missing_ref)
+        with pytest.raises(ImageError) as holder:
+            await client.flash_reference(holder_ref)
+        dumped = await client.dump(tmp_path / "dump.qcow2")
+        state = await client.recycle(if_generation=0)
+        assert state.phase.value == "Ready" and state.snapshot.boot == "restored", state
+        # lease 2 (generation 1): claimed, recycled
+        assert (await client.claim()).generation == 1
+        state = await client.recycle(if_generation=1)
+        assert state.phase.value == "Ready" and state.generation == 2
+        after = scrape(port)
+    events = list(log)
 
     file_bytes, oci_bytes = await pulled_bytes(events)
     assert file_bytes > 0 and oci_bytes > 0, events
