@@ -9,14 +9,22 @@ why in ``GET /v1/vm`` → ``snapshot.reason``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import load_spec
+from vmsidecar_runtime.backend import create_backend
+from vmsidecar_runtime.plan import BootPlan, RamFile
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -125,6 +133,39 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     print(f"overlay replaced, seal forged: {reason}")
     assert "/etc/hostname" in reason and "backing file" in reason, reason
     assert "refused" not in reason, reason  # caught before QEMU was ever asked to load it
+
+
+async def test_the_snapshot_reaches_qemu_only_after_its_seal_check(tiny_image: Any) -> None:
+    # A warm start hashes the RAM file and the memory stream while QEMU starts (issue 21): QEMU
+    # starts paused, the RAM file mapped, waiting for a stream, and must be handed nothing (no
+    # migration begins) until the check says the snapshot holds its seal.
+    run_dir = Path(tempfile.mkdtemp(prefix="vmsidecar-"))  # short: Unix socket paths are limited
+    overlay = run_dir / "overlay.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(tiny_image.disk),
+                    str(overlay)], check=True, timeout=30)
+    ram = run_dir / "ram"
+    with open(ram, "wb") as f:  # a templated snapshot's RAM file (sparse)
+        f.truncate(256 << 20)
+    check: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+    spec = load_spec({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+    # no such stream: had the backend opened it to hand it over, the error would say QEMU could not load it
+    plan = BootPlan(spec, "tcg", overlay, "qcow2", run_dir, incoming=run_dir / "memory",
+                    ram=RamFile(ram, share=False), incoming_check=check)
+    backend = create_backend(plan, lambda event, data: None)
+    launch = asyncio.create_task(backend.launch())
+    try:
+        async with asyncio.timeout(60):
+            while not plan.qmp_socket.exists():
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        assert not launch.done(), launch  # QEMU is up and waits; the backend waits for the check
+        check.set_result("ram does not match the sha256 recorded at capture (altered on disk)")
+        with pytest.raises(HostError, match=r"^the memory snapshot was not loaded: ram does not match"):
+            await asyncio.wait_for(launch, 30)
+    finally:
+        await backend.kill()
+        await backend.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def test_an_aarch64_guest_is_never_restored_without_a_new_rng_seed(start_runtime: Any, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ Backends (direct QEMU, libvirt) render the same plan; nothing host-specific live
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,10 @@ class BootPlan:
     incoming: Path | None = None
     #: guest RAM in a file (a templated snapshot's capture or restore); None: anonymous memory
     ram: RamFile | None = None
+    #: the seal check of ``incoming`` and ``ram`` still under way while QEMU starts: None when it
+    #: passed, else why not; the backend hands QEMU the stream only after None (``snapshots.py``,
+    #: ``SnapshotStore.verify_deferred``)
+    incoming_check: asyncio.Future[str | None] | None = None
 
     @property
     def qmp_socket(self) -> Path:

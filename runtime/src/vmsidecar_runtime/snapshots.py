@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -191,6 +192,11 @@ class Snapshot:
         return sum(p.stat().st_blocks * 512 for p in self.path.iterdir())
 
 
+#: the files of a snapshot QEMU does not read as it starts (the RAM file is mapped, not read; the stream
+#: is read once handed over): their seal check may run while QEMU starts (``SnapshotStore.verify``)
+LOADED_ON_DEMAND = frozenset({"memory", "ram"})
+
+
 @dataclass
 class _Checked:
     """What this process verified of one snapshot directory."""
@@ -290,12 +296,29 @@ class SnapshotStore:
             items.add(f"snapshots/{snap.path.name}")
         IN_USE.hold(cache, items)
 
-    def verify(self, snap: Snapshot, base: DiskImage) -> str | None:
+    def verify(self, snap: Snapshot, base: DiskImage, *, deferred: frozenset[str] = frozenset()) -> str | None:
         """Why ``snap`` must not be restored over ``base``, or None when its seal and its frozen
         overlay's header hold.
 
+        ``deferred`` (:data:`LOADED_ON_DEMAND`): files left to :meth:`verify_deferred`. QEMU opens the
+        frozen overlay as it starts, so that is always checked here; it maps the RAM file without
+        reading it and reads the memory stream only once handed it (``migrate-incoming``), so their
+        hashing, the bulk of the check, may run while QEMU starts, as long as the stream is handed
+        over only once :meth:`verify_deferred` passed (``BootPlan.incoming_check``).
+
         Blocking (the first check in a process hashes every file): call it in a thread.
         """
+        return self._verify_seal(snap, lambda name: name not in deferred) or _frozen_overlay_problem(snap, base)
+
+    def verify_deferred(self, snap: Snapshot, deferred: frozenset[str]) -> str | None:
+        """Why the files ``deferred`` of :meth:`verify` must not reach QEMU, or None when they hold
+        the seal of ``snap``. Blocking: call it in a thread."""
+        return self._verify_seal(snap, lambda name: name in deferred)
+
+    def _verify_seal(self, snap: Snapshot, wanted: Callable[[str], bool]) -> str | None:
+        """Why the files ``wanted`` picks do not hold the seal of ``snap`` (every sealed file must be
+        there, picked or not), or None. A file is hashed once per process, then trusted while its
+        stat holds."""
         meta = snap.meta()
         try:
             dir_ino = snap.path.stat().st_ino
@@ -312,18 +335,20 @@ class SnapshotStore:
             return "its recorded sha256 digests (meta.json) were rewritten since this runtime checked them"
         if on_disk != set(digests):
             return f"its files ({', '.join(sorted(on_disk))}) are not the ones sealed at capture"
-        seals = {}
+        seals = dict(checked.seals) if checked else {}  # a partial check keeps what an earlier one verified
         for name, digest in sorted(digests.items()):
+            if not wanted(name):
+                continue
             path = snap.path / name
             try:
                 seal = stat_seal(path.stat())
             except OSError as e:
                 return f"{name} cannot be read ({e.strerror})"
-            if (checked is None or checked.seals.get(name) != seal) and seal_digest(path) != digest:
+            if seals.get(name) != seal and seal_digest(path) != digest:
                 return f"{name} does not match the sha256 recorded at capture (altered on disk)"
             seals[name] = seal
         self._checked[str(snap.path)] = _Checked(dir_ino, dict(digests), seals)
-        return _frozen_overlay_problem(snap, base)
+        return None
 
     def _remember(self, snap: Snapshot, digests: dict[str, str]) -> None:
         with contextlib.suppress(OSError):

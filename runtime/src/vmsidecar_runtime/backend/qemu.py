@@ -207,10 +207,15 @@ class QemuBackend:
             os.close(fd)
 
     async def _restore(self, path: Path, timeout: float = MIGRATION_TIMEOUT_S) -> None:
-        """Load a memory snapshot into the paused QEMU (it stays paused until ``resume``).
+        """Load a memory snapshot into the paused QEMU (it stays paused until ``resume``), once its
+        seal check passed (``plan.incoming_check``): no migration starts and not one byte of the
+        stream reaches QEMU before.
 
-        :raise HostError: when QEMU refuses the stream (it then exits) or takes too long.
+        :raise HostError: when the seal check failed, QEMU refuses the stream (it then exits) or
+            takes too long.
         """
+        if self.plan.incoming_check is not None and (problem := await self.plan.incoming_check) is not None:
+            raise HostError(f"the memory snapshot was not loaded: {problem}")
         try:
             if self.plan.ram is not None:  # a templated snapshot: the RAM is the file, the stream has none
                 await self._ignore_shared_ram()

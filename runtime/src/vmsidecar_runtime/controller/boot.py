@@ -8,6 +8,7 @@ guest is Ready already (restored) or its readiness is to be watched (cold).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,18 +63,22 @@ class Boot:
         await self._launch(spec, overlay, ram=ram)
 
     async def _launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
-                      ram: RamFile | None = None) -> None:
-        await self._machine.launch(spec, overlay, incoming, ram)
+                      ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None) -> None:
+        await self._machine.launch(spec, overlay, incoming, ram, incoming_check)
         self._running()
 
     async def _restore(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool = True) -> bool:
         """Run from ``snap`` (a new boot, or the captured boot continuing); on refusal discard it
         and return False (the caller boots cold)."""
         started = time.monotonic()
-        if not await self._snapshots.verify(snap):  # never handed to QEMU
+        # What QEMU opens as it starts (the frozen overlay) is checked before it starts; the RAM file
+        # and the memory stream (most of the hashing) while it starts: it is handed the stream only
+        # once they passed, and never runs a guest from a broken snapshot.
+        if not await self._snapshots.verify(snap):
             if new_boot:
                 metrics.snapshot_lookup("seal_broken")
             return False
+        deferred_check = self._snapshots.check_deferred(snap)
         try:
             # a fresh overlay on the snapshot's frozen disk; a new boot shows the pristine boot's
             # scrollback (a capture continues the boot it interrupted)
@@ -81,12 +86,17 @@ class Boot:
             if new_boot:
                 self._machine.begin_boot("restore")
                 self._streams.preload({name: snap.console(name) for name in CONSOLES})
-            await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap))
+            await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap), deferred_check)
         except VmsidecarError as e:
             await self._machine.stop()
-            await self._snapshots.refused(snap, e)
-            if new_boot:
-                metrics.snapshot_lookup("refused")
+            if (broken := await deferred_check) is not None:
+                await self._snapshots.seal_broken(snap, broken)
+                if new_boot:
+                    metrics.snapshot_lookup("seal_broken")
+            else:
+                await self._snapshots.refused(snap, e)
+                if new_boot:
+                    metrics.snapshot_lookup("refused")
             return False
         assert self._machine.plan is not None
         await self._snapshots.restored(snap, started, self._machine.plan.guest_agent_socket, new_boot=new_boot)

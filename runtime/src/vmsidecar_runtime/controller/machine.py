@@ -121,7 +121,7 @@ class Machine:
 
     # ---- the backend ---------------------------------------------------------------------
     async def launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
-                     ram: RamFile | None = None) -> None:
+                     ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None) -> None:
         """Start the backend paused, attach every stream, then let the guest run.
 
         A free host port for a forward is only free until QEMU binds it: another process may take
@@ -131,7 +131,7 @@ class Machine:
         :raise HostError: the backend cannot start.
         """
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            plan = self._new_plan(spec, overlay, incoming, ram)
+            plan = self._new_plan(spec, overlay, incoming, ram, incoming_check)
             self.plan = plan
             self.expect_exit = False
             self.last_exit = None
@@ -149,11 +149,13 @@ class Machine:
         await self._streams.attach(plan)
         await self.backend.resume()
 
-    def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None, ram: RamFile | None) -> BootPlan:
+    def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None, ram: RamFile | None,
+                  incoming_check: asyncio.Future[str | None] | None) -> BootPlan:
         assert self.accel is not None
         return BootPlan(spec=spec, accel=self.accel.accel, disk=overlay, disk_format="qcow2",
                         run_dir=self._paths.run, ports=ports.allocate(spec.network.forwards),
-                        firmware=prepare_firmware(spec, self._paths.state), incoming=incoming, ram=ram)
+                        firmware=prepare_firmware(spec, self._paths.state), incoming=incoming, ram=ram,
+                        incoming_check=incoming_check)
 
     async def reset(self) -> None:
         """Hard reset, like the reset button."""
