@@ -296,11 +296,11 @@ class SnapshotStore:
             items.add(f"snapshots/{snap.path.name}")
         IN_USE.hold(cache, items)
 
-    def verify(self, snap: Snapshot, base: DiskImage, *, deferred: frozenset[str] = frozenset()) -> str | None:
+    def verify(self, snap: Snapshot, base: DiskImage, *, defer_loaded: bool = False) -> str | None:
         """Why ``snap`` must not be restored over ``base``, or None when its seal and its frozen
         overlay's header hold.
 
-        ``deferred`` (:data:`LOADED_ON_DEMAND`): files left to :meth:`verify_deferred`. QEMU opens the
+        ``defer_loaded``: leave :data:`LOADED_ON_DEMAND` to :meth:`verify_deferred`. QEMU opens the
         frozen overlay as it starts, so that is always checked here; it maps the RAM file without
         reading it and reads the memory stream only once handed it (``migrate-incoming``), so their
         hashing, the bulk of the check, may run while QEMU starts, as long as the stream is handed
@@ -308,12 +308,13 @@ class SnapshotStore:
 
         Blocking (the first check in a process hashes every file): call it in a thread.
         """
+        deferred = LOADED_ON_DEMAND if defer_loaded else frozenset()
         return self._verify_seal(snap, lambda name: name not in deferred) or _frozen_overlay_problem(snap, base)
 
-    def verify_deferred(self, snap: Snapshot, deferred: frozenset[str]) -> str | None:
-        """Why the files ``deferred`` of :meth:`verify` must not reach QEMU, or None when they hold
-        the seal of ``snap``. Blocking: call it in a thread."""
-        return self._verify_seal(snap, lambda name: name in deferred)
+    def verify_deferred(self, snap: Snapshot) -> str | None:
+        """Why the files :meth:`verify` leaves (:data:`LOADED_ON_DEMAND`) must not reach QEMU, or None
+        when they hold the seal of ``snap``. Blocking: call it in a thread."""
+        return self._verify_seal(snap, lambda name: name in LOADED_ON_DEMAND)
 
     def _verify_seal(self, snap: Snapshot, wanted: Callable[[str], bool]) -> str | None:
         """Why the files ``wanted`` picks do not hold the seal of ``snap`` (every sealed file must be

@@ -42,15 +42,7 @@ from ..backend.factory import supports_snapshots
 from ..disk import DiskImage
 from ..plan import RamFile
 from ..snapshot_identity import SnapshotIdentity, identify
-from ..snapshots import (
-    LOADED_ON_DEMAND,
-    STREAM,
-    TEMPLATED,
-    Snapshot,
-    SnapshotMeta,
-    SnapshotStore,
-    snapshot_form,
-)
+from ..snapshots import STREAM, TEMPLATED, Snapshot, SnapshotMeta, SnapshotStore, snapshot_form
 from .capture import Capture
 from .disks import Disks
 from .guest_clock import correct_clock
@@ -209,10 +201,10 @@ class SnapshotOps:
         return DiskImage(snap.disk, "qcow2", base.digest, base.source)
 
     async def verify(self, snap: Snapshot) -> bool:
-        """Check ``snap``'s seal before QEMU starts, all but what QEMU reads only once handed it (its
-        RAM file and memory stream: :meth:`check_deferred`); a broken one is removed (False: boot cold)."""
+        """Check ``snap``'s seal before QEMU starts, but for its RAM file and memory stream, which QEMU
+        reads only once handed them (:meth:`check_deferred`); a broken one is removed (False: cold)."""
         assert self._disks.current is not None
-        broken = await asyncio.to_thread(self._store.verify, snap, self._disks.current, deferred=LOADED_ON_DEMAND)
+        broken = await asyncio.to_thread(self._store.verify, snap, self._disks.current, defer_loaded=True)
         if broken is None:
             return True
         await self.seal_broken(snap, broken)
@@ -222,26 +214,22 @@ class SnapshotOps:
         """The seal check of ``snap``'s RAM file and memory stream, started now to run while QEMU
         starts (None: they hold, else why not); the backend hands QEMU the stream only once it
         resolved to None (``BootPlan.incoming_check``)."""
-        return asyncio.ensure_future(asyncio.to_thread(self._store.verify_deferred, snap, LOADED_ON_DEMAND))
+        return asyncio.ensure_future(asyncio.to_thread(self._store.verify_deferred, snap))
 
     async def seal_broken(self, snap: Snapshot, broken: str) -> None:
-        """``snap`` failed its seal check (QEMU, if it was started, is stopped): remove it; the cold
-        boot that follows captures anew."""
-        self._paths.overlay.unlink(missing_ok=True)  # made over its frozen disk, if QEMU was started
-        log.warning("memory snapshot %s not restored: %s; removing it and booting cold", snap.path.name, broken)
-        await self._store.discard(snap)
-        self.info = SnapshotInfo(boot="cold", reason=f"the snapshot failed its seal check: {broken}; "
-                                 "it was removed and a new one is captured at Ready",
-                                 form=self.info.form, form_reason=self.info.form_reason)
-        self._capture_key = self._planned_key
+        """``snap`` failed its seal check (QEMU, if it was started, is stopped): remove it."""
+        await self._not_restored(snap, f"the snapshot failed its seal check: {broken}; it was removed")
 
     async def refused(self, snap: Snapshot, error: VmsidecarError) -> None:
-        """The backend refused ``snap`` (it is stopped): discard it; the cold boot that follows captures anew."""
-        log.warning("memory snapshot %s refused (%s); booting cold", snap.path.name, error.message)
+        """The backend refused ``snap`` (it is stopped): discard it."""
+        await self._not_restored(snap, f"the snapshot was refused ({error.message}); it was discarded")
+
+    async def _not_restored(self, snap: Snapshot, what: str) -> None:
+        """Remove ``snap`` and the overlay made over its frozen disk; the cold boot that follows captures anew."""
+        log.warning("memory snapshot %s not restored: %s; booting cold", snap.path.name, what)
         self._paths.overlay.unlink(missing_ok=True)
         await self._store.discard(snap)
-        self.info = SnapshotInfo(boot="cold", reason=f"the snapshot was refused ({error.message}); "
-                                 "it was discarded and a new one is captured at Ready",
+        self.info = SnapshotInfo(boot="cold", reason=f"{what} and a new one is captured at Ready",
                                  form=self.info.form, form_reason=self.info.form_reason)
         self._capture_key = self._planned_key
 
