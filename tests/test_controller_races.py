@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.fake_backend import Build, FakeHypervisor, FakeVm, HeldPull, Images, fake_spec, until, watch
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.blocking import ReadyWait
 from vmsidecar_contract.errors import (
     GenerationChangedError,
@@ -143,8 +144,8 @@ async def test_wait_ready_gives_up_on_a_vm_that_stays_stopped(fake_vm: Build, fa
     await fvm.vm.recycle(boot=False)
     wait = ReadyWait(10, 0.2, time.monotonic())
     with pytest.raises(GuestError, match="nothing is booting it; power it on"):
-        while not wait.ready(fvm.vm.state().phase.value, fvm.vm.state().last_error, time.monotonic()):
-            await asyncio.sleep(0.02)  # wait_ready's own poll interval, shortened
+        await wait_until_async(lambda: wait.ready(fvm.vm.state().phase.value, fvm.vm.state().last_error,
+                                                  time.monotonic()), 10, "wait_ready's verdict", interval=0.02)
 
 
 # ---- leases: the transfer of lease N against the recycle and the claim of lease N+1 ----------
