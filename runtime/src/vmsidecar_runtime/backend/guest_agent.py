@@ -105,7 +105,7 @@ class GuestAgent:
                     return message
 
     async def sync(self, timeout: float) -> None:
-        """Flush stale replies and check that an agent answers.
+        """Flush stale replies and check that an agent answers (before ``execute_read``).
 
         :raise NoGuestAgent: when no answer comes within ``timeout``.
         """
@@ -128,18 +128,31 @@ class GuestAgent:
                 if time.monotonic() >= deadline:
                     raise NoGuestAgent(f"no guest agent answered within {timeout:g} s") from None
 
-    async def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float) -> Any:
-        """Run ``command`` and return its ``return`` value (call ``sync`` first).
+    async def execute_read(self, command: str, arguments: dict[str, Any], read: asyncio.Event, *,
+                           timeout: float) -> Any:
+        """Run ``command``, set ``read`` once the agent has read it, and return its ``return`` value.
+
+        The agent answers a command only once it has run it; ``read`` comes sooner: a
+        ``guest-sync-delimited`` goes in the same write just before the command. One small write
+        is one chunk of QEMU's chardev read, one buffer of the guest's virtio-serial port and one
+        ``read()`` of the agent, which parses and dispatches in order: the sync's answer means the
+        command was read with it, and is run next, whatever the command's own answer waits for.
 
         :raise GuestAgentError: the agent's error, or no answer within ``timeout``.
         """
-        ident = f"vmsidecar-{secrets.token_hex(4)}"  # QGA echoes "id": a late answer is never taken for this one
-        message: dict[str, Any] = {"execute": command, "id": ident}
-        if arguments:
-            message["arguments"] = arguments
-        self._send(message)
+        deadline = time.monotonic() + timeout
+        sync_id = secrets.randbelow(2**31 - 1) + 1
+        ident = f"vmsidecar-{secrets.token_hex(4)}"
+        self._writer.write(json.dumps({"execute": "guest-sync-delimited", "arguments": {"id": sync_id}}).encode()
+                           + b"\n" + json.dumps({"execute": command, "arguments": arguments, "id": ident}).encode()
+                           + b"\n")
         try:
-            reply = await self._reply(lambda m: m.get("id") == ident, timeout)
+            await self._reply(lambda m: m.get("return") == sync_id, timeout)
+        except TimeoutError:
+            raise NoAnswer(f"{command}: the agent did not read it within {timeout:g} s") from None
+        read.set()
+        try:
+            reply = await self._reply(lambda m: m.get("id") == ident, max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise NoAnswer(f"{command}: no answer within {timeout:g} s") from None
         if "error" in reply:
@@ -153,38 +166,32 @@ class GuestAgent:
 _DRAINING: set[asyncio.Task[None]] = set()
 
 
-async def _set_time(path: Path, timeout: float, sent: asyncio.Event) -> None:
+async def _set_time(path: Path, timeout: float, read: asyncio.Event) -> None:
     deadline = time.monotonic() + timeout
     agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
     async with agent:
         await agent.sync(max(deadline - time.monotonic(), 0.0))
-        command = agent.execute("guest-set-time", {"time": time.time_ns()},
-                                timeout=max(deadline - time.monotonic(), 0.0))
-        task = asyncio.ensure_future(command)
-        await asyncio.sleep(0)  # the request is written before ``sent`` is announced
-        sent.set()
-        await task
+        await agent.execute_read("guest-set-time", {"time": time.time_ns()}, read,
+                                 timeout=max(deadline - time.monotonic(), 0.0))
 
 
-async def set_time(path: Path, timeout: float, answer_wait: float) -> bool:
+async def set_time(path: Path, timeout: float) -> bool:
     """Set the guest's clock to the host's (``guest-set-time``; the agent also writes the RTC).
 
     QGA calls ``settimeofday`` as soon as it reads the command and only then runs
     ``hwclock -w``, which waits for the RTC's next second (0.6-2.6 s measured under TCG); the
-    answer comes after both. So the caller waits for the answer ``answer_wait`` seconds at most;
-    the session stays open in the background until the answer is read, because an agent whose
-    answer nobody reads blocks writing it to the port (and then holds up the guest's shutdown).
-    True when the agent answered in time.
+    answer comes after both. So this returns once the agent has read the command
+    (``GuestAgent.execute_read``), not at its answer; the session stays open in the background
+    until the answer is read, because an agent whose answer nobody reads blocks writing it to the
+    port (and then holds up the guest's shutdown). True when the agent had answered by then.
 
     :raise GuestAgentError: naming what failed (no sync within ``timeout``, the agent's error).
     """
-    sent = asyncio.Event()
-    task = asyncio.create_task(_set_time(path, timeout, sent))
-    waiter = asyncio.create_task(sent.wait())
+    read = asyncio.Event()
+    task = asyncio.create_task(_set_time(path, timeout, read))
+    waiter = asyncio.create_task(read.wait())
     await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
-    if not task.done():
-        await asyncio.wait({task}, timeout=answer_wait)
     if task.done():
         task.result()  # the agent's error, if any
         return True

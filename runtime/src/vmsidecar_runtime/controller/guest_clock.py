@@ -14,22 +14,20 @@ log = logging.getLogger(__name__)
 
 #: bound on reaching the agent after a restore (it answers a sync in ~10 ms when it is there)
 CLOCK_TIMEOUT_S = 5.0
-#: how long Ready waits for guest-set-time's answer: the clock is set when the agent reads the
-#: command; the answer waits for ``hwclock -w`` (up to ~2.6 s under TCG), which Ready need not
-CLOCK_ANSWER_WAIT_S = 0.3
 CLOCK_CORRECTED = "corrected"
 CLOCK_NO_AGENT = "no guest agent"
 
 
 async def correct_clock(snap: Snapshot, agent_socket: Path) -> str:
     """Set the restored guest's clock to the host's when the capture found an agent; what happened
-    (``snapshot.clock`` of ``GET /v1/vm``)."""
+    (``snapshot.clock`` of ``GET /v1/vm``). Returns once the agent has read ``guest-set-time``
+    (it sets the clock then), not at its answer, which waits for ``hwclock -w`` (up to ~2.6 s)."""
     meta = snap.meta()
     if meta is None or not meta.guest_agent:
         return CLOCK_NO_AGENT
     started = time.monotonic()
     try:
-        answered = await guest_agent.set_time(agent_socket, CLOCK_TIMEOUT_S, CLOCK_ANSWER_WAIT_S)
+        answered = await guest_agent.set_time(agent_socket, CLOCK_TIMEOUT_S)
     except guest_agent.GuestAgentError as e:
         log.warning("the restored guest's clock was not corrected: %s", e.message)
         return f"failed: {e.message}"
