@@ -1,0 +1,95 @@
+"""Where a recycle's time goes: the runtime's JSON log between ``POST /v1/vm/recycle`` and Ready.
+
+    uv run python bench/recycle_trace.py [--guest tiny] [--guest debian] [--recycles 5] [--form templated]
+
+One runtime per guest (a fresh cache: the cold start captures), then ``--recycles`` recycles. For
+each: recycle → Ready (the API's view) and every log line in between, as seconds after the POST
+(``--log-format json --log-level DEBUG``: the lines carry their time). Then the medians, per guest,
+of recycle → Ready, of restore_seconds (the restore up to the guest running) and of the gap
+between the two (what comes after the restore: the clock, the phase change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess, clean_environ
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from snapshot import Guest, resolve_guest  # bench/ is no package
+
+
+def _lines_between(log: Path, start: float, end: float) -> list[tuple[float, str]]:
+    out = []
+    for raw in log.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "time" in entry and start - 0.002 <= entry["time"] <= end + 0.002:
+            out.append((entry["time"] - start, f"{entry.get('logger', 'audit')}: {entry.get('message', raw)}"[:150]))
+    return out
+
+
+async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: bool) -> dict[str, list[float]]:
+    env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
+    spec = {"image": f"file:{guest.disk}", "memory": guest.memory}
+    rt = RuntimeProcess.start(work / "rt", spec=spec, cache=work / "cache", env=env,
+                              args=["--log-format", "json", "--log-level", "DEBUG"])
+    samples: dict[str, list[float]] = {"recycle": [], "restore": [], "after_restore": []}
+    try:
+        await rt.wait_ready(guest.timeout, poll=0.02)
+        async with RuntimeClient(rt.socket) as client:
+            for i in range(recycles):
+                await asyncio.sleep(1)  # the previous guest's late agent answer and timers settle
+                wall, started = time.time(), time.monotonic()
+                await client.recycle()
+                state = await client.wait_ready(guest.timeout, poll=0.005)
+                took = time.monotonic() - started
+                snap = state.snapshot
+                assert snap.boot == "restored" and snap.restore_seconds is not None, snap
+                samples["recycle"].append(took)
+                samples["restore"].append(snap.restore_seconds)
+                samples["after_restore"].append(took - snap.restore_seconds)
+                print(f"{guest.name} {form} recycle {i + 1}: → Ready {took:.3f} s, restore_seconds "
+                      f"{snap.restore_seconds:.3f}, clock {snap.clock}", flush=True)
+                if verbose:
+                    for at, text in _lines_between(rt.log, wall, wall + took):
+                        print(f"    +{at:6.3f} {text}")
+    finally:
+        rt.stop()
+    return samples
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    guests = [g for g in (resolve_guest(name) for name in args.guest or ["tiny"]) if g is not None]
+    results = {}
+    for guest in guests:
+        with tempfile.TemporaryDirectory(prefix="recycle-trace-") as work:
+            results[guest.name] = await trace(guest, args.recycles, args.form, Path(work), not args.quiet)
+    print(f"\nmedians over {args.recycles} recycles, form {args.form}, load {os.getloadavg()[0]:.1f} at the end")
+    for name, samples in results.items():
+        print(f"{name:<8}" + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in samples.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--guest", action="append", choices=["tiny", "debian"])
+    parser.add_argument("--recycles", type=int, default=5)
+    parser.add_argument("--form", choices=["templated", "stream"], default="templated")
+    parser.add_argument("--quiet", action="store_true", help="medians only, no log lines")
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
