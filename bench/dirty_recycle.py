@@ -1,0 +1,109 @@
+"""Recycle → Ready of a big, dirty guest (issue 23): the tiny guest with ``--memory`` (2G), of which
+``--dirty-mb`` (1536) are written before Ready, templated vs full-stream, next to the small one.
+
+    uv run python bench/dirty_recycle.py [--runs 2] [--recycles 3]
+
+The big guest's readiness is a pattern its boot does not print: once the guest's shell answers on
+the console, the script fills a tmpfs with ``dd`` and then prints the pattern, so the snapshot
+taken at Ready holds that much written RAM. The small guest is the tiny one as usual (256M, Ready
+at its own marker). Per form, interleaved, each run on a fresh cache: the cold start (it
+captures), then ``--recycles`` recycles, each timed POST → Ready. Prints medians and the ratio
+big ÷ small per form (the goal: within 20 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess, clean_environ
+from vmsidecar_images.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from snapshot import Guest, resolve_guest  # bench/ is no package
+
+FORMS = ("templated", "stream")
+#: printed after the fill; the typed command spells it with arithmetic so its echo does not match
+DONE = "DIRTY-FILLED-2"
+
+
+async def _dirty(console: Path, megabytes: int, timeout: float) -> None:
+    con = await Console.open_when_served(console, timeout)
+    try:
+        await con.expect("VMSIDECAR-READY", timeout)
+        await con.wake()
+        # random bytes (zero pages would cost a full-stream save nothing), 64 MB made once and copied:
+        # /dev/urandom under TCG is slow
+        chunks = max(megabytes // 64, 1)
+        con.writer.write(f"mkdir -p /mnt/fill && mount -t tmpfs -o size={megabytes + 128}m fill /mnt/fill && "
+                         f"dd if=/dev/urandom of=/mnt/fill/1 bs=1M count=64 2>/dev/null && "
+                         f"for i in $(seq 2 {chunks}); do cp /mnt/fill/1 /mnt/fill/$i; done; "
+                         f"echo DIRTY-FILLED-$((1+1))\n".encode())
+        await con.writer.drain()
+    finally:
+        await con.close()
+
+
+async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles: int, work: Path) -> list[float]:
+    env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
+    spec: dict[str, object] = {"image": f"file:{guest.disk}", "memory": memory}
+    if dirty_mb:
+        spec["readiness"] = {"pattern": DONE, "timeout": 900}
+    rt = RuntimeProcess.start(work / "rt", spec=spec, cache=work / "cache", env=env)
+    try:
+        if dirty_mb:
+            await _dirty(rt.shared / "console.sock", dirty_mb, 300)
+        state = await rt.wait_ready(900, poll=0.05)
+        assert state.snapshot.form == form and state.snapshot.available, state.snapshot
+        print(f"  captured {form}: {state.snapshot.capture_seconds} s, {state.snapshot.size / 2**20:.0f} MB", flush=True)
+        times = []
+        async with RuntimeClient(rt.socket) as client:
+            for _ in range(recycles):
+                await asyncio.sleep(1)
+                started = time.monotonic()
+                await client.recycle()
+                state = await client.wait_ready(120, poll=0.005)
+                times.append(time.monotonic() - started)
+                assert state.snapshot.boot == "restored", state.snapshot
+        return times
+    finally:
+        rt.stop()
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    tiny = resolve_guest("tiny")
+    assert tiny is not None
+    samples: dict[tuple[str, str], list[float]] = {}
+    for run in range(args.runs):
+        for form in FORMS:
+            for size, memory, dirty in (("small", tiny.memory, 0), ("big", args.memory, args.dirty_mb)):
+                with tempfile.TemporaryDirectory(prefix="dirty-recycle-") as work:
+                    times = await one_run(tiny, form, memory, dirty, args.recycles, Path(work))
+                print(f"run {run + 1} {form} {size}: " + ", ".join(f"{t:.3f}" for t in times), flush=True)
+                samples.setdefault((form, size), []).extend(times)
+    print(f"\nrecycle → Ready, medians of {args.runs} x {args.recycles}; big = {args.memory}, {args.dirty_mb} MB "
+          f"written; load {os.getloadavg()[0]:.1f} at the end")
+    for form in FORMS:
+        small, big = statistics.median(samples[(form, "small")]), statistics.median(samples[(form, "big")])
+        print(f"{form:<10} small {small:.3f} s  big {big:.3f} s  big ÷ small {big / small:.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--recycles", type=int, default=3)
+    parser.add_argument("--memory", default="2G")
+    parser.add_argument("--dirty-mb", type=int, default=1536)
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
