@@ -12,7 +12,6 @@ import http.client
 import inspect
 import socket
 import subprocess
-import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -21,13 +20,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fixtures.jmp import exporter_config, free_port, jmp_env
+from fixtures.jmp import RUNNER, exporter_config, free_port, jmp_env, start_runner
 from fixtures.waiting import wait_until, wait_until_async
 from jumpstarter_driver_vmsidecar.metrics import _exported_as
 from jumpstarter_driver_vmsidecar.metrics_http import MAX_CLIENTS, parse_listen
 
 VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
-RUNNER = [sys.executable, "-m", "jumpstarter_driver_vmsidecar.exporter_run", "run"]
 METRIC_NAMES = {"vmsidecar_exporter_leases_total", "vmsidecar_exporter_driver_calls_total",
                 "vmsidecar_exporter_lease_duration_seconds_count", "vmsidecar_exporter_lease_duration_seconds_sum"}
 
@@ -61,12 +59,6 @@ def deltas(before: Samples, after: Samples) -> dict[str, float]:
             name, labels = key
             changed[name + "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"] = value - before.get(key, 0.0)
     return changed
-
-
-def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as fh:
-        return subprocess.Popen([*RUNNER, *argv], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                env=env)
 
 
 def _driver_classes() -> list[type]:
@@ -121,7 +113,7 @@ async def test_leases_and_driver_calls_through_real_jmp_leases(
     port = free_port()
     log = tmp_path / "runner.log"
     # the env var, as a pod sets it (the flag is tested above)
-    proc = _start(["--exporter-config", str(cfg)], jmpctl.env(VMSIDECAR_EXPORTER_METRICS_LISTEN=f"127.0.0.1:{port}"),
+    proc = start_runner(["--exporter-config", str(cfg)], jmpctl.env(VMSIDECAR_EXPORTER_METRICS_LISTEN=f"127.0.0.1:{port}"),
                   log)
     try:
         await asyncio.to_thread(jmpctl.wait_status, "vm", "AVAILABLE", 60)
@@ -169,7 +161,7 @@ def test_the_listener_serves_metrics_only(tmp_path: Path) -> None:
     """Another path 404, another method 405, and idle connections past MAX_CLIENTS cost nothing."""
     cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(tmp_path / "none.sock")})
     port = free_port()
-    proc = _start(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{free_port()}",
+    proc = start_runner(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{free_port()}",
                    "--tls-grpc-insecure", "--metrics-listen", f"127.0.0.1:{port}"], jmp_env(), tmp_path / "log")
     try:
         def serving() -> tuple[int, bytes] | None:

@@ -14,18 +14,11 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import exporter_config, free_port, jmp_env
+from fixtures.jmp import RUNNER, exporter_config, free_port, jmp_env, start_runner
 
 pytestmark = pytest.mark.timeout(600)
 
 VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
-RUNNER = [sys.executable, "-m", "jumpstarter_driver_vmsidecar.exporter_run", "run"]
-
-
-def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as fh:
-        return subprocess.Popen([*RUNNER, *argv], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                env=env)
 
 
 def _children(pid: int) -> list[str]:
@@ -58,7 +51,7 @@ async def test_standalone_one_process_serves_jmp_shell_and_stops_on_sigterm(
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
     cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket), "recycle": "InPlaceReuse"})
     port = free_port()
-    proc = _start(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{port}",
+    proc = start_runner(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{port}",
                    "--tls-grpc-insecure"], jmp_env(), tmp_path / "runner.log")
     try:
         await rt.client().wait_ready(180)
@@ -85,7 +78,7 @@ async def test_exit_and_replace_under_a_controller_exits_0_after_the_lease(
     await rt.client().wait_ready(180)
     cfg = jmpctl.exporter_config({"vm": {"type": VM_TYPE, "config": {"socket": str(rt.socket)}}})
     log = tmp_path / "runner.log"
-    proc = _start(["--exporter-config", str(cfg)], jmpctl.env(), log)
+    proc = start_runner(["--exporter-config", str(cfg)], jmpctl.env(), log)
     try:
         await asyncio.to_thread(jmpctl.wait_status, "vm", "AVAILABLE", 60)
         assert _children(proc.pid) == []
@@ -111,7 +104,7 @@ async def test_in_place_reuse_under_a_controller_stays_for_the_next_lease(
     cfg = jmpctl.exporter_config({"vm": {"type": VM_TYPE, "config": {"socket": str(rt.socket),
                                                                        "recycle": "InPlaceReuse"}}})
     log = tmp_path / "runner.log"
-    proc = _start(["--exporter-config", str(cfg)], jmpctl.env(), log)
+    proc = start_runner(["--exporter-config", str(cfg)], jmpctl.env(), log)
     try:
         await asyncio.to_thread(jmpctl.wait_status, "vm", "AVAILABLE", 60)
         for _ in range(2):
