@@ -5,14 +5,22 @@ paused (``-S``), so the scrollback holds every byte from the first one. Clients 
 socket get the scrollback, then live output; whatever they write goes to the guest. A reader
 that stops reading is dropped rather than allowed to stall the guest: QEMU blocks a vCPU when
 its chardev cannot write.
+
+When the guest moves to a new backend process (a capture continues the boot from the snapshot
+just taken), the hub holds the clients' input and lets the old process read what it was sent
+before the guest pauses, and reads the old process's output to its end: no byte typed or printed
+around a capture is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
+import struct
+import termios
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -26,6 +34,8 @@ CLIENT_QUEUE_CHUNKS = 1024
 #: bytes a slow client may fall behind before it is disconnected: chunks are up to 64 KiB, so the
 #: chunk bound alone would let each client that never reads hold 64 MiB of the runtime's memory
 CLIENT_QUEUE_BYTES = 1 << 20
+#: input held while the guest moves to a new backend process (a tty line is 4 KiB; more is dropped)
+HELD_INPUT_BYTES = 64 << 10
 
 
 class RotatingByteLog:
@@ -106,6 +116,8 @@ class ConsoleHub:
         self._watchers: set[Callable[[bytes], None]] = set()
         self._server: asyncio.Server | None = None
         self._upstream: asyncio.StreamWriter | None = None
+        #: client input waiting for the next backend process (``hold_input``), else None
+        self._held: bytearray | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self.bytes_seen = 0
         self.first_byte_at: float | None = None
@@ -129,7 +141,9 @@ class ConsoleHub:
         pump = asyncio.create_task(self._pump_to_client(queue, writer))
         try:
             while data := await reader.read(4096):
-                if self._upstream is not None and not self._upstream.is_closing():
+                if self._held is not None:
+                    self._held += data[: max(0, HELD_INPUT_BYTES - len(self._held))]
+                elif self._upstream is not None and not self._upstream.is_closing():
                     self._upstream.write(data)
                     await self._upstream.drain()
             # EOF on input is a half-close (`echo cmd | console`): keep sending output until the
@@ -215,9 +229,45 @@ class ConsoleHub:
             except OSError as e:  # a full disk loses log lines, never console output
                 log.warning("console %s: cannot write the log (%s)", self.name, e)
 
-    async def detach(self) -> None:
-        """Stop draining (the backend is gone); clients stay connected."""
+    def hold_input(self) -> None:
+        """From now on client input waits in the hub, for the backend process that comes next."""
+        if self._held is None:
+            self._held = bytearray()
+
+    async def input_consumed(self, timeout: float) -> bool:
+        """Wait until the backend has read all input sent to it; False if it has not within ``timeout``
+        (a guest that does not read its console)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._unread_input():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)  # the kernel tells no one when a peer reads: poll
+        return True
+
+    def _unread_input(self) -> int:
+        """Bytes sent to the backend that it has not read: our buffer, then the socket's send queue."""
+        writer = self._upstream
+        if writer is None or writer.is_closing():
+            return 0
+        unread = writer.transport.get_write_buffer_size()
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # a Unix stream socket's send queue holds what the peer has not read
+            unread += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        return unread
+
+    def release_input(self) -> None:
+        """Send the held input to the backend (dropped if none is attached: a new boot)."""
+        held, self._held = self._held, None
+        if held and self._upstream is not None and not self._upstream.is_closing():
+            self._upstream.write(bytes(held))
+
+    async def detach(self, read_to_end: float = 0.0) -> None:
+        """Stop draining; clients stay connected. With ``read_to_end`` (the backend has exited), first
+        read what it wrote before it went, for up to that many seconds."""
         if self._drain_task is not None:
+            if read_to_end:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._drain_task), read_to_end)
             self._drain_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._drain_task
@@ -235,6 +285,7 @@ class ConsoleHub:
         """Start the scrollback of a new boot: a client that connects from now on never gets an
         earlier boot's output. Connected clients stay (like a serial cable across a power cycle)."""
         self._buffer.clear()
+        self._held = None  # input typed for an earlier boot never reaches this one
         self.bytes_seen = 0
         self.first_byte_at = None
 

@@ -107,14 +107,18 @@ class Boot:
         on from the snapshot (which proves it loads). Ready at once (True) unless the snapshot could
         not be stored or restored: the guest then boots cold again (False)."""
         assert self._machine.plan is not None
-        capture = await self._snapshots.save(key, backend)
-        if capture is None:  # the backend cannot snapshot this guest: it runs on
-            return True
-        consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
-        await self._machine.stop()
-        snap = await self._snapshots.commit(capture, consoles)
-        if snap is not None and await self._restore(spec, snap, new_boot=False):
-            self._snapshots.captured(capture, snap)
-            return True
-        await self._cold(spec)
-        return False
+        await self._streams.hold_input()  # what a console client types meanwhile goes to the next QEMU
+        try:
+            capture = await self._snapshots.save(key, backend)
+            if capture is None:  # the backend cannot snapshot this guest: it runs on
+                return True
+            await self._machine.stop()  # its last output is read first: it belongs in the snapshot
+            consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
+            snap = await self._snapshots.commit(capture, consoles)
+            if snap is not None and await self._restore(spec, snap, new_boot=False):
+                self._snapshots.captured(capture, snap)
+                return True
+            await self._cold(spec)
+            return False
+        finally:
+            self._streams.release_input()

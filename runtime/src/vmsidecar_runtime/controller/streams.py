@@ -3,6 +3,8 @@ virtio-serial channels, SLCAN buses) and the GPIO device, opened to match the sp
 
 from __future__ import annotations
 
+import asyncio
+
 from vmsidecar_contract.spec import VmSpec
 
 from ..console import ConsoleHub
@@ -12,6 +14,10 @@ from .paths import RuntimePaths
 
 #: streams a person reads: replayed to new readers, logged, and cut into boots
 CONSOLES = ("ttyS0", "hvc0")
+#: seconds to read an exited backend's last output (its sockets end at once: this bounds a stuck one)
+READ_TO_END = 1.0
+#: seconds a guest gets to read the input it was sent before it pauses for a capture
+INPUT_CONSUMED = 2.0
 
 
 class GuestStreams:
@@ -64,11 +70,23 @@ class GuestStreams:
                 await hub.attach(plan.console_socket(name))
 
     async def detach(self) -> None:
-        """The backend is gone: stop draining; shared-dir clients stay connected."""
+        """The backend is gone: read what it wrote to the end, stop draining; shared-dir clients stay
+        connected."""
         if self.gpio is not None:
             await self.gpio.stop_vhost()
+        await asyncio.gather(*(hub.detach(read_to_end=READ_TO_END) for hub in self.hubs.values()))
+
+    async def hold_input(self) -> None:
+        """The guest is about to move to a new backend process: hold the clients' input from now on,
+        and let the guest read what it was already sent (bounded: it may not read at all)."""
         for hub in self.hubs.values():
-            await hub.detach()
+            hub.hold_input()
+        await asyncio.gather(*(hub.input_consumed(INPUT_CONSUMED) for hub in self.hubs.values()))
+
+    def release_input(self) -> None:
+        """Send the held input on to the guest's new backend process (or drop it: a new boot)."""
+        for hub in self.hubs.values():
+            hub.release_input()
 
     def new_boot(self) -> None:
         """A new boot: no reader from now on gets an earlier boot's output."""
