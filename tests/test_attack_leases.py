@@ -87,8 +87,7 @@ async def test_a_flash_pull_of_lease_n_never_lands_in_lease_n_plus_1(
         assert lease_n1.generation == lease_n.generation + 1
         proxy.rate = 1 << 30  # the pull may finish now
         outcome = (await asyncio.wait_for(asyncio.gather(flash, return_exceptions=True), 180))[0]
-        # the absence of a late install can only be shown by waiting: 1 s, the pull runs at full speed
-        await asyncio.sleep(1)
+        await events.none_within("flashed", 1)  # no late install: the pull would run at full speed now
     assert isinstance(outcome, TransferError) and outcome.code == "transfer_cancelled", (
         f"lease N's flash was not cancelled at the end of lease N: {outcome!r}")
     assert "recycle" in outcome.message and "nothing of it was installed" in outcome.message, outcome.message
@@ -164,8 +163,7 @@ async def test_a_pull_whose_client_went_away_is_cancelled_and_never_installed(
         await events.wait_for("transfer_cancelled", 15)  # the runtime cancels the pull of a client that went away
         print(f"\npull cancelled {time.monotonic() - left:.2f} s after its client went away")
         proxy.rate = 1 << 30
-        # a pull still running would finish and install now: its absence is only shown by waiting
-        await asyncio.sleep(2)
+        await events.none_within("flashed", 2)  # a pull still running would finish and install now
     assert [e["type"] for e in events] == ["transfer_cancelled"], events
     assert "went away" in events[0]["data"]["reason"], events
     assert (await client.state()).disk is None  # nothing installed
@@ -256,8 +254,7 @@ async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pul
         print(f"\nlease ended mid-pull: pull cancelled {time.monotonic() - lease.released_at:.2f} s after the "
               f"release ({events[0]['data']['reason']})")
         proxy.rate = 1 << 30
-        # a pull still running would finish and install now: its absence is only shown by waiting
-        await asyncio.sleep(2)
+        await events.none_within("flashed", 2)  # a pull still running would finish and install now
     with contextlib.suppress(ProcessLookupError):
         flash.kill()
     await flash.wait()

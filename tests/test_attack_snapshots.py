@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend import create_backend
@@ -154,10 +155,8 @@ async def test_the_snapshot_reaches_qemu_only_after_its_seal_check(tiny_image: A
     backend = create_backend(plan, lambda event, data: None)
     launch = asyncio.create_task(backend.launch())
     try:
-        async with asyncio.timeout(60):
-            while not plan.qmp_socket.exists():
-                await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)
+        await wait_until_async(plan.qmp_socket.exists, 60, "QEMU's QMP socket")
+        await asyncio.wait({launch}, timeout=1.0)  # the launch must not end without the check's verdict
         assert not launch.done(), launch  # QEMU is up and waits; the backend waits for the check
         check.set_result("ram does not match the sha256 recorded at capture (altered on disk)")
         with pytest.raises(HostError, match=r"^the memory snapshot was not loaded: ram does not match"):
