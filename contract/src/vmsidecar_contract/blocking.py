@@ -19,16 +19,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from . import (
+    DEFAULT_SHARED_DIR,  # noqa: F401  (where the client commands have always found it)
+    errors,
+)
 from . import endpoints as api
-from . import errors
 from .endpoints import Endpoint
 
 #: how long a Stopped VM is given to start booting before ``wait_ready`` gives up
 STOPPED_GRACE_S = 5.0
 #: seconds to connect to the API socket (as the async client's ``sock_connect``)
 CONNECT_TIMEOUT_S = 5.0
-#: where the runtime puts its sockets by default (``serve --shared-dir``)
-DEFAULT_SHARED_DIR = Path("/shared/vmsidecar")
 
 
 class RuntimeUnavailableError(errors.VmsidecarError):

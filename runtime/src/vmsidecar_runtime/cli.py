@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR, BlockingRuntimeClient, unavailable
+from vmsidecar_contract import DEFAULT_SHARED_DIR
 from vmsidecar_contract.errors import VmsidecarError
 
 PULL_TIMEOUT_ENV = "VMSIDECAR_PULL_TIMEOUT"
@@ -130,6 +130,9 @@ async def _console(socket: Path) -> None:
 
 
 def _client_command(args: argparse.Namespace) -> int:
+    # here, not at the top: serve (a warm start) has no use for an HTTP client (http.client: ~20 ms)
+    from vmsidecar_contract.blocking import BlockingRuntimeClient, unavailable
+
     client = BlockingRuntimeClient(args.socket)
     if args.command == "status":
         _print_state(client.state(), args.json)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from vmsidecar_contract import DEFAULT_SHARED_DIR
 from vmsidecar_contract.arch import host_arch
-from vmsidecar_contract.blocking import DEFAULT_SHARED_DIR
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import VmSpec
 
