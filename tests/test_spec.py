@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,17 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
         load_spec_text("cpus: [1", "x.yaml")
     with pytest.raises(SpecError, match="must be a mapping"):
         load_spec_text("- 1\n- 2", "x.yaml")
+
+
+def test_a_json_spec_reads_as_its_yaml_twin_without_loading_a_yaml_parser() -> None:
+    """Launchers write JSON (RuntimeProcess): JSON is read as
+    JSON, so a warm start imports no YAML parser; JSON's non-numbers are refused as YAML refuses them."""
+    as_json = load_spec_text('{"image": "file:/d.qcow2", "memory": "512M", "cpus": 2}', "spec.json")
+    assert as_json == load_spec_text("image: file:/d.qcow2\nmemory: 512M\ncpus: 2\n", "spec.yaml")
+    with pytest.raises(SpecError, match="cpus"):
+        load_spec_text('{"cpus": NaN}', "spec.json")
+    with pytest.raises(SpecError, match="not valid YAML/JSON"):
+        load_spec_text('{"cpus": 2,', "spec.json")
+    code = ("import sys; from vmsidecar_contract.spec import load_spec_text; "
+            "load_spec_text('{\"memory\": \"256M\"}'); print('yaml' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
