@@ -19,6 +19,8 @@ from vmsidecar_contract.errors import HostError, SpecError
 from vmsidecar_contract.spec import VmSpec
 
 from ..disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
+from ..image.checks import verdict
+from ..oci.cache import DiskCache
 from .paths import RuntimePaths
 
 Progress = Callable[[int, int | None], None]
@@ -55,10 +57,24 @@ class Disks:
         started = time.monotonic()
         pulled = await asyncio.to_thread(self._pull_fn or oci_pull, ref, self.paths.cache, arch=spec.arch,
                                          progress=progress or (lambda done, total: None))
-        await check_image(pulled.path, pulled.format, f"image {ref}")  # also re-checks older cache entries
+        await self._checked(pulled.path, pulled.format, f"image {ref}")
         disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref, pulled.annotations,
                          pulled.manifest_digest)
         return disk, pulled, time.monotonic() - started
+
+    async def _checked(self, path: Path, fmt: str, label: str) -> None:
+        """Refuse a disk QEMU must not boot; a cache entry that passed the same checks and has not
+        changed since (its stat seal) is not checked again (qemu-img twice: ~50 ms of a warm start).
+
+        :raise ImageError: see :func:`vmsidecar_runtime.disk.check_image`.
+        """
+        cache = DiskCache(self.paths.cache)
+        passed = verdict(fmt)
+        if path.parent == cache.disks and await asyncio.to_thread(cache.passed_checks, path, passed):
+            return
+        await check_image(path, fmt, label)  # also checks entries cached before these checks existed
+        if path.parent == cache.disks:
+            await asyncio.to_thread(cache.record_checks, path, passed)
 
     async def overlay(self, backing: DiskImage | None = None) -> Path:
         """The lease's overlay over the current disk (or ``backing``, a snapshot's frozen

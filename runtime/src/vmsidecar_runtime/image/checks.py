@@ -111,6 +111,16 @@ def check_virtual_size(size: int, origin: Origin, limits: Limits = DEFAULT_LIMIT
         )
 
 
+#: bump when :func:`check_image` refuses something it passed before: every cache entry is checked again
+CHECKS_VERSION = 1
+
+
+def verdict(fmt: DiskFormat | str, limits: Limits = DEFAULT_LIMITS) -> str:
+    """What a pass of :func:`check_image` says, for a record that lets a file it passed skip it
+    while unchanged: the checks' version, the format and the limits they held it to."""
+    return f"v{CHECKS_VERSION} {fmt} virtual<={limits.max_virtual_size} bytes<={limits.max_disk_bytes}"
+
+
 def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limits = DEFAULT_LIMITS) -> None:
     """Refuse a disk file QEMU must not boot: empty, too large, corrupt, or opening other host files.
 

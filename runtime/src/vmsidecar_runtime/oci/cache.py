@@ -9,7 +9,10 @@ Layout under the cache root::
 
 Keys in ``index.json``: ``layer:<blob digest>``, ``ref:<manifest or index digest>@<arch>`` and
 ``file:<realpath>:<dev>:<ino>:<size>:<mtime_ns>``; ``seal:<disk file name>`` holds the disk file's
-inode, size, mtime and ctime when its content was last verified against its digest.
+inode, size, mtime and ctime when its content was last verified against its digest;
+``checked:<disk file name>`` the same stat seal when the disk last passed the boot checks
+(``image/checks.py``), with the checks' version and limits: a warm start skips ``qemu-img info``
+and ``check`` of a file that has not changed since it passed them under the same limits.
 
 A cache entry is trusted only while its file's stat still matches its seal: any write, truncation
 or chmod changes the ctime, and the file is then hashed again; a file that no longer matches its
@@ -172,6 +175,20 @@ class DiskCache:
             path.unlink()
         return False
 
+    def passed_checks(self, path: Path, verdict: str) -> bool:
+        """Whether the disk file ``path`` passed the boot checks as ``verdict`` names them (their
+        version and limits) and has not changed since (its stat seal)."""
+        try:
+            st = path.stat()
+        except OSError:
+            return False
+        return self._read_index().get(f"checked:{path.name}") == {"seal": stat_seal(st), "verdict": verdict}
+
+    def record_checks(self, path: Path, verdict: str) -> None:
+        """The disk file ``path``, as it is now, passed the boot checks named by ``verdict``."""
+        with contextlib.suppress(OSError):
+            self._update_index({f"checked:{path.name}": {"seal": stat_seal(path.stat()), "verdict": verdict}})
+
     def record(self, keys: list[str], entry: CacheEntry) -> None:
         """Map every key in ``keys`` to ``entry`` (read-modify-write under the index lock)."""
         self._update_index({key: asdict(entry) for key in keys})
@@ -313,7 +330,7 @@ class DiskCache:
             index = self._read_index()
             gone = {name.split("/", 1)[1] for name in removed}
             for key, value in list(index.items()):
-                target = key.split(":", 1)[1] if key.startswith(("used:", "seal:")) else None
+                target = key.split(":", 1)[1] if key.startswith(("used:", "seal:", "checked:")) else None
                 if target is not None:
                     drop = target in removed or target in gone
                 else:
