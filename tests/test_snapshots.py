@@ -8,13 +8,16 @@ import asyncio
 import hashlib
 import json
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fixtures.runtime import BACKENDS
+from fixtures.faults import wait_phase
+from fixtures.runtime import BACKENDS, qemu_pids
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_images.console import Console
 
@@ -256,3 +259,34 @@ async def test_console_keystrokes_typed_across_the_capture_all_reach_the_guest(s
         await con.close()
     assert state.snapshot.capture_seconds is not None and state.boot == 1, state.snapshot
 
+
+
+async def test_a_killed_runtimes_capture_staging_is_removed_and_a_live_ones_is_kept(
+    start_runtime: Any, tiny_image: Any, image_cache: Path
+) -> None:
+    """A cold boot that is to capture a templated snapshot runs with its RAM in a staging directory
+    of the cache. A runtime SIGKILLed mid-boot leaves that directory (the guest's RAM) behind: the
+    next runtime on the cache removes it, and leaves alone the staging of a runtime still alive."""
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M",
+            "readiness": {"pattern": "NEVER-PRINTED", "timeout": 300}}  # stays Running: its capture pends
+    snapshots = image_cache / "snapshots"
+
+    def staging() -> set[str]:
+        return {p.name for p in snapshots.glob(".incoming-*")} if snapshots.is_dir() else set()
+
+    killed = await start_runtime(spec, name="killed")
+    await wait_phase(killed.client(), "Running", timeout=120)
+    left = staging()
+    assert len(left) == 1 and (snapshots / next(iter(left)) / "ram").is_file(), left
+    killed.stop(signal.SIGKILL)
+    await wait_until_async(lambda: not qemu_pids(str(killed.state)), 30, "the killed runtime's QEMU to end")
+
+    alive = await start_runtime(spec, name="alive")
+    await wait_phase(alive.client(), "Running", timeout=120)
+    mine = staging() - left
+    assert len(mine) == 1, staging()
+    assert not left & staging(), f"the killed runtime's staging (its guest's RAM) is still in the cache: {left}"
+
+    third = await start_runtime(spec, name="third")
+    await wait_phase(third.client(), "Running", timeout=120)
+    assert mine <= staging(), f"a live runtime's staging was removed by another runtime: {mine} not in {staging()}"

@@ -37,7 +37,7 @@ from .hostpaths import HostPathPolicy
 from .oci.cache import DiskCache
 from .perms import restrict_umask, share
 from .plan import stream_names
-from .snapshots import qemu_version
+from .snapshots import SnapshotStore, qemu_version
 
 log = logging.getLogger("vmsidecar_runtime")
 
@@ -237,6 +237,8 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
         check_socket_room(paths, spec)
         lock.acquire()
         await asyncio.to_thread(DiskCache(paths.cache).evict)  # a budget lowered since the last run
+        # a capture's staging left by a runtime that was killed holds its guest's RAM
+        await asyncio.to_thread(SnapshotStore(paths.cache).remove_abandoned_staging)
     except HostError:
         shutil.rmtree(paths.run, ignore_errors=True)  # the private run dir default_paths made
         raise

@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
+import secrets
 import subprocess
 import tempfile
 import threading
@@ -216,6 +218,8 @@ class SnapshotStore:
         self._held_disks: list[DiskImage | None] = []
         #: snapshot path -> what this process hashed and found matching (see the module's docstring)
         self._checked: dict[str, _Checked] = {}
+        #: staging directory -> the fd of its lock, held while this process may still commit it
+        self._staging_locks: dict[Path, int] = {}
 
     def find(self, key: str) -> Snapshot | None:
         """The complete snapshot for ``key``, if the cache has one (an incomplete one is
@@ -233,7 +237,58 @@ class SnapshotStore:
         pid 1.
         """
         self.root.mkdir(parents=True, exist_ok=True)
-        return Snapshot(Path(tempfile.mkdtemp(prefix=f".incoming-{key}-", dir=self.root)))
+        self.remove_abandoned_staging()
+        # the lock first, then the directory: a directory whose lock no process holds is abandoned
+        name = f".incoming-{key}-{secrets.token_hex(6)}"
+        cache = DiskCache(self._cache)
+        fd = os.open(cache.locks / f"staging.{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = self.root / name
+        try:
+            path.mkdir(mode=0o700)
+        except OSError:
+            os.close(fd)
+            raise
+        self._staging_locks[path] = fd
+        return Snapshot(path)
+
+    def _release_staging(self, path: Path) -> None:
+        """The staging directory ``path`` is committed or gone: its lock goes too."""
+        fd = self._staging_locks.pop(path, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(DiskCache(self._cache).locks / f"staging.{path.name}.lock")
+            os.close(fd)
+
+    def remove_abandoned_staging(self) -> list[str]:
+        """Remove the staging directories of captures whose runtime died (SIGKILL, a node's OOM
+        killer): a templated capture's holds the RAM of the guest that booted on it. A live runtime's
+        is kept: it holds the directory's lock (runtimes of several pods may share the cache)."""
+        removed = []
+        locks = DiskCache(self._cache).locks
+        for path in self.root.glob(".incoming-*"):
+            if path in self._staging_locks:
+                continue
+            lock = locks / f"staging.{path.name}.lock"
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its runtime is alive
+                os.close(fd)
+                continue
+            try:
+                remove_tree(path)
+                with contextlib.suppress(OSError):
+                    os.unlink(lock)
+            finally:
+                os.close(fd)
+            removed.append(path.name)
+        if removed:
+            log.info("removed the staging of captures whose runtime ended without them: %s", ", ".join(removed))
+        return removed
 
     def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes], meta: SnapshotMeta) -> Snapshot:
         """Make a captured snapshot visible: sealed, read-only files, one atomic rename.
@@ -270,6 +325,7 @@ class SnapshotStore:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
             else:
+                self._release_staging(staged.path)
                 os.chmod(final, 0o555)
                 snap = Snapshot(final)
                 self._remember(snap, files)
@@ -282,6 +338,7 @@ class SnapshotStore:
                                 "the next boot takes it")
         log.info("snapshot %s was captured by another runtime sharing the cache first; keeping it", key)
         remove_tree(staged.path)
+        self._release_staging(staged.path)
         self.hold(self._held_disks, existing)
         return existing
 
@@ -365,6 +422,7 @@ class SnapshotStore:
         maps only drops its name)."""
         self._checked.pop(str(snap.path), None)
         remove_tree(snap.path)
+        self._release_staging(snap.path)
         log.info("snapshot %s discarded", snap.path.name)
 
 
