@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fixtures.jmp import free_port
+from fixtures.ports import free_port
 from fixtures.waiting import wait_until
 
 ROOT = Path(__file__).parents[1]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fixtures.byo import IMAGE_PATTERN, SPEC_PATTERN, Published, podman_containerdisk
-from fixtures.jmp import free_port
+from fixtures.ports import free_port
 from vmsidecar_contract.spec import DEFAULT_READY_PATTERN
 
 from .podman import Pod, run

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import PIPE_UNTIL, free_port, jmp_env
+from fixtures.jmp import PIPE_UNTIL, jmp_env
+from fixtures.ports import free_port
 
 from .podman import ENV, VM_TYPE, Pod, run
 

@@ -16,7 +16,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures.health import health_runtime, http_get
-from fixtures.jmp import exporter_config, free_port, jmp_env
+from fixtures.jmp import exporter_config, jmp_env
+from fixtures.ports import free_port
 from fixtures.waiting import wait_until_async
 
 ROOT = Path(__file__).parents[1]

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import RUNNER, exporter_config, free_port, jmp_env, start_runner
+from fixtures.jmp import RUNNER, exporter_config, jmp_env, start_runner
+from fixtures.ports import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
