@@ -227,17 +227,20 @@ async def test_uefi_guest_boots_and_gets_fresh_vars_each_boot(start_runtime: Any
     # power cycle: the old QEMU goes, a new one starts on a new copy of the template
     state = await rt.client().power("cycle", timeout=60)
     assert state.phase.value in ("Starting", "Running", "Ready"), state.phase
+    # The new boot is followed until OVMF's boot manager hands over to the disk: by then the firmware
+    # has read every variable it will ever give the guest, and the vars file is the only place it
+    # reads them from. (Booting on to the guest's shell to list efivars proved the same at the cost
+    # of a second ~35 s TCG boot of Debian; the first boot above shows a guest's variable lands in
+    # the file, so a file without it is a guest without it.)
     con = await Console.open_when_served(rt.shared / "console.sock")
-    new_boot_id = await _ready(rt, con)
-    assert new_boot_id != boot_id, "a new boot"
+    await con.expect(rb"BdsDxe: starting Boot", 300)
     qemu_after = set(qemu_pids(str(vars_file)))
     assert len(qemu_after) == 1 and qemu_after.isdisjoint(qemu_before), "a power cycle starts a new QEMU"
-    await con.wake()
-    assert (await con.run("test -d /sys/firmware/efi && echo efi")).strip() == "efi"
-    assert (await con.run("ls /sys/firmware/efi/efivars | grep -c VmsidecarTest || true")).strip() == "0"
     data = vars_file.read_bytes()
     assert name not in data and token.encode() not in data, "no variable of the earlier boot survives"
+    assert boot_id not in bytes(con.seen), "the console shows only the new boot"
     await con.close()
+    await rt.client().power("off", graceful=False)
 
     assert (template.stat().st_mtime_ns, hashlib.sha256(template.read_bytes()).hexdigest()) == template_before, \
         "the distribution's OVMF vars template must never be written"
