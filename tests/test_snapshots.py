@@ -150,7 +150,7 @@ async def test_instances_of_one_template_keep_their_ram_to_themselves(start_runt
     assert await _write_and_list(runtimes[1].shared / "console.sock", "again") == ["again"]
 
 
-async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image: Any) -> None:
+async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image: Any, image_cache: Path) -> None:
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "warm"}]}
     first = await start_runtime(spec, name="first")
     await first.client().wait_ready(240)
@@ -165,6 +165,24 @@ async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image
     assert took < 15, f"warm start took {took:.1f} s"  # ~1 s unloaded: see bench/snapshot.py
     replay, _ = await _probe(second.shared / "console.sock")
     assert "VMSIDECAR-READY" in replay
+    # the capturing runtime recorded its files' stat seals in the cache index: this new process
+    # trusts them while they hold and hashes nothing (the RAM file alone: ~60 ms of a warm start)
+    snap = next(p for p in (image_cache / "snapshots").iterdir() if not p.name.startswith("."))
+    assert "hashed against its seal" not in second.log_text(), second.log_text()[-2000:]
+    assert second.stop() == 0
+
+    # a file whose ctime moved (chmod back to the same mode: content unchanged) is hashed again
+    # by the next process, passes, and its new stat is what the record holds from then on
+    ram = snap / "ram"
+    ram.chmod(ram.stat().st_mode & 0o777)
+    third = await start_runtime(spec, name="third")
+    state = await third.client().wait_ready(120, poll=0.02)
+    assert state.snapshot.boot == "restored", state.snapshot
+    assert re.search(r"snapshot \w+: ram hashed against its seal", third.log_text()), third.log_text()[-2000:]
+    assert third.stop() == 0
+    fourth = await start_runtime(spec, name="fourth")
+    assert (await fourth.client().wait_ready(120, poll=0.02)).snapshot.boot == "restored"
+    assert "hashed against its seal" not in fourth.log_text(), fourth.log_text()[-2000:]
 
 
 async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runtime: Any, tiny_image: Any,

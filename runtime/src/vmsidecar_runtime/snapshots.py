@@ -375,8 +375,10 @@ class SnapshotStore:
 
     def _verify_seal(self, snap: Snapshot, wanted: Callable[[str], bool]) -> str | None:
         """Why the files ``wanted`` picks do not hold the seal of ``snap`` (every sealed file must be
-        there, picked or not), or None. A file is hashed once per process, then trusted while its
-        stat holds."""
+        there, picked or not), or None. A file is hashed once, then trusted while its stat holds:
+        within this process, and across processes through the cache index's ``sealed:`` record
+        (written only by a runtime that hashed the file or captured it, and void once the file's
+        inode, size, mtime or ctime differ: any write or chmod changes its ctime)."""
         meta = snap.meta()
         try:
             dir_ino = snap.path.stat().st_ino
@@ -388,12 +390,15 @@ class SnapshotStore:
         checked = self._checked.get(str(snap.path))
         if checked is not None and checked.dir_ino != dir_ino:
             checked = None  # a new entry in the same place (another runtime captured it again)
+        if checked is None:
+            checked = self._recorded(snap, meta.files, dir_ino)
         digests = checked.digests if checked else meta.files
         if checked is not None and meta.files != checked.digests:
             return "its recorded sha256 digests (meta.json) were rewritten since this runtime checked them"
         if on_disk != set(digests):
             return f"its files ({', '.join(sorted(on_disk))}) are not the ones sealed at capture"
         seals = dict(checked.seals) if checked else {}  # a partial check keeps what an earlier one verified
+        hashed, started = [], time.monotonic()
         for name, digest in sorted(digests.items()):
             if not wanted(name):
                 continue
@@ -402,16 +407,36 @@ class SnapshotStore:
                 seal = stat_seal(path.stat())
             except OSError as e:
                 return f"{name} cannot be read ({e.strerror})"
-            if seals.get(name) != seal and seal_digest(path) != digest:
-                return f"{name} does not match the sha256 recorded at capture (altered on disk)"
+            if seals.get(name) != seal:
+                hashed.append(name)
+                if seal_digest(path) != digest:
+                    return f"{name} does not match the sha256 recorded at capture (altered on disk)"
             seals[name] = seal
+        if hashed:
+            log.info("snapshot %s: %s hashed against its seal in %.2f s", snap.path.name, ", ".join(hashed),
+                     time.monotonic() - started)
         self._checked[str(snap.path)] = _Checked(dir_ino, dict(digests), seals)
+        if checked is None or seals != checked.seals:  # what the index holds is behind
+            self._record(snap, self._checked[str(snap.path)])
         return None
+
+    def _recorded(self, snap: Snapshot, digests: dict[str, str], dir_ino: int) -> _Checked | None:
+        """What the cache index records of ``snap`` as verified, if it is about this very directory
+        and these digests (a record of an earlier entry at this path, or of other digests, is not)."""
+        record = DiskCache(self._cache).snapshot_seals(f"snapshots/{snap.path.name}")
+        if record is None or record.get("dir_ino") != dir_ino or record.get("digests") != digests:
+            return None
+        seals = record.get("seals")
+        return _Checked(dir_ino, dict(digests), dict(seals)) if isinstance(seals, dict) else None
+
+    def _record(self, snap: Snapshot, checked: _Checked) -> None:
+        DiskCache(self._cache).record_snapshot_seals(f"snapshots/{snap.path.name}", asdict(checked))
 
     def _remember(self, snap: Snapshot, digests: dict[str, str]) -> None:
         with contextlib.suppress(OSError):
             seals = {name: stat_seal((snap.path / name).stat()) for name in digests}
             self._checked[str(snap.path)] = _Checked(snap.path.stat().st_ino, dict(digests), seals)
+            self._record(snap, self._checked[str(snap.path)])
 
     async def discard(self, snap: Snapshot) -> None:
         """Remove a snapshot QEMU refused, one whose seal broke (or a half-written one)."""
@@ -421,6 +446,7 @@ class SnapshotStore:
         """``discard``, blocking (a directory of a few files: unlinking a large RAM file a QEMU still
         maps only drops its name)."""
         self._checked.pop(str(snap.path), None)
+        DiskCache(self._cache).drop_records([f"sealed:snapshots/{snap.path.name}"])
         remove_tree(snap.path)
         self._release_staging(snap.path)
         log.info("snapshot %s discarded", snap.path.name)

@@ -12,7 +12,9 @@ Keys in ``index.json``: ``layer:<blob digest>``, ``ref:<manifest or index digest
 inode, size, mtime and ctime when its content was last verified against its digest;
 ``checked:<disk file name>`` the same stat seal when the disk last passed the boot checks
 (``image/checks.py``), with the checks' version and limits: a warm start skips ``qemu-img info``
-and ``check`` of a file that has not changed since it passed them under the same limits.
+and ``check`` of a file that has not changed since it passed them under the same limits;
+``sealed:snapshots/<key>`` the stat seal of every file of a memory snapshot when its content last
+matched the snapshot's seal (``snapshots.py``): a warm start hashes only what changed since.
 
 A cache entry is trusted only while its file's stat still matches its seal: any write, truncation
 or chmod changes the ctime, and the file is then hashed again; a file that no longer matches its
@@ -189,6 +191,27 @@ class DiskCache:
         with contextlib.suppress(OSError):
             self._update_index({f"checked:{path.name}": {"seal": stat_seal(path.stat()), "verdict": verdict}})
 
+    def snapshot_seals(self, item: str) -> dict[str, Any] | None:
+        """The ``sealed:`` record of the snapshot ``item`` (``snapshots/<key>``), if any."""
+        value = self._read_index().get(f"sealed:{item}")
+        return value if isinstance(value, dict) else None
+
+    def record_snapshot_seals(self, item: str, record: dict[str, Any]) -> None:
+        """The files of the snapshot ``item``, as ``record`` states them, matched its seal."""
+        with contextlib.suppress(OSError):
+            self._update_index({f"sealed:{item}": record})
+
+    def drop_records(self, keys: list[str]) -> None:
+        """Remove ``keys`` from the index (those it has)."""
+        with contextlib.suppress(OSError), self.lock("index"):
+            index = self._read_index()
+            if any(key in index for key in keys):
+                for key in keys:
+                    index.pop(key, None)
+                tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
+                tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+                os.replace(tmp, self.index_path)
+
     def record(self, keys: list[str], entry: CacheEntry) -> None:
         """Map every key in ``keys`` to ``entry`` (read-modify-write under the index lock)."""
         self._update_index({key: asdict(entry) for key in keys})
@@ -330,7 +353,7 @@ class DiskCache:
             index = self._read_index()
             gone = {name.split("/", 1)[1] for name in removed}
             for key, value in list(index.items()):
-                target = key.split(":", 1)[1] if key.startswith(("used:", "seal:", "checked:")) else None
+                target = key.split(":", 1)[1] if key.startswith(("used:", "seal:", "checked:", "sealed:")) else None
                 if target is not None:
                     drop = target in removed or target in gone
                 else:
