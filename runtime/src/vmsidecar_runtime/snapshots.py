@@ -290,8 +290,12 @@ class SnapshotStore:
             log.info("removed the staging of captures whose runtime ended without them: %s", ", ".join(removed))
         return removed
 
-    def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes], meta: SnapshotMeta) -> Snapshot:
+    def commit(self, staged: Snapshot, key: str, consoles: dict[str, bytes], meta: SnapshotMeta,
+               hashed: dict[str, tuple[str, dict]] | None = None) -> Snapshot:
         """Make a captured snapshot visible: sealed, read-only files, one atomic rename.
+
+        ``hashed``: file name -> (its seal digest, its stat seal then) for files the caller has just
+        hashed; each is taken as it is while its stat is the same, not hashed a second time.
 
         Blocking (it hashes every file): call it in a thread from asyncio.
 
@@ -302,7 +306,14 @@ class SnapshotStore:
         for name, data in consoles.items():
             (staged.path / f"{name}.console").write_bytes(data)
         started = time.monotonic()
-        files = {item.name: seal_digest(item) for item in staged.path.iterdir() if item != staged.meta_file}
+        known = hashed or {}
+
+        def digest(item: Path) -> str:
+            if item.name in known and known[item.name][1] == stat_seal(item.stat()):
+                return known[item.name][0]
+            return seal_digest(item)
+
+        files = {item.name: digest(item) for item in staged.path.iterdir() if item != staged.meta_file}
         log.info("snapshot %s sealed in %.2f s", key, time.monotonic() - started)
         staged.meta_file.write_text(json.dumps(asdict(SnapshotMeta(meta.guest_agent, files, meta.form))))
         for item in staged.path.iterdir():

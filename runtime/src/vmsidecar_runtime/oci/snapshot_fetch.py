@@ -39,7 +39,7 @@ from ..image.sniff import QCOW2_MAGIC
 from ..procs import child_env
 from ..snapshot_identity import SnapshotIdentity
 from ..snapshots import Snapshot, SnapshotStore, seal_digest
-from .cache import remove_tree
+from .cache import remove_tree, stat_seal
 from .mediatypes import (
     ANNOTATION_TITLE,
     SNAPSHOT_ARTIFACT_TYPE,
@@ -223,12 +223,19 @@ def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIde
         if set(meta.files) != files:
             raise SourceRefused("bad_artifact", f"{where} has the files {sorted(files)}, not the ones its "
                                 f"{META_FILE} seals ({sorted(meta.files)}); {RESEND}")
+        hashed = {}
         for name, digest in meta.files.items():
+            try:
+                seal = stat_seal((staged.path / name).stat())
+            except OSError:
+                seal = {}
             if seal_digest(staged.path / name) != digest:  # a RAM file's by chunks
                 raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
                                     f"recorded at capture; {RESEND}")
+            hashed[name] = (digest, seal)
         _rebase_frozen_overlay(staged, base, where, limits)
-        snap = store.commit(staged, identity.key, {}, meta)  # sealed again: the overlay's header changed
+        # sealed again (the overlay's header changed); the files that did not change are not hashed twice
+        snap = store.commit(staged, identity.key, {}, meta, hashed)
     except BaseException:
         remove_tree(staged.path)
         raise
