@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 120.0
 
 CHUNK = 1 << 20
+#: a chunk of the unwritten RAM a templated snapshot's file has holes for
+_ZEROS = bytes(CHUNK)
 #: a snapshot's meta.json is a few hundred bytes (the seal of a handful of files)
 MAX_META = 64 << 10
 RESEND = "push the snapshot again (vmsidecar-oci snapshot push)"
@@ -256,7 +258,7 @@ def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, d
                                 where=where)
             _, stream = open_decompressed(reader, compression, Origin(where, RESEND), limits)
             while data := stream.read(CHUNK):
-                if data.count(0) == len(data):  # a templated snapshot's unwritten RAM: a hole, as at capture
+                if _all_zero(data):  # a templated snapshot's unwritten RAM: a hole, as at capture
                     f.seek(len(data), os.SEEK_CUR)
                 else:
                     f.write(data)
@@ -275,6 +277,12 @@ def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, d
             except DigestMismatchError as mismatch:
                 raise SourceRefused("tampered", mismatch.message) from None
         raise SourceRefused("too_large" if e.code == "disk_too_large" else "bad_artifact", e.message) from None
+
+
+def _all_zero(data: bytes) -> bool:
+    # == is a memcmp that stops at the first non-zero byte; count(0) reads every byte (a Debian
+    # guest's 1 GiB RAM layer: ~1.0 s against ~0.3 s, on the way to Ready)
+    return data == _ZEROS if len(data) == CHUNK else data.count(0) == len(data)
 
 
 def _until(chunks: Iterable[bytes], deadline: float, where: str) -> Iterator[bytes]:
