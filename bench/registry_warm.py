@@ -37,7 +37,8 @@ from vmsidecar_runtime.oci import push_artifact
 GOAL_S = {"debian": 3.0}  # the goal (Debian, pull included)
 #: bench/warm_start.py's columns, and the snapshot's fetch (discovery, download, checks, commit)
 COLUMNS_HERE = [*COLUMNS, ("fetch", "snapshot fetch")]
-_FETCHED = re.compile(r"fetched from \S+ in ([0-9.]+) s")
+#: the runtime's log line of the fetch: after the pull, or during it ("fetched while the image was pulled")
+_FETCHED = re.compile(r"fetched (?:from \S+ |while the image was pulled, )in ([0-9.]+) s")
 
 
 def _fetch_seconds(log: Path) -> float | None:

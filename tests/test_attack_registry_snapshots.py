@@ -15,6 +15,7 @@ from real captures.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -30,15 +31,16 @@ import zstandard
 from fixtures.registry import Crafter, RunningRegistry, copy_manifest, start_registry
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.accel import choose_accel
+from vmsidecar_runtime.controller.source_fetch import SourceFetch
 from vmsidecar_runtime.disk import DiskImage
 from vmsidecar_runtime.oci import pull, push_artifact
 from vmsidecar_runtime.oci.mediatypes import OCI_INDEX, OCI_MANIFEST, SNAPSHOT_FILE, SNAPSHOT_FILE_ZSTD
 from vmsidecar_runtime.oci.reference import parse_reference
 from vmsidecar_runtime.oci.registry import RegistryClient
 from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
-from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, fetch_snapshot
+from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, complete, fetch_snapshot, stage_before_pull
 from vmsidecar_runtime.oci.snapshot_push import push_snapshot
-from vmsidecar_runtime.snapshot_identity import PREFIX, SnapshotIdentity, identify
+from vmsidecar_runtime.snapshot_identity import PREFIX, SnapshotIdentity, identify, identify_before_pull
 from vmsidecar_runtime.snapshots import SnapshotMeta, SnapshotStore
 
 pytestmark = pytest.mark.timeout(240)
@@ -292,3 +294,97 @@ def test_an_artifact_sealed_without_the_memory_stream_is_refused(published: Publ
     _republish(published, "snapattack/no-memory", no_memory)
     refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/no-memory")
     assert refusal.code == "bad_artifact" and "lacks files every snapshot has" in refusal.message, refusal.message
+
+
+# ---- the fetch started while the image is pulled (controller/source_fetch.py) -------------------
+# Before the disk is there, an artifact can be checked in every field but the image digest, the
+# readiness and the key (IMAGE_FIELDS); what it staged must then pass the whole key, the subject
+# and the rebase, or go.
+
+
+def _known(pub: Published) -> SnapshotIdentity:
+    return identify_before_pull(load_spec(pub.spec), choose_accel("auto", "x86_64").accel)
+
+
+def test_a_snapshot_fetched_before_the_disk_is_committed_only_under_the_whole_key(published: Published,
+                                                                                  tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    store = SnapshotStore(cache)
+    known = _known(published)
+    assert {f for f in ("key", "image_digest", "readiness") if getattr(known, f)} == set()
+    staged = stage_before_pull(published.source, published.subject, known, store, deadline=time.monotonic() + 60)
+    assert not (cache / "snapshots" / published.identity.key).exists(), "staged, not committed"
+    base = _base(published.spec["image"], cache)
+    # another key (a spec of other memory, say): refused, and what was staged is gone
+    with pytest.raises(SourceRefused) as info:
+        complete(staged, replace(published.identity, key="0" * 32), base, store)
+    assert info.value.code == "key_mismatch" and "spec (devices, memory" in info.value.message, info.value.message
+    assert not list((cache / "snapshots").glob(".incoming-*")), "the staged entry was left behind"
+    # the same artifact staged again, completed over another image's manifest: refused
+    staged = stage_before_pull(published.source, published.subject, known, store, deadline=time.monotonic() + 60)
+    with pytest.raises(SourceRefused) as info:
+        complete(staged, published.identity, replace(base, manifest_digest="sha256:" + "1" * 64), store)
+    assert info.value.code == "bad_artifact" and "subject" in info.value.message, info.value.message
+    assert not list((cache / "snapshots").glob(".incoming-*"))
+    # and under its own key, over its own image: the same entry the fetch after the pull makes
+    staged = stage_before_pull(published.source, published.subject, known, store, deadline=time.monotonic() + 60)
+    snap = complete(staged, published.identity, base, store)
+    assert snap.path == cache / "snapshots" / published.identity.key
+    assert snap.memory.read_bytes() == published.memory
+    assert store.verify(snap, base) is None
+    # a field known before the pull that differs (another QEMU) is refused before any layer is read
+    with pytest.raises(SourceRefused) as info:
+        stage_before_pull(published.source, published.subject, replace(known, qemu_version="QEMU 99"), store,
+                          deadline=time.monotonic() + 60)
+    assert info.value.code == "key_mismatch" and "QEMU version" in info.value.message
+
+
+async def test_when_the_early_fetch_took_another_keys_artifact_the_source_is_asked_again(published: Published,
+                                                                                        tmp_path: Path) -> None:
+    # Two artifacts for the image, listed with the same annotations: one of another spec (its key
+    # only differs), first; then this spec's. The early fetch cannot tell them apart and stages the
+    # first; the whole key refuses it, and the source is asked again with the whole key.
+    repo = "snapattack/two-specs"
+
+    def other_spec(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        doc["annotations"][PREFIX + "key"] = "0" * 32
+
+    other = _republish(published, repo, other_spec)
+    src, dst = _client(published), _client(published, repo)
+    try:
+        good = copy_manifest(src, dst, published.artifact)
+        listing = dst.get_manifest(referrers_tag(published.subject)).json()
+        data = json.dumps(good).encode()
+        listing["manifests"].append({"mediaType": OCI_MANIFEST, "digest": published.artifact, "size": len(data),
+                                     "artifactType": good["artifactType"],
+                                     "annotations": dict(published.identity.annotations())})
+        dst.put_manifest(referrers_tag(published.subject), json.dumps(listing).encode(), OCI_INDEX)
+    finally:
+        src.close()
+        dst.close()
+    cache = tmp_path / "cache"
+    store = SnapshotStore(cache)
+    spec = load_spec({**published.spec, "snapshot_source": f"{published.registry.host}/{repo}"})
+    fetch = SourceFetch(store, lambda backend: True)
+    fetch.start(spec, choose_accel("auto", "x86_64").accel, published.subject)
+    base = _base(published.spec["image"], cache)  # the pull, meanwhile
+    snap = await fetch.snapshot(f"{published.registry.host}/{repo}", published.identity, base)
+    assert snap.path == cache / "snapshots" / published.identity.key
+    assert snap.memory.read_bytes() == published.memory
+    assert other != published.artifact
+    assert not list((cache / "snapshots").glob(".incoming-*")), "the other key's staging was left behind"
+
+
+async def test_an_early_fetch_no_boot_uses_is_removed(published: Published, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    spec = load_spec({**published.spec, "snapshot_source": published.source})
+    fetch = SourceFetch(SnapshotStore(cache), lambda backend: True)
+    fetch.start(spec, choose_accel("auto", "x86_64").accel, published.subject)
+    assert fetch._fetch is not None
+    task = fetch._fetch[2]
+    fetch.drop()  # e.g. the pull failed, or the cache had the snapshot after all
+    await asyncio.wait([task], timeout=60)
+    await asyncio.sleep(0)  # the done callbacks run on the loop
+    staged = task.result().snap.path
+    assert staged.name.startswith(".incoming-") and not staged.exists(), "what the fetch staged stayed"
+    assert not list((cache / "snapshots").iterdir()), list((cache / "snapshots").iterdir())

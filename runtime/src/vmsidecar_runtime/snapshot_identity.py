@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from vmsidecar_contract.spec import VmSpec
 
@@ -64,16 +64,43 @@ class SnapshotIdentity:
         """``io.vmsidecar.snapshot.<field>`` for every field."""
         return {PREFIX + name.replace("_", "-"): value for name, value in asdict(self).items()}
 
-    def mismatch(self, annotations: dict) -> str | None:
+    def mismatch(self, annotations: dict, ignore: frozenset[str] = frozenset()) -> str | None:
         """Why an artifact annotated with ``annotations`` is not a snapshot this runtime may restore
-        (the first field that differs, both values named), or None when every field is equal."""
+        (the first field that differs, both values named), or None when every field not in ``ignore``
+        is equal."""
         mine = asdict(self)
         for name, label in FIELDS.items():
+            if name in ignore:
+                continue
             theirs = annotations.get(PREFIX + name.replace("_", "-"))
             if theirs != mine[name]:
                 shown = "not set" if theirs is None else repr(str(theirs)[:200])
                 return f"its {label} is {shown}, this runtime's is {mine[name][:200]!r}"
         return None
+
+
+#: the fields only the pulled image tells: its disk's digest, the readiness its annotations may set,
+#: and the key, which hashes both
+IMAGE_FIELDS = frozenset({"image_digest", "readiness", "key"})
+
+
+def identify_before_pull(spec: VmSpec, accel: str) -> SnapshotIdentity:
+    """The identity of ``spec``'s snapshot as far as it is known before its image is pulled: every
+    field but :data:`IMAGE_FIELDS` (left empty).
+
+    :raise HostError: the spec's CPU model cannot run under ``accel`` (``cpu: host`` under TCG).
+    """
+    return SnapshotIdentity(
+        key="",
+        image_digest="",
+        qemu_version=qemu_version(spec.arch),
+        machine=spec.machine or MACHINE[spec.arch],
+        cpu=effective_cpu(spec, accel),
+        accelerator=accel,
+        readiness="",
+        runtime_version=runtime_version(),
+        format=str(FORMAT),
+    )
 
 
 def identify(spec: VmSpec, base: DiskImage, accel: str) -> SnapshotIdentity:
@@ -85,18 +112,13 @@ def identify(spec: VmSpec, base: DiskImage, accel: str) -> SnapshotIdentity:
     # here: the controller package's __init__ loads the controller, whose snapshot_ops imports this module
     from .controller.readiness import effective_readiness
 
-    cpu = effective_cpu(spec, accel)
+    known = identify_before_pull(spec, accel)
     # the image's annotations may set the readiness, i.e. the instant a snapshot is taken
     readiness = effective_readiness(spec, base).readiness
-    return SnapshotIdentity(
+    return replace(
+        known,
         # the form is in the key, not a field of its own: an artifact of the other form is "another spec"
-        key=snapshot_key(spec, base.digest, accel, cpu, readiness, snapshot_form(spec)[0]),
+        key=snapshot_key(spec, base.digest, accel, known.cpu, readiness, snapshot_form(spec)[0]),
         image_digest=base.digest,
-        qemu_version=qemu_version(spec.arch),
-        machine=spec.machine or MACHINE[spec.arch],
-        cpu=cpu,
-        accelerator=accel,
         readiness=json.dumps(readiness.model_dump(mode="json"), sort_keys=True),
-        runtime_version=runtime_version(),
-        format=str(FORMAT),
     )

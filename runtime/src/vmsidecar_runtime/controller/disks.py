@@ -42,9 +42,10 @@ class Disks:
         """The disk the guest boots from (flashed, else the spec's image)."""
         return self.flashed or self.base
 
-    async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None
-                   ) -> tuple[DiskImage, Any, float]:
+    async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
+                   on_download: Callable[[str], None] | None = None) -> tuple[DiskImage, Any, float]:
         """Pull an image into the cache (or reuse it): the disk, the pull result, the seconds taken.
+        ``on_download``: see :func:`vmsidecar_runtime.oci.pull.pull` (called in the pull's thread).
 
         :raise SpecError: when neither ``reference`` nor the spec names an image.
         :raise ImageError: for every pull failure, with the cause and the fix.
@@ -56,7 +57,7 @@ class Disks:
             raise SpecError("the spec has no image; set image (an OCI reference, oci-layout:DIR or file:PATH)")
         started = time.monotonic()
         pulled = await asyncio.to_thread(self._pull_fn or oci_pull, ref, self.paths.cache, arch=spec.arch,
-                                         progress=progress or (lambda done, total: None))
+                                         progress=progress or (lambda done, total: None), on_download=on_download)
         await self._checked(pulled.path, pulled.format, f"image {ref}")
         disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref, pulled.annotations,
                          pulled.manifest_digest)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,10 +74,11 @@ class Power:
         task.add_done_callback(self._background.discard)
 
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
-                   transfer: Transfer | None = None) -> DiskImage:
+                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None) -> DiskImage:
         """Pull an image (``Transfers.pull``; no lock needed, nothing is installed), its time kept
         in the timings."""
-        disk, seconds = await self._transfers.pull(spec, reference, progress=progress, transfer=transfer)
+        disk, seconds = await self._transfers.pull(spec, reference, progress=progress, transfer=transfer,
+                                                   on_download=on_download)
         self.machine.record_pull(seconds)
         return disk
 
@@ -89,9 +91,18 @@ class Power:
         if self._disks.current is None:
             previous = self._phases.phase
             self._phases.set(Phase.PULLING)
+            spec = require_spec(spec)
+            loop = asyncio.get_running_loop()
+            accel = self.machine.choose_accel(spec).accel
+
+            def downloading(manifest: str) -> None:  # the pull's thread: the image is not cached
+                # its snapshot (snapshot_source) is fetched meanwhile, not after the disk
+                loop.call_soon_threadsafe(self._snapshots.source.start, spec, accel, manifest)
+
             try:
-                self._disks.base = await self.pull(require_spec(spec))
+                self._disks.base = await self.pull(spec, on_download=downloading)
             except VmsidecarError as e:
+                self._snapshots.source.drop()
                 self._phases.fail(Phase.ERROR, e)
                 raise
             self._phases.set(previous if previous != Phase.PULLING else Phase.STOPPED)

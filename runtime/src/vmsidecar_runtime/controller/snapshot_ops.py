@@ -7,12 +7,12 @@ the steps it decides on. The rules:
 - **Restore** when a boot starts on a fresh overlay of the spec's own image (a cold start or a
   recycle, not a flashed disk, not a power cycle within a lease), the backend can restore memory
   (``supports_snapshots``) and the cache has the snapshot for this spec, image, QEMU and
-  accelerator. A refused snapshot is discarded: the guest boots cold.
-- **Capture** at the first Ready of such a cold boot, unless a lease has already claimed the
-  guest (its activity must never reach the snapshot; the exporter claims when it hands a lease
-  out, so no capture starts after that, and a claim waits for one already under way). The guest is paused, its state written,
-  QEMU stopped, the overlay frozen into the snapshot; then the same boot continues from the
-  snapshot just taken, which proves it loads. Consoles keep their clients and scrollback.
+  accelerator (or the spec's ``snapshot_source``: ``source_fetch.py``). A refused snapshot is
+  discarded: the guest boots cold.
+- **Capture** at the first Ready of such a cold boot, unless a lease has claimed the guest (its
+  activity must never reach the snapshot; a claim waits for a capture under way). The guest is
+  paused, its state written, QEMU stopped, the overlay frozen into the snapshot; the same boot
+  continues from it, which proves it loads. Consoles keep their clients and scrollback.
 - **Form** (``snapshots.py``): templated unless the spec or the runtime rules it out (the reason
   is ``info.form_reason``). A cold boot that is to capture a templated snapshot runs with its RAM
   in a file of the capture's staging directory, so the capture writes device state only.
@@ -48,6 +48,7 @@ from .disks import Disks
 from .guest_clock import correct_clock
 from .paths import RuntimePaths
 from .snapshot_rules import no_snapshot
+from .source_fetch import SourceFetch
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class SnapshotOps:
         self._identity: SnapshotIdentity | None = None
         #: the snapshot this boot fetched from the spec's snapshot_source (its restore is "registry_warm")
         self._fetched: Path | None = None
+        #: the spec's snapshot_source, fetched while the image is pulled (``Power`` starts it) or after
+        self.source = SourceFetch(self._store, backend_supports_snapshots)
         #: the form the current boot's snapshot takes
         self._form = TEMPLATED
         #: the staging directory whose ``ram`` the current cold boot runs on (a templated capture)
@@ -116,6 +119,7 @@ class SnapshotOps:
             return None
         self.info = self.info.model_copy(update={"available": snap is not None, "size": snap.size if snap else None})
         if snap is not None:
+            self.source.drop()
             return snap
         if key in self._uncapturable:
             self._why(self._uncapturable[key])
@@ -127,16 +131,16 @@ class SnapshotOps:
         return None
 
     async def from_source(self, spec: VmSpec) -> Snapshot | None:
-        """On a cache miss (this boot was to capture): the snapshot of the spec's ``snapshot_source``,
-        fetched, checked and committed to the cache; None (refusal recorded) when there is none to use.
-        Only the spec's source is read: a flashed or pulled disk never gets here (``_key``)."""
-        from ..oci.snapshot_fetch import SourceRefused, fetch_in_thread  # here: registry code only when asked
+        """On a cache miss (this boot was to capture): the snapshot of the spec's ``snapshot_source``
+        in the cache, or None (refusal recorded). A flashed or pulled disk never gets here (``_key``)."""
+        from ..oci.snapshot_fetch import SourceRefused  # registry code only when asked
 
         source, key, identity, base = spec.snapshot_source, self._capture_key, self._identity, self._disks.current
         if source is None or key is None or identity is None or base is None:
+            self.source.drop()
             return None
         try:
-            snap = await fetch_in_thread(source, identity, base, self._store)
+            snap = await self.source.snapshot(source, identity, base)
         except SourceRefused as e:
             self.info = self.info.model_copy(update={"source_refusal": e.code, "reason": f"no snapshot from the "
                                                      f"snapshot_source {source}: {e.message}; this boot captures one at Ready"})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterable, Awaitable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -150,7 +150,8 @@ class Transfers:
 
     # ---- transfers -----------------------------------------------------------------------
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
-                   transfer: Transfer | None = None) -> tuple[DiskImage, float]:
+                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None
+                   ) -> tuple[DiskImage, float]:
         """Pull an image into the cache (or reuse it): the base disk and the seconds it took, within
         the pull deadline and unless ``transfer`` is cancelled first. Nothing is installed.
 
@@ -166,7 +167,8 @@ class Transfers:
                 progress(done, total)
 
         what = f"the pull of {reference or spec.image}"
-        disk, pulled, seconds = await self._bounded(self._disks.pull(spec, reference, progress=report), what,
+        disk, pulled, seconds = await self._bounded(self._disks.pull(spec, reference, progress=report,
+                                                                     on_download=on_download), what,
                                                     transfer, abort)
         self._events.publish("pulled", reference=disk.source, digest=pulled.digest, cached=pulled.cached,
                              bytes_downloaded=pulled.bytes_downloaded)

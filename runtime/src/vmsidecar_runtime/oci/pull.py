@@ -94,6 +94,7 @@ def pull(
     progress: Progress | None = None,
     credentials: tuple[str, str] | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    on_download: Callable[[str], None] | None = None,
 ) -> PulledDisk:
     """Resolve ``ref`` for ``arch`` and make its disk available, decompressed and verified, in the cache.
 
@@ -101,7 +102,8 @@ def pull(
     pinned digest too: the registry must still authorise it); layouts cost none. Safe to call
     from several threads and processes at once.
     A new disk passes the same checks as a flashed one (:mod:`vmsidecar_runtime.image`,
-    sized by ``limits``) before it enters the cache.
+    sized by ``limits``) before it enters the cache. ``on_download(manifest digest)`` is called
+    (in this thread) when a registry image's disk is to be downloaded, not found in the cache.
 
     :raise BadReferenceError: the reference cannot be parsed.
     :raise RegistryError: the registry is unreachable, refuses, or lacks the repository or tag.
@@ -119,7 +121,7 @@ def pull(
         return _pull_file(reference, cache, progress, limits)
     source = open_source(reference, plain_http=plain_http, credentials=credentials)
     try:
-        return _pull_oci(source, reference, cache, wanted, progress, limits)
+        return _pull_oci(source, reference, cache, wanted, progress, limits, on_download)
     finally:
         source.close()
 
@@ -145,7 +147,8 @@ def _ref_hit(cache: DiskCache, key: str) -> CacheEntry | None:
 
 
 def _pull_oci(
-    source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None, limits: Limits
+    source: Source, reference: Reference, cache: DiskCache, arch: str, progress: Progress | None, limits: Limits,
+    on_download: Callable[[str], None] | None = None,
 ) -> PulledDisk:
     # A registry is always asked for the manifest, even for a digest the cache holds: the cache is
     # shared by everyone who may pull, and knowing a digest is not being allowed to read the image.
@@ -160,6 +163,8 @@ def _pull_oci(
     resolved = resolve(source, top, arch)
     if hit := cache.lookup(f"ref:{resolved.manifest.digest}@{arch}"):
         return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference)
+    if on_download is not None and reference.kind == "registry":
+        on_download(resolved.manifest.digest)
     downloaded = config_arch_check(source, resolved, arch)
     for layer in resolved.layers:
         layer_key = f"layer:{layer.digest}:{layer.kind.format or 'auto'}"

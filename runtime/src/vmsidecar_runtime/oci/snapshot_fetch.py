@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError, VmsidecarError
@@ -37,8 +38,8 @@ from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC
 from ..procs import child_env
-from ..snapshot_identity import SnapshotIdentity
-from ..snapshots import Snapshot, SnapshotStore, seal_digest
+from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
+from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest
 from .cache import remove_tree, stat_seal
 from .mediatypes import (
     ANNOTATION_TITLE,
@@ -71,6 +72,7 @@ _ZEROS = bytes(CHUNK)
 #: a snapshot's meta.json is a few hundred bytes (the seal of a handful of files)
 MAX_META = 64 << 10
 RESEND = "push the snapshot again (vmsidecar-oci snapshot push)"
+PUBLISH = "publish one captured by this runtime's setup (same image, QEMU, machine, CPU model, accelerator, spec)"
 
 
 class SourceRefused(Exception):
@@ -99,6 +101,22 @@ async def fetch_in_thread(source: str, identity: SnapshotIdentity, base: DiskIma
     return snap
 
 
+async def stage_in_thread(source: str, subject: str, known: SnapshotIdentity, store: SnapshotStore, *,
+                          timeout: float = FETCH_TIMEOUT_S) -> Staged:
+    """:func:`stage_before_pull` in a worker thread, within ``timeout`` seconds, logged either way.
+
+    :raise SourceRefused: nothing usable there; the message says why.
+    """
+    started = time.monotonic()
+    try:
+        staged = await asyncio.to_thread(stage_before_pull, source, subject, known, store, deadline=started + timeout)
+    except SourceRefused as e:
+        log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
+        raise
+    log.info("%s fetched while the image was pulled, in %.2f s", staged.where, time.monotonic() - started)
+    return staged
+
+
 def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,
                    deadline: float, limits: Limits = DEFAULT_LIMITS) -> Snapshot:
     """The snapshot of ``identity`` from the repository ``source``, committed to ``store``.
@@ -110,13 +128,45 @@ def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, sto
     if base.manifest_digest is None:
         raise SourceRefused("not_registry_image", f"the image {base.source} is a file or a flashed disk, with no OCI "
                             "manifest for a snapshot artifact to refer to; use an image from a registry")
+    with _registry(source) as client:
+        digest, artifact = _find(client, base.manifest_digest, identity)
+        staged = _stage(client, digest, artifact, store, deadline, limits)
+    return complete(staged, identity, base, store, limits)
+
+
+def stage_before_pull(source: str, subject: str, known: SnapshotIdentity, store: SnapshotStore, *,
+                      deadline: float, limits: Limits = DEFAULT_LIMITS) -> Staged:
+    """While the image ``subject`` (its manifest's digest) is being pulled: the artifact of
+    ``source`` for it whose annotations match ``known`` in every field but ``IMAGE_FIELDS``,
+    fetched and checked against its own seal into a staging directory of ``store``. The rest
+    (image digest, readiness, key, subject) is checked by :func:`complete` once the disk is there.
+
+    Blocking: run it in a thread. :raise SourceRefused: nothing usable there; the message says why.
+    """
+    with _registry(source) as client:
+        digest, artifact = _find(client, subject, known, ignore=IMAGE_FIELDS)
+        return _stage(client, digest, artifact, store, deadline, limits)
+
+
+@contextlib.contextmanager
+def _registry(source: str) -> Iterator[RegistryClient]:
+    """A client of ``source``; every failure on the way is a :class:`SourceRefused`."""
     try:
         client = RegistryClient(parse_reference(source))
     except VmsidecarError as e:  # the registry configuration (auth file, insecure list) is wrong
         raise SourceRefused("host_error", e.message) from None
     try:
-        digest, artifact = _find(client, base.manifest_digest, identity)
-        return _fetch(client, digest, artifact, identity, base, store, deadline, limits)
+        with _refusals():
+            yield client
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """Registry and cache failures as :class:`SourceRefused`."""
+    try:
+        yield
     except RegistryError as e:
         raise SourceRefused("unreachable", e.message) from None
     except VmsidecarError as e:  # the cache cannot be written (HostError)
@@ -124,12 +174,12 @@ def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, sto
     except OSError as e:
         raise SourceRefused("host_error", f"the snapshot cannot be written to the cache ({e.strerror or e}); free "
                             "space in the cache volume") from None
-    finally:
-        client.close()
 
 
-def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity) -> tuple[str, dict]:
-    """The digest and manifest document of the artifact to fetch (fetched by digest, checked)."""
+def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity,
+          ignore: frozenset[str] = frozenset()) -> tuple[str, dict]:
+    """The digest and manifest document of the artifact to fetch (fetched by digest, checked in
+    every identity field not in ``ignore``)."""
     where = client.ref.name
     listing = client.referrers(subject, SNAPSHOT_ARTIFACT_TYPE)
     if listing is None:  # no referrers API: the tag schema
@@ -144,7 +194,7 @@ def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity) -> t
     # the listing's annotations are only a hint (whoever writes the index writes them): those that
     # claim this key are read first, and the manifest itself decides
     notes = [(d.get("annotations") if isinstance(d.get("annotations"), dict) else {}) for d in candidates]
-    ranked = sorted(zip(candidates, notes, strict=True), key=lambda c: identity.mismatch(c[1]) is not None)
+    ranked = sorted(zip(candidates, notes, strict=True), key=lambda c: identity.mismatch(c[1], ignore) is not None)
     first: tuple[str, str] | None = None
     for descriptor, _ in ranked[:MAX_MANIFESTS_READ]:
         digest = descriptor["digest"]
@@ -154,16 +204,16 @@ def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity) -> t
             raise SourceRefused("tampered", e.message) from None
         except ImageError as e:  # not JSON
             raise SourceRefused("bad_artifact", e.message) from None
-        problem = _artifact_problem(doc, subject, identity)
+        problem = _artifact_problem(doc, subject, identity, ignore)
         if problem is None:
             return digest, doc
         first = first or (problem[0], f"the snapshot artifact {digest} in {where} is refused: {problem[1]}")
     assert first is not None
-    raise SourceRefused(first[0], f"{first[1]}; publish one captured by this runtime's setup "
-                        "(same image, QEMU, machine, CPU model, accelerator, spec)")
+    raise SourceRefused(first[0], f"{first[1]}; {PUBLISH}")
 
 
-def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity) -> tuple[str, str] | None:
+def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity,
+                      ignore: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """``(refusal code, reason)`` when the artifact's own manifest is not this runtime's snapshot."""
     if doc.get("artifactType") != SNAPSHOT_ARTIFACT_TYPE:
         return "bad_artifact", f"its artifactType is {doc.get('artifactType')!r}, not {SNAPSHOT_ARTIFACT_TYPE}"
@@ -171,7 +221,7 @@ def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity) -> tu
     if not isinstance(named, dict) or named.get("digest") != subject:
         return "bad_artifact", f"its subject is not the image's manifest {subject}"
     notes = doc.get("annotations")
-    why = identity.mismatch(notes if isinstance(notes, dict) else {})
+    why = identity.mismatch(notes if isinstance(notes, dict) else {}, ignore)
     return None if why is None else ("key_mismatch", why)
 
 
@@ -206,11 +256,25 @@ def _layers(doc: dict, where: str, limits: Limits) -> list[tuple[str, dict]]:
     return found
 
 
-def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIdentity, base: DiskImage,
-           store: SnapshotStore, deadline: float, limits: Limits) -> Snapshot:
+@dataclass(frozen=True)
+class Staged:
+    """A snapshot artifact downloaded into a staging directory and checked against its own seal,
+    not yet against the image it is restored over (:func:`complete`)."""
+
+    digest: str
+    doc: dict
+    where: str
+    snap: Snapshot
+    meta: SnapshotMeta
+    #: file name -> (seal digest, stat seal when hashed): commit does not hash them again
+    hashed: dict[str, tuple[str, dict]]
+
+
+def _stage(client: RegistryClient, digest: str, doc: dict, store: SnapshotStore, deadline: float,
+           limits: Limits) -> Staged:
     where = f"the snapshot artifact {digest} in {client.ref.name}"
     layers = _layers(doc, where, limits)
-    staged = store.staging(identity.key)
+    staged = store.staging("fetched")  # the key is the artifact's word until complete() checks it
     try:
         for name, descriptor in layers:
             _download(client, descriptor, staged.path / name, f"{name} of {where}", deadline, limits)
@@ -226,24 +290,42 @@ def _fetch(client: RegistryClient, digest: str, doc: dict, identity: SnapshotIde
             raise SourceRefused("bad_artifact", f"{where} has the files {sorted(files)}, not the ones its "
                                 f"{META_FILE} seals ({sorted(meta.files)}); {RESEND}")
         hashed = {}
-        for name, digest in meta.files.items():
+        for name, sealed in meta.files.items():
             try:
                 seal = stat_seal((staged.path / name).stat())
             except OSError:
                 seal = {}
-            if seal_digest(staged.path / name) != digest:  # a RAM file's by chunks
+            if seal_digest(staged.path / name) != sealed:  # a RAM file's by chunks
                 raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
                                     f"recorded at capture; {RESEND}")
-            hashed[name] = (digest, seal)
-        _rebase_frozen_overlay(staged, base, where, limits)
-        # sealed again (the overlay's header changed); the files that did not change are not hashed twice
-        snap = store.commit(staged, identity.key, {}, meta, hashed)
+            hashed[name] = (sealed, seal)
     except BaseException:
-        remove_tree(staged.path)
+        store.discard_now(staged)
+        raise
+    return Staged(digest, doc, where, staged, meta, hashed)
+
+
+def complete(staged: Staged, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore,
+             limits: Limits = DEFAULT_LIMITS) -> Snapshot:
+    """``staged`` committed to ``store`` as the snapshot of ``identity`` over ``base``, once its
+    manifest names ``base``'s manifest as subject and every identity field matches; discarded
+    otherwise. Blocking. :raise SourceRefused: why it is not used (``key_mismatch`` for another key)."""
+    try:
+        with _refusals():
+            subject = base.manifest_digest
+            problem = (("not_registry_image", "the image has no OCI manifest") if subject is None
+                       else _artifact_problem(staged.doc, subject, identity))
+            if problem is not None:
+                raise SourceRefused(problem[0], f"{staged.where} is refused: {problem[1]}; {PUBLISH}")
+            _rebase_frozen_overlay(staged.snap, base, staged.where, limits)
+            # sealed again (the overlay's header changed); the files that did not change are not hashed twice
+            snap = store.commit(staged.snap, identity.key, {}, staged.meta, staged.hashed)
+    except BaseException:
+        store.discard_now(staged.snap)
         raise
     if store.find(identity.key) is None:  # sealed, but not all a snapshot needs (the store says what)
         remove_tree(snap.path)
-        raise SourceRefused("bad_artifact", f"{where} lacks files every snapshot has; {RESEND}")
+        raise SourceRefused("bad_artifact", f"{staged.where} lacks files every snapshot has; {RESEND}")
     return snap
 
 
