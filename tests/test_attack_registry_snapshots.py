@@ -366,7 +366,7 @@ async def test_when_the_early_fetch_took_another_keys_artifact_the_source_is_ask
     store = SnapshotStore(cache)
     spec = load_spec({**published.spec, "snapshot_source": f"{published.registry.host}/{repo}"})
     fetch = SourceFetch(store, lambda backend: True)
-    fetch.start(spec, choose_accel("auto", "x86_64").accel, published.subject)
+    fetch.start(spec, published.subject)
     base = _base(published.spec["image"], cache)  # the pull, meanwhile
     snap = await fetch.snapshot(f"{published.registry.host}/{repo}", published.identity, base)
     assert snap.path == cache / "snapshots" / published.identity.key
@@ -379,7 +379,7 @@ async def test_an_early_fetch_no_boot_uses_is_removed(published: Published, tmp_
     cache = tmp_path / "cache"
     spec = load_spec({**published.spec, "snapshot_source": published.source})
     fetch = SourceFetch(SnapshotStore(cache), lambda backend: True)
-    fetch.start(spec, choose_accel("auto", "x86_64").accel, published.subject)
+    fetch.start(spec, published.subject)
     assert fetch._fetch is not None
     task = fetch._fetch[2]
     fetch.drop()  # e.g. the pull failed, or the cache had the snapshot after all

@@ -93,11 +93,10 @@ class Power:
             self._phases.set(Phase.PULLING)
             spec = require_spec(spec)
             loop = asyncio.get_running_loop()
-            accel = self.machine.choose_accel(spec).accel
 
             def downloading(manifest: str) -> None:  # the pull's thread: the image is not cached
                 # its snapshot (snapshot_source) is fetched meanwhile, not after the disk
-                loop.call_soon_threadsafe(self._snapshots.source.start, spec, accel, manifest)
+                loop.call_soon_threadsafe(self._snapshots.source.start, spec, manifest)
 
             try:
                 self._disks.base = await self.pull(spec, on_download=downloading)

@@ -19,6 +19,7 @@ from typing import Any
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import VmSpec
 
+from ..accel import choose_accel
 from ..disk import DiskImage
 from ..snapshot_identity import SnapshotIdentity, identify_before_pull
 from ..snapshots import Snapshot, SnapshotStore
@@ -34,15 +35,15 @@ class SourceFetch:
         self._supports = supports_snapshots
         self._fetch: tuple[str, str, asyncio.Future[Any]] | None = None
 
-    def start(self, spec: VmSpec, accel: str, subject: str) -> None:
+    def start(self, spec: VmSpec, subject: str) -> None:
         """The spec's own image (manifest ``subject``) is being downloaded: fetch its snapshot now."""
         from ..oci.snapshot_fetch import stage_in_thread  # here: registry code only when asked
 
         self.drop()
         if spec.snapshot_source is None or spec.snapshot == "off" or not self._supports(spec.backend):
             return
-        try:
-            known = identify_before_pull(spec, accel)
+        try:  # the accelerator the boot will choose (a pure check of /dev/kvm and the CPU's flags)
+            known = identify_before_pull(spec, choose_accel(spec.accel, spec.arch).accel)
         except HostError:
             return  # the boot fails on it, with the reason
         task = asyncio.ensure_future(stage_in_thread(spec.snapshot_source, subject, known, self._store))
