@@ -26,9 +26,10 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError, VmsidecarError
 
@@ -62,6 +63,7 @@ from .snapshot_artifact import (
 from .unpack import BlobReader
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: bound on fetching a snapshot from a spec's snapshot_source (a cold boot is the fallback)
 FETCH_TIMEOUT_S = 120.0
@@ -90,14 +92,8 @@ async def fetch_in_thread(source: str, identity: SnapshotIdentity, base: DiskIma
 
     :raise SourceRefused: nothing usable there; the message says why.
     """
-    started = time.monotonic()
-    try:
-        snap = await asyncio.to_thread(fetch_snapshot, source, identity, base, store, deadline=started + timeout)
-    except SourceRefused as e:
-        log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
-        raise
-    log.info("snapshot %s fetched from %s in %.2f s (%d MB)", identity.key, source, time.monotonic() - started,
-             snap.size >> 20)
+    snap, seconds = await _in_thread(source, timeout, fetch_snapshot, identity, base, store)
+    log.info("snapshot %s fetched from %s in %.2f s (%d MB)", identity.key, source, seconds, snap.size >> 20)
     return snap
 
 
@@ -107,14 +103,20 @@ async def stage_in_thread(source: str, subject: str, known: SnapshotIdentity, st
 
     :raise SourceRefused: nothing usable there; the message says why.
     """
+    staged, seconds = await _in_thread(source, timeout, stage_before_pull, subject, known, store)
+    log.info("%s fetched while the image was pulled, in %.2f s", staged.where, seconds)
+    return staged
+
+
+async def _in_thread(source: str, timeout: float, fetch: Callable[..., _T], *args: Any) -> tuple[_T, float]:
+    """``fetch(source, *args, deadline=…)`` in a worker thread and the seconds it took; a refusal is logged."""
     started = time.monotonic()
     try:
-        staged = await asyncio.to_thread(stage_before_pull, source, subject, known, store, deadline=started + timeout)
+        result = await asyncio.to_thread(fetch, source, *args, deadline=started + timeout)
     except SourceRefused as e:
         log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
         raise
-    log.info("%s fetched while the image was pulled, in %.2f s", staged.where, time.monotonic() - started)
-    return staged
+    return result, time.monotonic() - started
 
 
 def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,
