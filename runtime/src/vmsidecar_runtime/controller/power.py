@@ -91,15 +91,15 @@ class Power:
         if self._disks.current is None:
             previous = self._phases.phase
             self._phases.set(Phase.PULLING)
-            spec = require_spec(spec)
             loop = asyncio.get_running_loop()
-
-            def downloading(manifest: str) -> None:  # the pull's thread: the image is not cached
-                # its snapshot (snapshot_source) is fetched meanwhile, not after the disk
-                loop.call_soon_threadsafe(self._snapshots.source.start, spec, manifest)
-
             try:
-                self._disks.base = await self.pull(spec, on_download=downloading)
+                required = require_spec(spec)
+
+                def downloading(manifest: str) -> None:  # the pull's thread: the image is not cached
+                    # its snapshot (snapshot_source) is fetched meanwhile, not after the disk
+                    loop.call_soon_threadsafe(self._snapshots.source.start, required, manifest)
+
+                self._disks.base = await self.pull(required, on_download=downloading)
             except VmsidecarError as e:
                 self._snapshots.source.drop()
                 self._phases.fail(Phase.ERROR, e)
