@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import stat
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -18,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from vmsidecar_images import build as build_mod
-from vmsidecar_images import debs, disk
+from vmsidecar_images import debs, disk, kernel_repack
 from vmsidecar_images.build import BuiltImage, build_image, list_images
 from vmsidecar_images.cli import main as cli_main
 from vmsidecar_images.cpio import Entry, read_cpio, write_cpio
-from vmsidecar_images.errors import PinError
-from vmsidecar_images.recipe import load_recipe
+from vmsidecar_images.errors import BuildError, PinError
+from vmsidecar_images.recipe import Pin, load_recipe
 
 
 def _raw(image: BuiltImage, tmp_path: Path) -> Path:
@@ -117,6 +118,36 @@ def test_disk_layout(tiny_image: BuiltImage, tmp_path: Path) -> None:
     fields = dict(line.split("=", 1) for line in probe.splitlines() if "=" in line)
     assert fields["TYPE"] == "ext4"
     assert fields["LABEL"] == "vmdata"
+
+
+def test_kernel_is_debians_own_in_an_lz4_payload(tiny_image: BuiltImage, tmp_path: Path) -> None:
+    """The re-packed bzImage boots Debian's kernel byte for byte; only the payload's compression moved."""
+    pins = load_recipe("tiny").arch_pins("x86_64")
+    kernel_deb = debs.extract(debs.fetch(pins.kernel, pins.deb_arch, versions_file=load_recipe("tiny").versions_file),
+                              tmp_path / "deb")  # fmt: skip
+    debian = kernel_deb / "boot" / f"vmlinuz-{pins.kernel_release}"
+    ours = tiny_image.kernel.read_bytes()
+    assert tiny_image.manifest["guest"]["kernel_repack"] == "lz4"
+    assert kernel_repack._version(ours) == kernel_repack.unpack(debian).version, "Debian's version string"
+    setup_sects = ours[0x1F1] or 4
+    offset, length = struct.unpack_from("<II", ours, 0x248)
+    start = (setup_sects + 1) * 512 + offset
+    compressed = ours[start : start + length]
+    assert compressed[:4] == bytes.fromhex("02214c18"), "lz4 legacy frame magic"
+    out = subprocess.run(["lz4", "-dc"], input=compressed[:-4], capture_output=True, check=True).stdout
+    assert struct.unpack("<I", compressed[-4:])[0] == len(out), "kbuild's size trailer"
+    assert hashlib.sha256(out).digest() == hashlib.sha256(kernel_repack.unpack(debian).payload).digest()
+    assert len(ours) < 2 * debian.stat().st_size
+
+
+def test_kernel_repack_refuses_what_it_cannot_rebuild(tmp_path: Path) -> None:
+    not_bz = tmp_path / "vmlinuz"
+    not_bz.write_bytes(b"\0" * 4096)
+    with pytest.raises(BuildError, match="not an x86 bzImage"):
+        kernel_repack.unpack(not_bz)
+    with pytest.raises(BuildError, match=r"'zstd' is not supported"):
+        kernel_repack.repack(not_bz, not_bz, compression="zstd", source=Pin("linux-source-6.1", "1"),
+                             patch=not_bz, versions_file=not_bz, work=tmp_path)  # fmt: skip
 
 
 def test_initramfs_contents(tiny_image: BuiltImage) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from vmsidecar_contract.arch import normalize_arch
 
-from . import debian, debs, disk, extras, initramfs, uefi
+from . import debian, debs, disk, extras, initramfs, kernel_repack, uefi
 from .errors import BuildError
 from .recipe import BUILDER_FORMAT, SOURCE_DATE_EPOCH, Recipe, load_recipe
 
@@ -291,8 +291,17 @@ def _build_initramfs_guest(
     vmlinuz = kernel_root / "boot" / f"vmlinuz-{release}"
     if not vmlinuz.is_file():
         raise BuildError(f"{pins.kernel.package} has no boot/vmlinuz-{release}; check the kernel pin")
-    shutil.copyfile(vmlinuz, out / KERNEL)
     step("initramfs")
+    if compression := arch_cfg.get("kernel_repack"):
+        if "source" not in pins.module_build:
+            raise BuildError(f"kernel_repack needs the linux-source pin (module_build.source) in {recipe.versions_file}")
+        vmlinuz = kernel_repack.repack(
+            vmlinuz, kernel_root / "boot" / f"config-{release}", compression=str(compression),
+            source=pins.module_build["source"], patch=recipe.dir / str(recipe.config["kernel_repack"]["patch"]),
+            versions_file=recipe.versions_file, work=work / "kernel-repack")
+        facts["kernel_repack"] = str(compression)
+        step("kernel")
+    shutil.copyfile(vmlinuz, out / KERNEL)
 
     # 3. disk: p1 FAT16 (syslinux, kernel, initrd), p2 ext4 (vmdata), MBR, qcow2
     dcfg = recipe.config["disk"]

@@ -20,7 +20,8 @@ SOURCE_DATE_EPOCH = 1704067200
 _PACKAGE_DIR = Path(__file__).resolve().parent
 #: modules whose source is part of the cache key, per builder (the CLI is not: it cannot change the output)
 _BUILDER_MODULES = {
-    "initramfs": ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py", "extras.py"),
+    "initramfs": ("build.py", "cpio.py", "debs.py", "disk.py", "initramfs.py", "recipe.py", "extras.py",
+                  "kernel_repack.py"),
     "debian": ("build.py", "debs.py", "disk.py", "recipe.py", "rootfs.py", "debian.py"),
     "uefi": ("build.py", "debs.py", "disk.py", "recipe.py", "uefi.py"),
 }
