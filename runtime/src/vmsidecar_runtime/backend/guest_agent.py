@@ -27,9 +27,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: how often an unanswered ``guest-sync-delimited`` is sent again (an agent that opens the port
-#: late reads the requests queued before it; a fresh one is answered at once)
-RESEND_S = 0.5
 #: QGA replies are small; a longer line is not a reply of ours
 LINE_LIMIT = 1 << 20
 
@@ -81,9 +78,6 @@ class GuestAgent:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _send(self, message: dict[str, Any], *, reset: bool = False) -> None:
-        self._writer.write((b"\xff" if reset else b"") + json.dumps(message).encode() + b"\n")
-
     async def _reply(self, match: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
         """The next reply ``match`` accepts; stale and foreign replies are skipped."""
         async with asyncio.timeout(timeout):
@@ -104,52 +98,33 @@ class GuestAgent:
                 if isinstance(message, dict) and match(message):
                     return message
 
-    async def sync(self, timeout: float) -> None:
-        """Flush stale replies and check that an agent answers (before ``execute_read``).
-
-        :raise NoGuestAgent: when no answer comes within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        ids: set[int] = set()
-
-        def ours(message: dict[str, Any]) -> bool:
-            answer = message.get("return")
-            return isinstance(answer, int) and answer in ids
-
-        while True:
-            ident = secrets.randbelow(2**31 - 1) + 1
-            ids.add(ident)
-            self._send({"execute": "guest-sync-delimited", "arguments": {"id": ident}}, reset=True)
-            wait = min(RESEND_S, deadline - time.monotonic())
-            try:
-                await self._reply(ours, max(wait, 0.0))
-                return
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise NoGuestAgent(f"no guest agent answered within {timeout:g} s") from None
-
     async def execute_read(self, command: str, arguments: dict[str, Any], read: asyncio.Event, *,
                            timeout: float) -> Any:
         """Run ``command``, set ``read`` once the agent has read it, and return its ``return`` value.
 
-        The agent answers a command only once it has run it; ``read`` comes sooner: a
-        ``guest-sync-delimited`` goes in the same write just before the command. One small write
-        is one chunk of QEMU's chardev read, one buffer of the guest's virtio-serial port and one
-        ``read()`` of the agent, which parses and dispatches in order: the sync's answer means the
-        command was read with it, and is run next, whatever the command's own answer waits for.
+        One write, one round trip: a 0xFF (resets the agent's parser after a half-written request
+        of an earlier client), a ``guest-sync-delimited`` and the command. The sync's answer
+        starts with the agent's own 0xFF, so whatever stale output the channel held before it is
+        dropped. The agent answers a command only once it has run it; ``read`` comes sooner: one
+        small write is one chunk of QEMU's chardev read, one buffer of the guest's virtio-serial
+        port and one ``read()`` of the agent, which parses and dispatches in order, so the sync's
+        answer means the command was read with it and is run next, whatever its own answer waits
+        for. Under TCG a restored guest retranslates its code, and each round trip costs ~0.1 s:
+        a separate sync first doubled the cost of setting a restored guest's clock.
 
+        :raise NoGuestAgent: nothing answered the sync within ``timeout`` (no agent reads the port).
         :raise GuestAgentError: the agent's error, or no answer within ``timeout``.
         """
         deadline = time.monotonic() + timeout
         sync_id = secrets.randbelow(2**31 - 1) + 1
         ident = f"vmsidecar-{secrets.token_hex(4)}"
-        self._writer.write(json.dumps({"execute": "guest-sync-delimited", "arguments": {"id": sync_id}}).encode()
+        self._writer.write(b"\xff" + json.dumps({"execute": "guest-sync-delimited", "arguments": {"id": sync_id}}).encode()
                            + b"\n" + json.dumps({"execute": command, "arguments": arguments, "id": ident}).encode()
                            + b"\n")
         try:
             await self._reply(lambda m: m.get("return") == sync_id, timeout)
         except TimeoutError:
-            raise NoAnswer(f"{command}: the agent did not read it within {timeout:g} s") from None
+            raise NoGuestAgent(f"{command}: no guest agent read it within {timeout:g} s") from None
         read.set()
         try:
             reply = await self._reply(lambda m: m.get("id") == ident, max(deadline - time.monotonic(), 0.0))
@@ -170,7 +145,6 @@ async def _set_time(path: Path, timeout: float, read: asyncio.Event) -> None:
     deadline = time.monotonic() + timeout
     agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
     async with agent:
-        await agent.sync(max(deadline - time.monotonic(), 0.0))
         await agent.execute_read("guest-set-time", {"time": time.time_ns()}, read,
                                  timeout=max(deadline - time.monotonic(), 0.0))
 
