@@ -16,9 +16,8 @@ the steps it decides on. The rules:
 - **Form** (``snapshots.py``): templated unless the spec or the runtime rules it out (the reason
   is ``info.form_reason``). A cold boot that is to capture a templated snapshot runs with its RAM
   in a file of the capture's staging directory, so the capture writes device state only.
-- **Clock** (``guest_clock.py``): the capture records whether the guest holds the guest agent's
-  port open (the backend sees the guest open it: no wait); every restore of a snapshot with an
-  agent sets the guest's clock to the host's through it before Ready.
+- **Clock** (``guest_clock.py``): the capture records whether the guest held the agent's port open;
+  every restore of a snapshot with an agent sets the guest's clock to the host's before Ready.
 """
 
 from __future__ import annotations
@@ -156,9 +155,8 @@ class SnapshotOps:
         return key
 
     async def cold_ram(self) -> RamFile | None:
-        """Before a cold boot: the RAM file it runs on, when it is to capture a templated snapshot
-        (in the capture's staging directory, shared: the capture then writes device state only);
-        None: anonymous RAM. Drops an earlier cold boot's staging that was never captured."""
+        """Before a cold boot that captures a templated snapshot: its RAM file (shared, in the staging
+        directory), else None. Drops an earlier cold boot's staging that was never captured."""
         await self.drop_staging()
         if self._capture_key is None or self._form != TEMPLATED:
             return None
