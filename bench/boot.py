@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from trees import tree_pythonpath, with_pythonpath  # bench/ is no package
 
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
@@ -28,10 +29,7 @@ def _tree_env(tree: Path | None) -> dict[str, str] | None:
     """The environment that makes the runtime that of ``tree`` (None: this checkout's)."""
     if tree is None:
         return None
-    env = clean_environ()
-    src = os.pathsep.join(str(tree / d / "src") for d in ("runtime", "contract"))
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    return with_pythonpath(clean_environ(), tree_pythonpath(tree))
 
 
 async def _serve_until_ready(work: Path, spec: dict, cache: Path,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshot import MARKER, loadavg, resolve_guest  # bench/snapshot.py: the guests and their spec
+from trees import with_pythonpath
 
 BIN = Path(sys.executable).parent
 #: what the python client inside the shell runs: per-call medians in ms, as JSON on stdout
@@ -112,9 +113,7 @@ class Tree:
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JMP_", "JUMPSTARTER_"))}
         env["PATH"] = f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}"
-        if self.pythonpath:
-            env["PYTHONPATH"] = self.pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        return env | extra
+        return with_pythonpath(env, self.pythonpath) | extra
 
     def add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshot import MARKER, Guest, loadavg, resolve_guest  # bench/snapshot.py: the guests and their spec
+from trees import tree_pythonpath, with_pythonpath
 
 from vmsidecar_contract.blocking import BlockingRuntimeClient, RuntimeUnavailableError
 
@@ -61,10 +62,7 @@ class Tree:
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.pythonpath:
-            env["PYTHONPATH"] = self.pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        return env
+        return with_pythonpath(dict(os.environ), self.pythonpath)
 
     def median(self, key: str) -> float | None:
         values = self.samples.get(key)
@@ -181,7 +179,7 @@ def main() -> int:
         trees = []
         if args.before:
             src = args.before.resolve()
-            trees.append(Tree("before", os.pathsep.join(str(src / d / "src") for d in ("runtime", "contract")),
+            trees.append(Tree("before", tree_pythonpath(src),
                               work / "cache-before"))
         trees.append(Tree("after" if args.before else "this", None, work / "cache-this"))
         print(f"load average at start: {loadavg()}", flush=True)
