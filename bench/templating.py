@@ -1,6 +1,6 @@
 """Templated vs full-stream snapshots (issue 23), side by side, tiny and Debian guests.
 
-    uv run python bench/templating.py [--runs 3] [--instances 3] [--guest tiny] [--guest debian]
+    uv run python bench/templating.py [--runs 3] [--instances 3] [--guest tiny] [--guest debian] [--tb-size MiB]
 
 Per guest, the two forms interleaved run by run (``VMSIDECAR_SNAPSHOT_FORM``), each run on a fresh
 cache of its own:
@@ -90,9 +90,11 @@ async def _first_answer(console: Path, started: float, timeout: float) -> float:
         await con.close()
 
 
-async def one_run(guest: Guest, form: str, instances: int, work: Path) -> dict[str, float]:
+async def one_run(guest: Guest, form: str, instances: int, work: Path, tb_size: int | None) -> dict[str, float]:
     cache = work / "cache"
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
+    if tb_size is not None:  # TCG's translation cache: private to each QEMU, and KVM has none
+        env["VMSIDECAR_TCG_TB_SIZE"] = str(tb_size)
     spec = {"image": f"file:{guest.disk}", "memory": guest.memory}
     started = time.monotonic()
     runtimes = [RuntimeProcess.start(work / "rt0", spec=spec, cache=cache, env=env)]
@@ -134,12 +136,13 @@ async def main_async(args: argparse.Namespace) -> int:
         for run in range(args.runs):
             for form in FORMS:
                 with tempfile.TemporaryDirectory(prefix="templating-") as work:
-                    result = await one_run(guest, form, args.instances, Path(work))
+                    result = await one_run(guest, form, args.instances, Path(work), args.tb_size)
                 print(f"{guest.name} run {run + 1} {form}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()),
                       flush=True)
                 for key, value in result.items():
                     samples.setdefault((guest.name, form, key), []).append(value)
-    print(f"\nmedians over {args.runs} run(s), {args.instances} instances, load {os.getloadavg()[0]:.1f} at the end")
+    print(f"\nmedians over {args.runs} run(s), {args.instances} instances, load {os.getloadavg()[0]:.1f} at the end"
+          + (f", TCG tb-size {args.tb_size} MiB" if args.tb_size is not None else ""))
     print(f"{'guest':<8}{'leg':<46}{'templated':>11}{'stream':>11}{'ratio':>8}")
     for guest in guests:
         for key, label in LEGS:
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--guest", action="append", choices=["tiny", "debian"])
+    parser.add_argument("--tb-size", type=int, help="TCG translation cache, MiB (VMSIDECAR_TCG_TB_SIZE; default the runtime's)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 
