@@ -103,19 +103,24 @@ def stage_tools(pins: list[Pin], deb_arch: str, binaries: list[str], *, versions
     return {"tools": sorted(Path(b).name for b in binaries), "tool_libraries": sorted(libs), "interpreters": sorted(interps)}
 
 
+def linux_source_tarball(pin: Pin, *, versions_file: Path, dest: Path) -> Path:
+    """The ``linux-source-*.tar.*`` of the pinned ``linux-source`` package, extracted under ``dest``."""
+    deb = debs.fetch(pin, "all", versions_file=versions_file)
+    debs.extract(deb, dest)
+    tarballs = sorted((dest / "usr" / "src").glob("linux-source-*.tar.*"))
+    if not tarballs:
+        raise BuildError(f"{deb.name} holds no usr/src/linux-source-*.tar.*; check the module_build source pin")
+    return tarballs[0]
+
+
 def _kernel_source_file(pin: Pin, member: str, *, versions_file: Path, work: Path) -> Path:
     """One file of the linux-source tarball, cached next to the .debs (the tarball is ~140 MB of xz)."""
     cache = debs.cache_home() / "src" / f"{pin.package}_{pin.version.replace(':', '%3a')}" / member
     if cache.is_file():
         return cache
-    deb = debs.fetch(pin, "all", versions_file=versions_file)
     tree = work / "linux-source"
-    tree.mkdir(parents=True, exist_ok=True)
-    debs.run(["dpkg-deb", "-x", str(deb), str(tree)], what=f"extract {deb.name}")
-    tarballs = sorted((tree / "usr" / "src").glob("linux-source-*.tar.*"))
-    if not tarballs:
-        raise BuildError(f"{deb.name} holds no usr/src/linux-source-*.tar.*; check the module_build source pin")
-    with tarfile.open(tarballs[0]) as tar:
+    tarball = linux_source_tarball(pin, versions_file=versions_file, dest=tree)
+    with tarfile.open(tarball) as tar:
         for info in tar:
             if info.isfile() and info.name.split("/", 1)[-1] == member:
                 fh = tar.extractfile(info)
@@ -126,7 +131,7 @@ def _kernel_source_file(pin: Pin, member: str, *, versions_file: Path, work: Pat
                 os.replace(tmp, cache)
                 break
         else:
-            raise BuildError(f"{tarballs[0].name} has no {member}; check module_build sources in recipe.toml")
+            raise BuildError(f"{tarball.name} has no {member}; check module_build sources in recipe.toml")
     shutil.rmtree(tree, ignore_errors=True)
     return cache
 

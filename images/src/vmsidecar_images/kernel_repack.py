@@ -20,11 +20,10 @@ import os
 import re
 import shutil
 import struct
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import debs
+from . import debs, extras
 from .errors import BuildError
 from .recipe import Pin
 
@@ -153,18 +152,11 @@ def _version(data: bytes) -> str:
 
 def _source_tree(pin: Pin, *, versions_file: Path, work: Path) -> Path:
     """The whole linux-source tree of ``pin`` under ``work`` (~1.5 GB, removed after the build)."""
-    deb = debs.fetch(pin, "all", versions_file=versions_file)
-    root = debs.extract(deb, work / "linux-source-deb")
-    tarballs = sorted((root / "usr" / "src").glob("linux-source-*.tar.*"))
-    if not tarballs:
-        raise BuildError(f"{deb.name} holds no usr/src/linux-source-*.tar.*; check the module_build source pin")
-    with tarfile.open(tarballs[0]) as tar:
-        top = tar.next()
-        if top is None:
-            raise BuildError(f"{tarballs[0].name} is empty")
-    debs.run(["tar", "-xaf", str(tarballs[0]), "-C", str(work)], what=f"extract {tarballs[0].name}")
-    shutil.rmtree(root, ignore_errors=True)
-    tree = work / top.name.split("/", 1)[0]
-    if not (tree / "arch" / "x86" / "boot").is_dir():
-        raise BuildError(f"{tarballs[0].name} has no arch/x86/boot")
-    return tree
+    deb_root = work / "linux-source-deb"
+    tarball = extras.linux_source_tarball(pin, versions_file=versions_file, dest=deb_root)
+    debs.run(["tar", "-xaf", str(tarball), "-C", str(work)], what=f"extract {tarball.name}")
+    shutil.rmtree(deb_root, ignore_errors=True)
+    trees = [p for p in work.iterdir() if (p / "arch" / "x86" / "boot").is_dir()]
+    if len(trees) != 1:
+        raise BuildError(f"{tarball.name} holds no single kernel tree with arch/x86/boot")
+    return trees[0]
