@@ -47,6 +47,8 @@ class RamFile:
 
     path: Path
     share: bool
+    #: a descriptor QEMU inherits and ``path`` names (``/proc/self/fd/N``: a capture's memfd)
+    fd: int | None = None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class QemuBackend:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
             die_with_parent=True,
+            pass_fds=(self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else (),
         )
         self._tasks = [
             asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..capture_ram import CaptureRam
 from ..snapshots import Snapshot
 
 
@@ -15,5 +16,7 @@ class Capture:
     staged: Snapshot
     guest_agent: bool
     started: float
+    #: the boot's RAM (a templated capture), copied into ``staged`` at the commit
+    ram: CaptureRam | None = None
     #: seconds from the start to the commit
     seconds: float = 0.0

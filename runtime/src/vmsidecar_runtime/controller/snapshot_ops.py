@@ -38,6 +38,7 @@ from vmsidecar_contract.state import SnapshotInfo
 from .. import metrics
 from ..backend import Backend
 from ..backend.factory import supports_snapshots
+from ..capture_ram import CaptureRam, copy_ram
 from ..disk import DiskImage
 from ..plan import RamFile
 from ..snapshot_identity import SnapshotIdentity, identify
@@ -80,6 +81,7 @@ class SnapshotOps:
         self._form = TEMPLATED
         #: the staging directory whose ``ram`` the current cold boot runs on (a templated capture)
         self._staged: Snapshot | None = None
+        self._ram: CaptureRam | None = None  # the staged capture's RAM while its cold boot runs
 
     def _why(self, reason: str) -> None:
         self.info = self.info.model_copy(update={"reason": reason})
@@ -161,18 +163,26 @@ class SnapshotOps:
         if self._capture_key is None or self._form != TEMPLATED:
             return None
         self._staged = await asyncio.to_thread(self._store.staging, self._capture_key)
-        return RamFile(self._staged.ram, share=True)
+        self._ram = CaptureRam(f"vmsidecar-ram-{self._capture_key}")
+        return RamFile(self._ram.qemu_path, share=True, fd=self._ram.fd)
 
     async def drop_staging(self) -> None:
         """Remove the staging directory of a capture that will not happen (the boot running on its
-        RAM file keeps its mapping: the file goes when that QEMU ends)."""
+        RAM keeps its mapping: the memory goes when that QEMU ends)."""
         staged, self._staged = self._staged, None
+        self._close_ram()
         if staged is not None:
             await self._store.discard(staged)
 
+    def _close_ram(self) -> None:
+        ram, self._ram = self._ram, None
+        if ram is not None:
+            ram.close()
+
     def abandon_capture(self) -> None:
         staged, self._staged = self._staged, None
-        if staged is not None:  # the lease's guest keeps its mapping; the file goes when its QEMU ends
+        self._close_ram()  # the lease's guest keeps its mapping; the memory goes when its QEMU ends
+        if staged is not None:
             self._store.discard_now(staged)
         self._why("a lease was handed out before this boot was Ready, so it is not captured (the lease may "
                   "have changed the guest); the next pristine boot, after the lease's recycle, captures it")
@@ -255,11 +265,14 @@ class SnapshotOps:
         agent = backend.guest_agent_open
         log.info("guest agent at capture: %s", "port open" if agent else "none")
         staged, self._staged = self._staged, None
+        ram, self._ram = self._ram, None
         if staged is None:  # a full-stream capture: its staging directory is made now
             staged = self._store.staging(key)
         try:
             await backend.save_state(staged.memory)
         except HostError as e:
+            if ram is not None:
+                ram.close()
             await self._store.discard(staged)
             self._uncapturable[key] = f"QEMU cannot snapshot this guest: {e.message}"
             self._why(self._uncapturable[key])
@@ -267,22 +280,26 @@ class SnapshotOps:
             if backend.alive:
                 await backend.resume()
             return None
-        return Capture(key, staged, agent, started)
+        return Capture(key, staged, agent, started, ram)
 
     async def commit(self, capture: Capture, consoles: dict[str, bytes]) -> Snapshot | None:
         """With the backend stopped: freeze the overlay into the snapshot; None when it cannot be
         stored (recorded)."""
         staged = capture.staged
-        await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
         try:
+            await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
+            hashed = {"ram": await asyncio.to_thread(copy_ram, capture.ram, staged.ram)} if capture.ram else {}
             form = TEMPLATED if staged.ram.is_file() else STREAM
             snap = await asyncio.to_thread(self._store.commit, staged, capture.key, consoles,
-                                           SnapshotMeta(guest_agent=capture.guest_agent, form=form))
+                                           SnapshotMeta(guest_agent=capture.guest_agent, form=form), hashed)
         except HostError as e:
             await self._store.discard(staged)
             self._why(e.message)
             log.warning("no memory snapshot: %s", e.message)
             return None
+        finally:
+            if capture.ram is not None:
+                capture.ram.close()
         capture.seconds = round(time.monotonic() - capture.started, 3)
         metrics.snapshot_capture.observe(capture.seconds)
         log.info("memory snapshot %s captured in %.2f s (%d MB)", capture.key, capture.seconds, snap.size >> 20)
