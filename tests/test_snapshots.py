@@ -56,6 +56,19 @@ async def _probe(console_sock: Path) -> tuple[str, str]:
         await con.close()
 
 
+def _memfds(pid: int) -> list[str]:
+    """The memfds process ``pid`` holds (a capturing boot's RAM)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sorted(t for t in (_readlink(f) for f in fds.iterdir()) if t.startswith("/memfd:"))
+
+
+def _readlink(path: Path) -> str:
+    try:
+        return str(path.readlink())
+    except OSError:  # closed meanwhile
+        return ""
+
+
 async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
     started = time.monotonic()
     await client.recycle()
@@ -155,6 +168,7 @@ async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image
     first = await start_runtime(spec, name="first")
     await first.client().wait_ready(240)
     assert (await first.client().state()).snapshot.available
+    assert _memfds(first.proc.pid) == [], "the capture's RAM (a memfd of the guest's size) was released"
     assert first.stop() == 0
     started = time.monotonic()
     second = await start_runtime(spec, name="second", wait=False)
@@ -282,9 +296,10 @@ async def test_console_keystrokes_typed_across_the_capture_all_reach_the_guest(s
 async def test_a_killed_runtimes_capture_staging_is_removed_and_a_live_ones_is_kept(
     start_runtime: Any, tiny_image: Any, image_cache: Path
 ) -> None:
-    """A cold boot that is to capture a templated snapshot runs with its RAM in a staging directory
-    of the cache. A runtime SIGKILLed mid-boot leaves that directory (the guest's RAM) behind: the
-    next runtime on the cache removes it, and leaves alone the staging of a runtime still alive."""
+    """A cold boot that is to capture a templated snapshot has a staging directory in the cache, and
+    its RAM is memory (a memfd QEMU maps), not a file there: the guest's page faults never write
+    to the cache's disk. A runtime SIGKILLed mid-boot leaves that directory behind: the next
+    runtime on the cache removes it, and leaves alone the staging of a runtime still alive."""
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M",
             "readiness": {"pattern": "NEVER-PRINTED", "timeout": 300}}  # stays Running: its capture pends
     snapshots = image_cache / "snapshots"
@@ -295,7 +310,9 @@ async def test_a_killed_runtimes_capture_staging_is_removed_and_a_live_ones_is_k
     killed = await start_runtime(spec, name="killed")
     await wait_phase(killed.client(), "Running", timeout=120)
     left = staging()
-    assert len(left) == 1 and (snapshots / next(iter(left)) / "ram").is_file(), left
+    assert len(left) == 1, left
+    assert list((snapshots / next(iter(left))).iterdir()) == [], "the booting guest's RAM is not on the cache's disk"
+    assert _memfds(killed.proc.pid) == ["/memfd:vmsidecar-ram-" + next(iter(left)).split("-")[1] + " (deleted)"]
     killed.stop(signal.SIGKILL)
     await wait_until_async(lambda: not qemu_pids(str(killed.state)), 30, "the killed runtime's QEMU to end")
 
