@@ -40,8 +40,9 @@ class Firmware:
 class RamFile:
     """Guest RAM in a file: a templated snapshot's RAM (``snapshots.py``).
 
-    The boot that captures maps it shared (``share``): the guest's RAM is the file, so the capture
-    writes only device state. A restore maps it privately (copy-on-write): the guest's writes stay
+    The boot that captures maps it shared (``share``; a memfd, ``capture_ram.py``), so the capture
+    writes only device state and copies the RAM into the snapshot. A restore maps the snapshot's
+    file privately (copy-on-write): the guest's writes stay
     in its own pages and never reach the file, which every restore of the snapshot maps.
     """
 

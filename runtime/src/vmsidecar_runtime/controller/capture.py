@@ -20,3 +20,11 @@ class Capture:
     ram: CaptureRam | None = None
     #: seconds from the start to the commit
     seconds: float = 0.0
+
+
+@dataclass
+class Staging:
+    """A templated capture made ready before its cold boot: where it is committed, the boot's RAM."""
+
+    snap: Snapshot
+    ram: CaptureRam

@@ -14,8 +14,8 @@ the steps it decides on. The rules:
   paused, its state written, QEMU stopped, the overlay frozen into the snapshot; the same boot
   continues from it, which proves it loads. Consoles keep their clients and scrollback.
 - **Form** (``snapshots.py``): templated unless the spec or the runtime rules it out (the reason
-  is ``info.form_reason``). A cold boot that is to capture a templated snapshot runs with its RAM
-  in a file of the capture's staging directory, so the capture writes device state only.
+  is ``info.form_reason``). A cold boot that is to capture a templated snapshot runs on a shared
+  memfd (``capture_ram.py``): the capture writes device state and copies that RAM into the snapshot.
 - **Clock** (``guest_clock.py``): the capture records whether the guest held the agent's port open;
   every restore of a snapshot with an agent sets the guest's clock to the host's before Ready.
 """
@@ -43,7 +43,7 @@ from ..disk import DiskImage
 from ..plan import RamFile
 from ..snapshot_identity import SnapshotIdentity, identify
 from ..snapshots import STREAM, TEMPLATED, Snapshot, SnapshotMeta, SnapshotStore, snapshot_form
-from .capture import Capture
+from .capture import Capture, Staging
 from .disks import Disks
 from .guest_clock import correct_clock
 from .paths import RuntimePaths
@@ -79,9 +79,8 @@ class SnapshotOps:
         self.source = SourceFetch(self._store, backend_supports_snapshots)
         #: the form the current boot's snapshot takes
         self._form = TEMPLATED
-        #: the staging directory whose ``ram`` the current cold boot runs on (a templated capture)
-        self._staged: Snapshot | None = None
-        self._ram: CaptureRam | None = None  # the staged capture's RAM while its cold boot runs
+        #: the staging directory the current cold boot is to be captured into (a templated capture)
+        self._staged: Staging | None = None
 
     def _why(self, reason: str) -> None:
         self.info = self.info.model_copy(update={"reason": reason})
@@ -162,28 +161,23 @@ class SnapshotOps:
         await self.drop_staging()
         if self._capture_key is None or self._form != TEMPLATED:
             return None
-        self._staged = await asyncio.to_thread(self._store.staging, self._capture_key)
-        self._ram = CaptureRam(f"vmsidecar-ram-{self._capture_key}")
-        return RamFile(self._ram.qemu_path, share=True, fd=self._ram.fd)
+        snap = await asyncio.to_thread(self._store.staging, self._capture_key)
+        self._staged = Staging(snap, CaptureRam(f"vmsidecar-ram-{self._capture_key}"))
+        return RamFile(self._staged.ram.qemu_path, share=True, fd=self._staged.ram.fd)
 
     async def drop_staging(self) -> None:
         """Remove the staging directory of a capture that will not happen (the boot running on its
         RAM keeps its mapping: the memory goes when that QEMU ends)."""
         staged, self._staged = self._staged, None
-        self._close_ram()
         if staged is not None:
-            await self._store.discard(staged)
-
-    def _close_ram(self) -> None:
-        ram, self._ram = self._ram, None
-        if ram is not None:
-            ram.close()
+            staged.ram.close()
+            await self._store.discard(staged.snap)
 
     def abandon_capture(self) -> None:
         staged, self._staged = self._staged, None
-        self._close_ram()  # the lease's guest keeps its mapping; the memory goes when its QEMU ends
-        if staged is not None:
-            self._store.discard_now(staged)
+        if staged is not None:  # the lease's guest keeps its mapping; the memory goes when its QEMU ends
+            staged.ram.close()
+            self._store.discard_now(staged.snap)
         self._why("a lease was handed out before this boot was Ready, so it is not captured (the lease may "
                   "have changed the guest); the next pristine boot, after the lease's recycle, captures it")
 
@@ -264,10 +258,9 @@ class SnapshotOps:
         # the guest opened the agent's port by now if it runs one: no probe, no wait
         agent = backend.guest_agent_open
         log.info("guest agent at capture: %s", "port open" if agent else "none")
-        staged, self._staged = self._staged, None
-        ram, self._ram = self._ram, None
-        if staged is None:  # a full-stream capture: its staging directory is made now
-            staged = self._store.staging(key)
+        prepared, self._staged = self._staged, None
+        staged = prepared.snap if prepared else self._store.staging(key)  # a full stream's is made now
+        ram = prepared.ram if prepared else None
         try:
             await backend.save_state(staged.memory)
         except HostError as e:
