@@ -9,7 +9,8 @@ boots. Measured with plain QEMU on the same disk, against anonymous RAM: the tin
 any filesystem's; QEMU maps it through ``/proc/self/fd/N`` (it inherits the descriptor), and at
 the capture the pages the guest touched are copied into the snapshot's RAM file (sparse: holes
 stay holes), ~0.1 s for the tiny guest's 140 MB. A full disk now fails the capture (no snapshot,
-the guest runs on) where the guest's own page faults used to hit it (SIGBUS in QEMU).
+the reason in ``snapshot.reason``, the guest boots again uncaptured) where the guest's own page
+faults used to hit it (SIGBUS in QEMU).
 """
 
 from __future__ import annotations

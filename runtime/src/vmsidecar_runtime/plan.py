@@ -42,8 +42,8 @@ class RamFile:
 
     The boot that captures maps it shared (``share``; a memfd, ``capture_ram.py``), so the capture
     writes only device state and copies the RAM into the snapshot. A restore maps the snapshot's
-    file privately (copy-on-write): the guest's writes stay
-    in its own pages and never reach the file, which every restore of the snapshot maps.
+    file privately (copy-on-write): the guest's writes stay in its own pages and never reach the
+    file, which every restore of the snapshot maps.
     """
 
     path: Path

@@ -156,8 +156,8 @@ class SnapshotOps:
         return key
 
     async def cold_ram(self) -> RamFile | None:
-        """Before a cold boot that captures a templated snapshot: its RAM file (shared, in the staging
-        directory), else None. Drops an earlier cold boot's staging that was never captured."""
+        """Before a cold boot that captures a templated snapshot: its RAM (a shared memfd, copied into the
+        staging directory at the capture), else None. Drops an earlier cold boot's uncaptured staging."""
         await self.drop_staging()
         if self._capture_key is None or self._form != TEMPLATED:
             return None
@@ -282,7 +282,7 @@ class SnapshotOps:
         try:
             await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
             hashed = {"ram": await asyncio.to_thread(copy_ram, capture.ram, staged.ram)} if capture.ram else {}
-            form = TEMPLATED if staged.ram.is_file() else STREAM
+            form = TEMPLATED if capture.ram else STREAM
             snap = await asyncio.to_thread(self._store.commit, staged, capture.key, consoles,
                                            SnapshotMeta(guest_agent=capture.guest_agent, form=form), hashed)
         except HostError as e:
