@@ -4,12 +4,17 @@ reach the guest side, a stalled reader is dropped instead of stalling the guest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import stat
 from pathlib import Path
 
 from fixtures.waiting import wait_until_async
 from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub, RotatingByteLog
+from vmsidecar_runtime.stream_pipes import BUS_PIPE_BYTES, StreamPipes
+
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 class FakeChardev:
@@ -33,6 +38,15 @@ class FakeChardev:
     def emit(self, data: bytes) -> None:
         assert self.writer is not None
         self.writer.write(data)
+
+
+def _descriptors_on(targets: list[str]) -> list[int]:
+    """How many of this process's descriptors point at each of ``targets`` (``pipe:[inode]``)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed by now
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [found.count(target) for target in targets]
 
 
 async def _read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
@@ -76,6 +90,66 @@ async def test_scrollback_fanout_and_input(tmp_path: Path) -> None:
         w.close()
     await hub.close()
     assert not hub.listen_path.exists()
+
+
+async def test_a_stream_on_pipes_holds_a_backlog_counts_unread_input_and_ends_with_its_process(tmp_path: Path) -> None:
+    """The QEMU backend's virtio consoles: the hub on the runtime's ends of real pipes, the test on
+    the ends a QEMU process inherits (``stream_pipes``)."""
+    pipes = StreamPipes(lambda name: tmp_path / name, {"can-can0": BUS_PIPE_BYTES})
+    assert [os.readlink(tmp_path / f"can-can0.{x}") for x in ("in", "out")] == [f"/proc/self/fd/{fd}" for fd in pipes.qemu_fds]
+    qemu_reads, qemu_writes = (os.dup(fd) for fd in pipes.qemu_fds)  # what the QEMU process inherits
+    pipes.spawned()  # the runtime drops its copies of QEMU's ends
+    # 1 MiB, not 64 KiB: what a runtime without CPU for a while lets pile up (~40,000 SLCAN frames)
+    assert fcntl.fcntl(qemu_writes, F_GETPIPE_SZ) == BUS_PIPE_BYTES
+    frame = b"t12380011223344556677\r"
+    backlog = frame * (BUS_PIPE_BYTES // len(frame) - 1)
+    os.set_blocking(qemu_writes, False)
+    assert os.write(qemu_writes, backlog) == len(backlog)  # all of it, before anyone reads
+    pipe = pipes.take("can-can0")
+    assert pipe is not None and pipes.take("can-can0") is None
+    targets = [os.readlink(f"/proc/self/fd/{fd}") for fd in (pipe.output, pipe.input)]
+    assert _descriptors_on(targets) == [2, 2]  # QEMU's and the runtime's ends
+    hub = ConsoleHub("can-can0", tmp_path / "shared" / "can0.sock", replay=False)
+    await hub.listen()
+    reader, writer = await asyncio.open_unix_connection(str(hub.listen_path))
+    await hub.attach(pipe)
+    got = b""
+    while len(got) < len(backlog):
+        got += await asyncio.wait_for(reader.read(65536), 5)
+    assert got == backlog
+
+    writer.write(b"t4560\r")
+    await writer.drain()
+    await wait_until_async(lambda: hub._unread_input() == 6, 5, "the input to wait in the pipe")
+    assert not await hub.input_consumed(0.05)  # "QEMU" has not read it
+    assert os.read(qemu_reads, 64) == b"t4560\r"
+    assert await hub.input_consumed(1)
+
+    os.write(qemu_writes, b"last words\r")
+    pipes.close()
+    assert not (tmp_path / "can-can0.in").exists() and not (tmp_path / "can-can0.out").exists()
+    os.close(qemu_reads)  # QEMU exits: the hub reads to the end and stops at EOF, not after a timeout
+    os.close(qemu_writes)
+    started = asyncio.get_running_loop().time()
+    await hub.detach(read_to_end=5)
+    assert asyncio.get_running_loop().time() - started < 1
+    assert (await _read_until(reader, b"last words")).endswith(b"last words\r")
+    await wait_until_async(lambda: _descriptors_on(targets) == [0, 0], 2, "the hub to close the runtime's ends")
+
+    # a process that lives on (the hub detached first): the hub closes the runtime's ends all the same
+    pipes = StreamPipes(lambda name: tmp_path / name, {"can-can0": BUS_PIPE_BYTES})
+    live = [os.dup(fd) for fd in pipes.qemu_fds]
+    pipes.spawned()
+    pipe = pipes.take("can-can0")
+    assert pipe is not None
+    targets = [os.readlink(f"/proc/self/fd/{fd}") for fd in (pipe.output, pipe.input)]
+    await hub.attach(pipe)
+    await hub.detach()
+    await wait_until_async(lambda: _descriptors_on(targets) == [1, 1], 2, "the hub to close the runtime's ends")
+    for fd in live:
+        os.close(fd)
+    writer.close()
+    await hub.close()
 
 
 async def test_stalled_reader_is_dropped_and_guest_keeps_flowing(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
 """Console hub: one guest byte stream, drained always, ring-buffered, fanned out to many readers.
 
-QEMU serves each console on a private socket; the hub connects to it while the guest is still
-paused (``-S``), so the scrollback holds every byte from the first one. Clients of the shared
-socket get the scrollback, then live output; whatever they write goes to the guest. A reader
-that stops reading is dropped rather than allowed to stall the guest: QEMU blocks a vCPU when
-its chardev cannot write.
+The backend serves each stream on a private socket, or on pipes (the QEMU backend's virtio
+consoles, ``stream_pipes.py``); the hub attaches while the guest is still paused (``-S``), so the
+scrollback holds every byte from the first one. Clients of the shared socket get the scrollback,
+then live output; whatever they write goes to the guest. A reader that stops reading is dropped
+rather than allowed to stall the guest: QEMU blocks a vCPU when its serial port's chardev cannot
+write.
 
 When the guest moves to a new backend process (a capture continues the boot from the snapshot
 just taken), the hub holds the clients' input and lets the old process read what it was sent
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from . import metrics
 from .perms import share
+from .stream_pipes import StreamPipe
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,34 @@ class _ClientQueue(asyncio.Queue[bytes | None]):
         self.pending -= len(data)
 
 
+async def _connect(path: Path, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            return await asyncio.open_unix_connection(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            if loop.time() > deadline:
+                raise TimeoutError(f"console socket {path} did not accept within {timeout} s") from None
+            await asyncio.sleep(0.02)
+
+
+async def _open_pipes(pipe: StreamPipe) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.BaseTransport]:
+    """A stream reader on the guest's output pipe, a stream writer on its input pipe, and the
+    output's transport (the writer closes only the input)."""
+    loop = asyncio.get_running_loop()
+    output, input_ = open(pipe.output, "rb", buffering=0), open(pipe.input, "wb", buffering=0)  # noqa: SIM115
+    try:
+        reader = asyncio.StreamReader()
+        output_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), output)
+        input_transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, input_)
+    except BaseException:
+        output.close()
+        input_.close()
+        raise
+    return reader, asyncio.StreamWriter(input_transport, protocol, None, loop), output_transport
+
+
 def _end_queue(queue: asyncio.Queue[bytes | None]) -> None:
     """Replace whatever a client has not read yet with the end marker: its pump stops at once."""
     while not queue.empty():
@@ -116,6 +146,8 @@ class ConsoleHub:
         self._watchers: set[Callable[[bytes], None]] = set()
         self._server: asyncio.Server | None = None
         self._upstream: asyncio.StreamWriter | None = None
+        #: the output pipe's transport when the backend serves this stream through pipes
+        self._upstream_output: asyncio.BaseTransport | None = None
         #: client input waiting for the next backend process (``hold_input``), else None
         self._held: bytearray | None = None
         self._drain_task: asyncio.Task[None] | None = None
@@ -170,22 +202,17 @@ class ConsoleHub:
             writer.close()
 
     # ---- the guest side ------------------------------------------------------------------
-    async def attach(self, upstream_path: Path, *, timeout: float = 10.0) -> None:
-        """Connect to the backend's socket for this stream and start draining it.
+    async def attach(self, upstream: Path | StreamPipe, *, timeout: float = 10.0) -> None:
+        """Start draining the backend's end of this stream: its socket (connected, retried until
+        ``timeout``), or the runtime's ends of its pipes (closed by this hub from now on).
 
         :raise TimeoutError: when the socket does not accept within ``timeout``.
         """
         await self.detach()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                reader, writer = await asyncio.open_unix_connection(str(upstream_path))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if loop.time() > deadline:
-                    raise TimeoutError(f"console socket {upstream_path} did not accept within {timeout} s") from None
-                await asyncio.sleep(0.02)
+        if isinstance(upstream, StreamPipe):
+            reader, writer, self._upstream_output = await _open_pipes(upstream)
+        else:
+            reader, writer = await _connect(upstream, timeout)
         self._upstream = writer
         self._drain_task = asyncio.create_task(self._drain(reader), name=f"drain-{self.name}")
 
@@ -245,14 +272,17 @@ class ConsoleHub:
         return True
 
     def _unread_input(self) -> int:
-        """Bytes sent to the backend that it has not read: our buffer, then the socket's send queue."""
+        """Bytes sent to the backend that it has not read: our buffer, then the socket's send queue
+        or the pipe's content."""
         writer = self._upstream
         if writer is None or writer.is_closing():
             return 0
         unread = writer.transport.get_write_buffer_size()
-        sock = writer.get_extra_info("socket")
+        sock, pipe = writer.get_extra_info("socket"), writer.get_extra_info("pipe")
         if sock is not None:  # a Unix stream socket's send queue holds what the peer has not read
             unread += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        elif pipe is not None:
+            unread += struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
         return unread
 
     def release_input(self) -> None:
@@ -275,6 +305,9 @@ class ConsoleHub:
         if self._upstream is not None:
             self._upstream.close()
             self._upstream = None
+        if self._upstream_output is not None:
+            self._upstream_output.close()
+            self._upstream_output = None
 
     # ---- scrollback and watchers ---------------------------------------------------------
     def tail(self, nbytes: int = 2048) -> str:

@@ -82,6 +82,11 @@ class BootPlan:
         """Socket QEMU serves a console or channel on; the runtime re-serves it on the shared dir."""
         return self.run_dir / f"{name}.sock"
 
+    def stream_pipe(self, name: str) -> Path:
+        """``path=`` of the pipe chardev QEMU serves a virtio console port on (it opens ``.in`` and
+        ``.out``; ``stream_pipes.py``)."""
+        return self.run_dir / name
+
     @property
     def guest_agent_socket(self) -> Path:
         """Socket of the guest agent's port: private to the runtime (never in the shared dir, so a

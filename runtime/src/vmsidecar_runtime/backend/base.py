@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vmsidecar_contract.state import ExitInfo
 
     from ..plan import BootPlan
+    from ..stream_pipes import StreamPipe
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,11 @@ class Backend(Protocol):
 
         :raise HostError: when the hypervisor cannot start it.
         """
+
+    def upstream(self, name: str) -> Path | StreamPipe:
+        """Where the runtime reads and writes the guest's stream ``name`` (after ``launch``): the
+        backend's private socket, or the runtime's ends of pipes, which the caller then owns."""
+        ...
 
     async def resume(self) -> None:
         """Let the guest's CPUs run."""

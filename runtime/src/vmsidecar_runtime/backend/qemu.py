@@ -24,10 +24,11 @@ from vmsidecar_contract.state import ExitInfo
 
 from ..plan import BootPlan
 from ..procs import spawn
+from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink
 from .common import emulator_path
 from .netguard import NetGuard, guarded
-from .qemu_argv import GUEST_AGENT_PORT_ID, build_argv
+from .qemu_argv import GUEST_AGENT_PORT_ID, build_argv, piped_streams
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class QemuBackend:
         self._guard: NetGuard | None = None
         #: the guest holds the guest agent's port open (QMP VSERPORT_CHANGE): an agent runs
         self.guest_agent_open = False
+        #: this process's virtio console pipes, until the hubs take the runtime's ends
+        self._pipes: StreamPipes | None = None
 
     # ---- launch --------------------------------------------------------------------------
     async def launch(self, *, qmp_timeout: float = 30.0) -> None:
@@ -103,26 +106,40 @@ class QemuBackend:
         emulator_path(self.plan.spec.arch)  # fail early, naming the package, when QEMU is missing
         argv = build_argv(self.plan)
         log.info("starting %s", " ".join(argv))
-        self._proc = await spawn(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
-            die_with_parent=True,
-            pass_fds=(self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else (),
-        )
+        self._pipes = StreamPipes(self.plan.stream_pipe, piped_streams(self.plan.spec))
+        ram_fd = (self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else ()
+        try:
+            self._proc = await spawn(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
+                die_with_parent=True,
+                pass_fds=(*ram_fd, *self._pipes.qemu_fds),
+            )
+        except BaseException:
+            self._pipes.close()
+            raise
+        self._pipes.spawned()
         self._tasks = [
             asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
             asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr"),
             asyncio.create_task(self._watch_exit(), name="qemu-wait"),
         ]
         await self._connect_qmp(qmp_timeout)
+        self._pipes.opened()
         if guarded(self.plan):
             self._guard = NetGuard(self.plan)
             await self._guard.attach()
         if self.plan.incoming is not None:
             await self._restore(self.plan.incoming)
+
+    def upstream(self, name: str) -> Path | StreamPipe:
+        """Where the runtime reads and writes stream ``name``: the runtime's ends of its pipes (the
+        caller owns them from now on), or QEMU's socket."""
+        pipe = self._pipes.take(name) if self._pipes is not None else None
+        return pipe if pipe is not None else self.plan.console_socket(name)
 
     async def _collect(self, stream: asyncio.StreamReader | None) -> None:
         assert stream is not None
@@ -316,7 +333,11 @@ class QemuBackend:
             await self.wait_exit(10)
 
     async def close(self) -> None:
-        """Drop the QMP connection, the NIC's filter and helper tasks (the process must be gone)."""
+        """Drop the QMP connection, the NIC's filter, the pipes nobody took and helper tasks (the
+        process must be gone)."""
+        if self._pipes is not None:
+            self._pipes.close()
+            self._pipes = None
         if self._guard is not None:
             await self._guard.close()
             self._guard = None

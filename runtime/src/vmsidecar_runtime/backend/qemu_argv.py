@@ -6,7 +6,10 @@ validated spec or from paths and ports the runtime resolved itself.
 
 from __future__ import annotations
 
+from vmsidecar_contract.spec import VmSpec
+
 from ..plan import GUEST_AGENT_PORT, SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
+from ..stream_pipes import BUS_PIPE_BYTES
 from . import netguard
 from .common import MACHINE, accel_option, effective_cpu, qemu_binary, user_netdev
 
@@ -97,22 +100,35 @@ def _boot(plan: BootPlan) -> list[str]:
     return argv
 
 
+def _console_ports(spec: VmSpec) -> list[tuple[str, str]]:
+    """(stream, port name) of every virtio *console* port: ttys in the guest."""
+    ports = [(VIRTIO_CONSOLE, "console.0")] if spec.virtio_console else []
+    # CAN buses ride on virtio consoles, so slcand can attach a line discipline. The port name
+    # tells the guest the bus (= interface name) and bitrate: can.<bus>.<bitrate>.
+    return ports + [(can_stream(c.name), f"can.{c.name}.{c.bitrate}") for c in spec.can if c.mode == "slcan"]
+
+
+def piped_streams(spec: VmSpec) -> dict[str, int | None]:
+    """The streams QEMU serves through pipes, not sockets: its virtio consoles, whose output QEMU
+    drops when the chardev is full (``stream_pipes.py``); each with the size of its output pipe
+    (a CAN bus's holds ~40,000 frames, the console's the kernel's default 64 KiB of text)."""
+    return {stream: BUS_PIPE_BYTES if stream != VIRTIO_CONSOLE else None for stream, _ in _console_ports(spec)}
+
+
 def _streams(plan: BootPlan) -> list[str]:
     spec = plan.spec
     argv = [*_chardev(plan, "ser0", SERIAL), "-serial", "chardev:ser0"]
-    virtio_ports = []
-    if spec.virtio_console:
-        virtio_ports.append(("virtconsole", VIRTIO_CONSOLE, "console.0"))
-    # CAN buses ride on virtio *consoles* (ttys in the guest), so slcand can attach a line discipline.
-    # The port name tells the guest the bus (= interface name) and bitrate: can.<bus>.<bitrate>.
-    virtio_ports += [("virtconsole", can_stream(c.name), f"can.{c.name}.{c.bitrate}") for c in spec.can if c.mode == "slcan"]
-    virtio_ports += [("virtserialport", channel_stream(c.name), c.name) for c in spec.channels]
     # Always present, whatever the spec: the guest agent's port needs it, and a snapshot restores
     # only into the argv it was captured with.
     argv += ["-device", f"virtio-serial-pci,id=vser0,max_ports={VIRTIO_SERIAL_PORTS}"]
-    for kind, stream, port_name in virtio_ports:
+    for stream, port_name in _console_ports(spec):
         ident = stream.replace("-", "_")
-        argv += [*_chardev(plan, ident, stream), "-device", f"{kind},chardev={ident},name={port_name}"]
+        argv += ["-chardev", f"pipe,id={ident},path={plan.stream_pipe(stream)}",
+                 "-device", f"virtconsole,chardev={ident},name={port_name}"]
+    for c in spec.channels:  # QEMU holds a virtserialport's guest while its socket is full: no loss
+        stream = channel_stream(c.name)
+        ident = stream.replace("-", "_")
+        argv += [*_chardev(plan, ident, stream), "-device", f"virtserialport,chardev={ident},name={c.name}"]
     return argv
 
 

@@ -146,7 +146,7 @@ class Machine:
                 log.warning("a forward's host port was taken before QEMU bound it; retrying on new ports")
                 await self.stop()
         assert self.backend is not None
-        await self._streams.attach(plan)
+        await self._streams.attach(plan, self.backend)
         await self.backend.resume()
 
     def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None, ram: RamFile | None,

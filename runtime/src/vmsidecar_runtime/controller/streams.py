@@ -7,6 +7,7 @@ import asyncio
 
 from vmsidecar_contract.spec import VmSpec
 
+from ..backend import Backend
 from ..console import ConsoleHub
 from ..devices.gpio import GpioDevice
 from ..plan import BootPlan, stream_names
@@ -59,15 +60,15 @@ class GuestStreams:
         if self.gpio is not None:
             await self.gpio.start_vhost(plan.gpio_socket)
 
-    async def attach(self, plan: BootPlan) -> None:
-        """Drain every stream from the backend's private sockets (the guest is still paused).
+    async def attach(self, plan: BootPlan, backend: Backend) -> None:
+        """Drain every stream from the backend (the guest is still paused).
 
         :raise TimeoutError: when a backend socket does not accept.
         """
         for name in plan.stream_names:
             hub = self.hubs.get(name)
             if hub is not None:
-                await hub.attach(plan.console_socket(name))
+                await hub.attach(backend.upstream(name))
 
     async def detach(self) -> None:
         """The backend is gone: read what it wrote to the end, stop draining; shared-dir clients stay

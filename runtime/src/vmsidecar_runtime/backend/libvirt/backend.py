@@ -92,6 +92,10 @@ class LibvirtBackend:
         return self._conn.uri if self._conn else None
 
     # ---- launch --------------------------------------------------------------------------
+    def upstream(self, name: str) -> Path:
+        """The domain's socket for stream ``name`` (libvirt renders every stream as a Unix socket)."""
+        return self.plan.console_socket(name)
+
     async def launch(self) -> None:
         """Create the domain paused.
 
