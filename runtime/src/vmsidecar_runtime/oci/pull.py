@@ -9,8 +9,10 @@ from pathlib import Path
 
 from vmsidecar_contract.arch import host_arch, normalize_arch
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, PlatformError
+from vmsidecar_runtime.image.checks import verdict
 from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits
 from vmsidecar_runtime.image.sniff import DiskFormat
+from vmsidecar_runtime.image.write import WrittenDisk
 
 from .cache import CacheEntry, DiskCache
 from .mediatypes import DISK_SUFFIXES, title_format
@@ -245,7 +247,7 @@ def _fetch_layer(
                 limits=limits,
             )
         _check_annotations(unpacked.digest, unpacked.size, layer, where)
-        cache.install(tmp, unpacked.digest, unpacked.format)
+        _install(cache, tmp, unpacked, limits)
     except ImageError as exc:
         tmp.unlink(missing_ok=True)
         exc.bytes_read = reader.count if reader else 0  # type: ignore[attr-defined]
@@ -254,6 +256,13 @@ def _fetch_layer(
         tmp.unlink(missing_ok=True)
         raise
     return _Fetched(unpacked.digest, unpacked.format, unpacked.size), reader.count
+
+
+def _install(cache: DiskCache, tmp: Path, unpacked: WrittenDisk, limits: Limits) -> None:
+    """Install a disk ``unpack_blob`` wrote and checked, recording that it passed the boot checks:
+    the runtime does not run qemu-img on the same bytes again before booting them."""
+    path = cache.install(tmp, unpacked.digest, unpacked.format)
+    cache.record_checks(path, verdict(unpacked.format, limits))
 
 
 def _check_annotations(digest: str, size: int, layer: DiskLayer, where: str) -> None:
@@ -326,7 +335,7 @@ def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None
                     f"disk file {path} changed while it was read; pull again once nothing writes to it",
                     code="file_changed",
                 )
-            cache.install(tmp, unpacked.digest, unpacked.format)
+            _install(cache, tmp, unpacked, limits)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
