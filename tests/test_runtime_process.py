@@ -5,6 +5,7 @@ without a spec (no guest boots): it waits until the API answers, names why a run
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from vmsidecar_contract.blocking import BlockingRuntimeClient
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError, clean_environ
+from vmsidecar_contract.state import Phase
 
 
 def test_waits_until_the_api_answers_then_stops_cleanly(tmp_path: Path) -> None:
@@ -48,3 +50,16 @@ async def test_a_spec_mapping_is_written_for_the_runtime(tmp_path: Path) -> None
         async with RuntimeClient(rt.socket) as client:
             served = await client.get_spec()
     assert served is not None and (served.image, served.memory) == (spec["image"], 64)  # MiB
+
+
+async def test_the_api_answers_while_the_boot_pull_hangs(tmp_path: Path) -> None:
+    """The API's modules load once the boot's pull is over (beside it, on one GIL, they slowed a cold
+    start's pull), but a pull that does not end must not keep the API down."""
+    # a registry that accepts and never answers: the pull gives up after 3 tries of 2.5 s (Error);
+    # the API must answer long before, while the phase is still Pulling
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        spec = {"image": f"127.0.0.1:{silent.getsockname()[1]}/vm:1"}
+        with RuntimeProcess.start(tmp_path / "rt", spec=spec, cache=tmp_path / "cache", env=clean_environ()) as rt:
+            await rt.wait_serving(timeout=20)
+            async with RuntimeClient(rt.socket) as client:
+                assert (await client.state()).phase == Phase.PULLING
