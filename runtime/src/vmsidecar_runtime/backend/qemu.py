@@ -72,6 +72,11 @@ def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[s
     return None
 
 
+def _log_late_failure(reply: asyncio.Future[Any]) -> None:
+    if not reply.cancelled() and (error := reply.exception()) is not None:
+        log.warning("QEMU answered cont with an error after it resumed the guest: %s", error)
+
+
 class QemuBackend:
     """Runs one QEMU process for one boot plan."""
 
@@ -289,8 +294,26 @@ class QemuBackend:
         return await self._qmp.execute(cmd, args or None)
 
     async def resume(self) -> None:
-        """Let the guest run (``cont``)."""
-        await self._execute("cont")
+        """Let the guest run (``cont``); over at QEMU's RESUME event.
+
+        QEMU sends RESUME as it starts the vCPUs, and the reply to ``cont`` only after its VM-state
+        handlers and a turn of its main loop: 25 ms later under TCG, a quarter of a recycle. An
+        error comes as the reply, before any RESUME; a reply that comes after RESUME is only logged.
+        """
+        if self._qmp is None:
+            raise HostError("QEMU is not running; power the VM on first")
+        listener = EventListener("RESUME")
+        with self._qmp.listen(listener):
+            reply = asyncio.ensure_future(self._qmp.execute("cont"))
+            resumed = asyncio.ensure_future(listener.get())
+            try:
+                await asyncio.wait({reply, resumed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                resumed.cancel()
+        if reply.done():
+            reply.result()  # the error QEMU refused cont with, if any
+        else:
+            reply.add_done_callback(_log_late_failure)
 
     async def powerdown(self) -> None:
         """Ask the guest to power off (ACPI power button; QEMU reports POWERDOWN)."""
