@@ -98,7 +98,7 @@ async def test_a_stream_on_pipes_holds_a_backlog_counts_unread_input_and_ends_wi
     pipes = StreamPipes(lambda name: tmp_path / name, {"can-can0": BUS_PIPE_BYTES})
     assert [os.readlink(tmp_path / f"can-can0.{x}") for x in ("in", "out")] == [f"/proc/self/fd/{fd}" for fd in pipes.qemu_fds]
     qemu_reads, qemu_writes = (os.dup(fd) for fd in pipes.qemu_fds)  # what the QEMU process inherits
-    pipes.spawned()  # the runtime drops its copies of QEMU's ends
+    pipes.close_qemu_ends()  # the runtime drops its copies of QEMU's ends
     # 1 MiB, not 64 KiB: what a runtime without CPU for a while lets pile up (~40,000 SLCAN frames)
     assert fcntl.fcntl(qemu_writes, F_GETPIPE_SZ) == BUS_PIPE_BYTES
     frame = b"t12380011223344556677\r"
@@ -139,7 +139,7 @@ async def test_a_stream_on_pipes_holds_a_backlog_counts_unread_input_and_ends_wi
     # a process that lives on (the hub detached first): the hub closes the runtime's ends all the same
     pipes = StreamPipes(lambda name: tmp_path / name, {"can-can0": BUS_PIPE_BYTES})
     live = [os.dup(fd) for fd in pipes.qemu_fds]
-    pipes.spawned()
+    pipes.close_qemu_ends()
     pipe = pipes.take("can-can0")
     assert pipe is not None
     targets = [os.readlink(f"/proc/self/fd/{fd}") for fd in (pipe.output, pipe.input)]

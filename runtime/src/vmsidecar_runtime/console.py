@@ -101,15 +101,16 @@ async def _open_pipes(pipe: StreamPipe) -> tuple[asyncio.StreamReader, asyncio.S
     """A stream reader on the guest's output pipe, a stream writer on its input pipe, and the
     output's transport (the writer closes only the input)."""
     loop = asyncio.get_running_loop()
-    output, input_ = open(pipe.output, "rb", buffering=0), open(pipe.input, "wb", buffering=0)  # noqa: SIM115
-    try:
-        reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader()
+    with contextlib.ExitStack() as undo:  # closes what no transport owns yet, should a step fail
+        output = undo.enter_context(open(pipe.output, "rb", buffering=0))
+        input_ = undo.enter_context(open(pipe.input, "wb", buffering=0))
         output_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), output)
+        undo.pop_all()
+        undo.callback(input_.close)
+        undo.callback(output_transport.close)
         input_transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, input_)
-    except BaseException:
-        output.close()
-        input_.close()
-        raise
+        undo.pop_all()
     return reader, asyncio.StreamWriter(input_transport, protocol, None, loop), output_transport
 
 

@@ -89,14 +89,14 @@ class StreamPipes:
         """The descriptors QEMU must inherit (``pass_fds``)."""
         return tuple(self._qemus)
 
-    def spawned(self) -> None:
-        """QEMU has its ends: drop ours of them, so the runtime reads EOF when QEMU is gone."""
+    def close_qemu_ends(self) -> None:
+        """QEMU has inherited its ends: drop ours of them, so the runtime reads EOF when QEMU is gone."""
         for fd in self._qemus:
             os.close(fd)
         self._qemus = []
 
-    def opened(self) -> None:
-        """QEMU has opened its chardevs: the symlinks have served."""
+    def remove_links(self) -> None:
+        """Remove the symlinks (they serve only while QEMU opens its chardevs)."""
         for name in self._names:
             for link in self._links(name):
                 link.unlink(missing_ok=True)
@@ -107,8 +107,8 @@ class StreamPipes:
 
     def close(self) -> None:
         """Close every end not taken, and the symlinks."""
-        self.opened()
-        self.spawned()
+        self.remove_links()
+        self.close_qemu_ends()
         for pipe in self._mine.values():
             for fd in (pipe.output, pipe.input):
                 with contextlib.suppress(OSError):

@@ -126,14 +126,14 @@ class QemuBackend:
         except BaseException:
             self._pipes.close()
             raise
-        self._pipes.spawned()
+        self._pipes.close_qemu_ends()
         self._tasks = [
             asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
             asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr"),
             asyncio.create_task(self._watch_exit(), name="qemu-wait"),
         ]
         await self._connect_qmp(qmp_timeout)
-        self._pipes.opened()
+        self._pipes.remove_links()  # QEMU has opened its chardevs
         if guarded(self.plan):
             self._guard = NetGuard(self.plan)
             await self._guard.attach()
