@@ -25,9 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from fixtures.events import collecting
 from fixtures.health import health_runtime, http_get
 from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry, auth_file
+from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import ImageError, StateError
+from vmsidecar_runtime.metrics import rss_bytes
 from vmsidecar_runtime.oci.cli import main as oci_main
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -112,6 +114,8 @@ async def test_a_lease_cycle_moves_every_counter_exactly_and_is_audited(
         state = await client.recycle(if_generation=1)
         assert state.phase.value == "Ready" and state.generation == 2
         after = scrape(port)
+        (qemu,) = qemu_pids(str(rt.state))
+        qemu_rss = rss_bytes(qemu)
     events = list(log)
 
     file_bytes, oci_bytes = await pulled_bytes(events)
@@ -148,7 +152,9 @@ async def test_a_lease_cycle_moves_every_counter_exactly_and_is_audited(
     assert after[key("vmsidecar_phase", phase="Ready")] == 1
     assert sum(v for k, v in after.items() if k[0] == "vmsidecar_phase") == 1
     assert after[key("vmsidecar_generation")] == 2
-    assert after[key("vmsidecar_qemu_resident_memory_bytes")] > 50 << 20  # a 256M guest, booted
+    # QEMU's own, not a figure of the runtime's: within a quarter of the VmRSS its /proc shows right
+    # after the scrape (a restored guest's RSS grows as it touches its pages: no fixed floor holds)
+    assert qemu_rss is not None and abs(after[key("vmsidecar_qemu_resident_memory_bytes")] - qemu_rss) < qemu_rss / 4
     assert after[key("vmsidecar_cache_size_bytes")] > before[key("vmsidecar_cache_size_bytes")]
 
     # the audit trail, line by line
