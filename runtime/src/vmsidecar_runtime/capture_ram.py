@@ -22,6 +22,7 @@ from pathlib import Path
 from vmsidecar_contract.errors import HostError
 
 from .oci.cache import stat_seal
+from .procs import inherited_path
 from .snapshots import RAM_DIGEST, hash_ram
 
 
@@ -35,7 +36,7 @@ class CaptureRam:
     def qemu_path(self) -> Path:
         """The path QEMU opens: its own copy of the descriptor (the same number: ``pass_fds``)."""
         assert self.fd is not None
-        return Path(f"/proc/self/fd/{self.fd}")
+        return inherited_path(self.fd)
 
     def copy_to(self, dest: Path) -> None:
         """Write the RAM into ``dest`` (a new file), the guest's untouched pages as holes.

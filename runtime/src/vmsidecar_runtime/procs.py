@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.errors import HostError
@@ -80,6 +81,12 @@ async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asy
 
     proc.wait = tracked_wait  # type: ignore[method-assign]
     return proc
+
+
+def inherited_path(fd: int) -> Path:
+    """The path a child given ``fd`` (``pass_fds``: the same number) opens it by: ``/proc/self`` is
+    the child when the child opens it (QEMU's memfd RAM, its console pipes)."""
+    return Path(f"/proc/self/fd/{fd}")
 
 
 def run(*argv: str) -> tuple[int, str, str]:

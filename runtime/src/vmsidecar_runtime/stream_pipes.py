@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .procs import inherited_path
+
 log = logging.getLogger(__name__)
 
 #: the size asked for a CAN bus's output pipe: the default fs.pipe-max-size, the most an
@@ -78,7 +80,7 @@ class StreamPipes:
                         "CPU is lost", name, size, e)
         for link, fd in zip(self._links(name), (qemu_reads, qemu_writes), strict=True):
             link.unlink(missing_ok=True)
-            link.symlink_to(f"/proc/self/fd/{fd}")  # /proc/self is QEMU when QEMU opens it
+            link.symlink_to(inherited_path(fd))
 
     def _links(self, name: str) -> tuple[Path, Path]:
         base = self.base(name)

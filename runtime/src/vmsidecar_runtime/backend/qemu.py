@@ -288,10 +288,13 @@ class QemuBackend:
                             capabilities=[{"capability": "x-ignore-shared", "state": True}])
 
     # ---- guest control -------------------------------------------------------------------
-    async def _execute(self, cmd: str, **args: Any) -> Any:
+    def _connected(self) -> QMPClient:
         if self._qmp is None:
             raise HostError("QEMU is not running; power the VM on first")
-        return await self._qmp.execute(cmd, args or None)
+        return self._qmp
+
+    async def _execute(self, cmd: str, **args: Any) -> Any:
+        return await self._connected().execute(cmd, args or None)
 
     async def resume(self) -> None:
         """Let the guest run (``cont``); over at QEMU's RESUME event.
@@ -300,11 +303,10 @@ class QemuBackend:
         handlers and a turn of its main loop: 25 ms later under TCG, a quarter of a recycle. An
         error comes as the reply, before any RESUME; a reply that comes after RESUME is only logged.
         """
-        if self._qmp is None:
-            raise HostError("QEMU is not running; power the VM on first")
+        qmp = self._connected()
         listener = EventListener("RESUME")
-        with self._qmp.listen(listener):
-            reply = asyncio.ensure_future(self._qmp.execute("cont"))
+        with qmp.listen(listener):
+            reply = asyncio.ensure_future(qmp.execute("cont"))
             resumed = asyncio.ensure_future(listener.get())
             try:
                 await asyncio.wait({reply, resumed}, return_when=asyncio.FIRST_COMPLETED)
