@@ -85,15 +85,24 @@ def test_the_oci_package_still_exports_its_functions() -> None:
 
 
 def test_a_warm_start_imports_no_registry_stack_and_no_libvirt(tiny_image: Any, tmp_path: Path) -> None:
-    # A warm start (file: image in the cache, the qemu backend) loads neither the registry client
-    # (requests, oras) nor libvirt; the same detector sees the registry once a pull needs it.
+    # A warm start (file: image in the cache, the qemu backend) and a cold boot's look for a
+    # snapshot_source it has none of load neither the registry client (requests, oras: 0.08 s) nor
+    # libvirt; the same detector sees the registry once a pull needs it.
     code = """
-import sys
+import asyncio, sys
 from pathlib import Path
 import vmsidecar_runtime.serve, vmsidecar_runtime.backend.qemu
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_runtime.controller import RuntimePaths
+from vmsidecar_runtime.controller.disks import Disks
+from vmsidecar_runtime.controller.snapshot_ops import SnapshotOps
 from vmsidecar_runtime.oci import pull
 for _ in range(2):  # the first fills the cache, the second is a warm start's cache hit
     assert pull(sys.argv[1], Path(sys.argv[2])).path.is_file()
+root = Path(sys.argv[2])
+paths = RuntimePaths(shared=root / "shared", cache=root / "cache", state=root / "state", run=root / "run")
+ops = SnapshotOps(paths, Disks(paths))
+assert asyncio.run(ops.from_source(VmSpec(image=sys.argv[1]))) is None  # no snapshot_source
 if sys.argv[3] == "registry":
     from vmsidecar_runtime.oci.pull import open_source, parse_reference
     open_source(parse_reference("registry.invalid/vm/x:1")).close()
