@@ -268,10 +268,10 @@ async def _boot_until_captured_on_output(start_runtime: Any, tiny_image: Any) ->
 
 async def test_console_keystrokes_typed_across_the_capture_all_reach_the_guest(start_runtime: Any,
                                                                                 tiny_image: Any) -> None:
-    """The capture continues the boot from the snapshot in a new QEMU. Keystrokes typed while it
-    does (one every 5 ms, from the readiness line on) must reach the guest in order, none lost:
-    before the fix, those written between the old QEMU's pause and the new one's start went to the
-    old one and were lost."""
+    """The capture pauses the guest (and moves it to a new QEMU where it cannot go on in its own).
+    Keystrokes typed meanwhile (one every 5 ms, from the readiness line on) must reach the guest in
+    order, none lost: before the fix, those written between the old QEMU's pause and the new one's
+    start went to the old one and were lost."""
     rt, con = await _boot_until_captured_on_output(start_runtime, tiny_image)
     try:
         con.writer.write(b"echo CAPTURE-\'\'NOW\n")  # its output, not the echo of the typed line, matches
@@ -291,6 +291,53 @@ async def test_console_keystrokes_typed_across_the_capture_all_reach_the_guest(s
         await con.close()
     assert state.snapshot.capture_seconds is not None and state.boot == 1, state.snapshot
 
+
+
+async def test_the_captured_boot_goes_on_in_its_process_and_its_lease_keeps_its_disk(
+    start_runtime: Any, tiny_image: Any, image_cache: Path, tmp_path: Path
+) -> None:
+    """The first lease runs on the QEMU process that booted and was captured, over a new overlay on
+    the frozen one: what it writes survives its power cycle and is in its dump, and is in no
+    snapshot (the next lease is restored without it)."""
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "in-place"}]}
+    rt = await start_runtime(spec)
+    client = rt.client()
+    await wait_phase(client, "Running", timeout=240)
+    booting = qemu_pids(str(rt.state))
+    first = await client.wait_ready(240)
+    assert first.snapshot.boot == "cold" and first.snapshot.available and first.snapshot.capture_seconds, first.snapshot
+    assert len(booting) == 1 and qemu_pids(str(rt.state)) == booting, "the captured boot moved to another QEMU"
+    assert (rt.state / "overlay-base.qcow2").is_file()
+
+    tag = f"in-place-{time.time_ns()}"
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        await con.run(f"echo {tag} > /data/lease-file; sync")
+    finally:
+        await con.close()
+    await client.power("off", graceful=False)
+    dump = tmp_path / "dump.qcow2"
+    assert await client.dump(dump) > 0
+    assert tag.encode() in dump.read_bytes(), "the dump lacks what the lease wrote after the capture"
+    snapshot_disks = list((image_cache / "snapshots").glob("*/disk.qcow2"))
+    assert snapshot_disks and all(tag.encode() not in d.read_bytes() for d in snapshot_disks)
+
+    await client.power("on")
+    again = await client.wait_ready(240)
+    assert again.snapshot.boot == "cold" and "lease's changes" in (again.snapshot.reason or ""), again.snapshot
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        assert tag in await con.run("cat /data/lease-file")
+    finally:
+        await con.close()
+
+    state, _ = await _recycle(client)
+    assert state.snapshot.boot == "restored", state.snapshot
+    _, probe = await _probe(rt.shared / "console.sock")
+    assert "ls: /data/lease-file: No such file or directory" in probe, probe
+    assert not (rt.state / "overlay-base.qcow2").exists(), "the frozen overlay outlived its lease"
 
 
 async def test_a_killed_runtimes_capture_staging_is_removed_and_a_live_ones_is_kept(

@@ -286,6 +286,34 @@ class ConsoleHub:
             unread += struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
         return unread
 
+    async def output_read(self, timeout: float) -> bool:
+        """Wait until this hub has fed everything the backend wrote so far (the guest is paused);
+        False if output still arrives after ``timeout``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._unread_output():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        for _ in range(2):  # the transport has read it; the drain task feeds it on the next turns
+            await asyncio.sleep(0)
+        return True
+
+    def _unread_output(self) -> int:
+        """Bytes the backend wrote that the runtime has not read: in the socket's receive queue or
+        the pipe."""
+        if self._drain_task is None or self._drain_task.done():
+            return 0
+        if self._upstream_output is not None:
+            stream = self._upstream_output.get_extra_info("pipe")
+        else:
+            stream = self._upstream.get_extra_info("socket") if self._upstream is not None else None
+        if stream is None:
+            return 0
+        try:
+            return int(struct.unpack("i", fcntl.ioctl(stream.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+        except (OSError, ValueError):  # closed meanwhile
+            return 0
+
     def release_input(self) -> None:
         """Send the held input to the backend (dropped if none is attached: a new boot)."""
         held, self._held = self._held, None

@@ -75,15 +75,19 @@ async def check_image(path: Path, fmt: str, label: str | None = None, *, limits:
     await asyncio.to_thread(checks.check_image, path, fmt, origin, limits)
 
 
-async def create_overlay(base: DiskImage, overlay: Path) -> None:
+async def create_overlay(base: DiskImage, overlay: Path, *, size: int | None = None) -> None:
     """Create a fresh qcow2 overlay over ``base`` (the base is only ever read).
+
+    ``size``: the base's virtual size, given when qemu-img must not open the base (a disk QEMU
+    holds open and locked; qemu-img's ``-u``).
 
     :raise HostError: when qemu-img fails (disk full, permissions).
     """
     with contextlib.suppress(FileNotFoundError):
         overlay.unlink()
+    unchecked = ["-u", str(overlay), str(size)] if size is not None else [str(overlay)]
     rc, _, err = await run_tool(
-        "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format, str(overlay)
+        "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format, *unchecked
     )
     if rc != 0:
         raise HostError(f"cannot create the disk overlay {overlay} ({err.strip()}); free space or fix permissions")

@@ -67,6 +67,10 @@ class Backend(Protocol):
     #: class attribute: the snapshot decision asks it before a boot (``factory.supports_snapshots``),
     #: and without it every boot is cold, with the reason in the state's ``snapshot`` field
     supports_snapshots: ClassVar[bool]
+    #: whether the guest can go on in the same process after ``save_state`` (``continue_on``): the
+    #: capture of a cold boot then costs no new process and no restore; else the controller proves
+    #: the snapshot by restoring it in a new one
+    continues_after_save: ClassVar[bool]
     #: how the process/domain ended, once it has (``None`` while it runs)
     exit_info: ExitInfo | None
     #: the guest holds the guest agent's port open (an agent runs in it); a capture records it
@@ -98,6 +102,17 @@ class Backend(Protocol):
         :raise HostError: when the backend cannot (the reason names the device or the limit).
         """
         ...
+
+    async def disk_size(self) -> int:
+        """The guest disk's virtual size in bytes (what a new overlay over it must have)."""
+        ...
+
+    async def continue_on(self, overlay: Path) -> None:
+        """After ``save_state``, with the guest still paused: from now on the guest writes to
+        ``overlay``, a new qcow2 whose backing is the disk so far, which is not written again.
+
+        :raise HostError: when the backend cannot switch (the guest stays on its disk, paused).
+        """
 
     async def quit(self, timeout: float = 5.0) -> None:
         """End the process/domain, bounded, and release what the boot held."""

@@ -28,7 +28,7 @@ from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink
 from .common import emulator_path
 from .netguard import NetGuard, guarded
-from .qemu_argv import GUEST_AGENT_PORT_ID, build_argv, piped_streams
+from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, build_argv, piped_streams
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class QemuBackend:
     name = "qemu"
     label = "QEMU"
     supports_snapshots = True
+    continues_after_save = True
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         self.plan = plan
@@ -280,6 +281,37 @@ class QemuBackend:
             raise HostError(f"QEMU cannot snapshot this guest ({e})") from e
         if status["status"] != "completed":
             raise HostError(f"QEMU cannot snapshot this guest ({status.get('error-desc', 'migration failed')})")
+
+    async def disk_size(self) -> int:
+        """The virtual size of the guest's disk (its qcow2 node, ``disk0``)."""
+        try:
+            nodes = await self._execute("query-named-block-nodes", flat=True)
+            return int(next(n["image"]["virtual-size"] for n in nodes if n.get("node-name") == DISK_NODE))
+        except (QMPError, StopIteration, KeyError, TypeError, ValueError) as e:
+            raise HostError(f"QEMU did not tell the size of the guest's disk ({e!r})") from e
+
+    async def continue_on(self, overlay: Path) -> None:
+        """Put ``overlay`` (a qcow2 made over the disk, not opened yet) on top of the guest's disk
+        node (``blockdev-snapshot``: QEMU drains and flushes the disk so far and no longer writes it).
+
+        QEMU opens the overlay without its backing (``backing: null``, as ``blockdev-snapshot``
+        requires) and names the format: the qcow2 header is never probed. The node keeps QEMU's
+        paths as they were; the caller renames files afterwards (QEMU holds them open).
+
+        :raise HostError: QEMU refused; the guest stays on its disk and nothing was added.
+        """
+        node = f"{DISK_NODE}-top"
+        try:
+            await self._execute("blockdev-add", driver="qcow2", **{"node-name": node}, backing=None,
+                                file={"driver": "file", "filename": str(overlay)})
+        except QMPError as e:
+            raise HostError(f"QEMU cannot open the new overlay {overlay} ({e})") from e
+        try:
+            await self._execute("blockdev-snapshot", node=DISK_NODE, overlay=node)
+        except QMPError as e:
+            with contextlib.suppress(QMPError):
+                await self._execute("blockdev-del", **{"node-name": node})
+            raise HostError(f"QEMU cannot move the guest's writes to a new overlay ({e})") from e
 
     async def _ignore_shared_ram(self) -> None:
         # x-ignore-shared: a shared RAM block is neither written nor loaded (it is the file); both

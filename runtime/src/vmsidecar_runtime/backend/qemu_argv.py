@@ -22,6 +22,8 @@ GUEST_AGENT_CHARDEV = "qga0"
 GUEST_AGENT_PORT_ID = "qga0-port"
 #: memory-backend id of guest RAM in a file (a templated snapshot)
 RAM_ID = "ram0"
+#: the guest disk's qcow2 node (a capture that goes on in place puts a new overlay on top of it)
+DISK_NODE = "disk0"
 #: virtio-serial ports: hvc0, up to 30 channels, up to 16 SLCAN buses, the guest agent
 VIRTIO_SERIAL_PORTS = 48
 
@@ -90,12 +92,12 @@ def _boot(plan: BootPlan) -> list[str]:
         if spec.cmdline:
             argv += ["-append", spec.cmdline]
     argv += [
-        "-blockdev", f"driver=file,filename={plan.disk},node-name=disk0-file",
-        "-blockdev", f"driver={plan.disk_format},file=disk0-file,node-name=disk0",
+        "-blockdev", f"driver=file,filename={plan.disk},node-name={DISK_NODE}-file",
+        "-blockdev", f"driver={plan.disk_format},file={DISK_NODE}-file,node-name={DISK_NODE}",
         # A write the state volume has no room for pauses the guest (BLOCK_IO_ERROR, nospace: the
         # runtime says "the state volume is full") instead of failing it inside the guest; other
         # host I/O errors reach the guest as disk errors, as on real hardware.
-        "-device", "virtio-blk-pci,drive=disk0,id=disk0-dev,bootindex=1,werror=enospc,rerror=report",
+        "-device", f"virtio-blk-pci,drive={DISK_NODE},id={DISK_NODE}-dev,bootindex=1,werror=enospc,rerror=report",
     ]
     return argv
 

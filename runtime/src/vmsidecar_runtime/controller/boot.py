@@ -9,22 +9,25 @@ guest is Ready already (restored) or its readiness is to be watched (cold).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.errors import HostError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 
 from .. import metrics
 from ..backend import Backend
 from ..plan import RamFile
 from ..snapshots import CONSOLES, Snapshot
+from .capture import Capture
 from .disks import Disks
 from .machine import Machine
 from .snapshot_ops import SnapshotOps
 from .streams import GuestStreams
 
+log = logging.getLogger(__name__)
 
 class Boot:
     """Restore or cold boot, and the capture of a pristine boot."""
@@ -104,14 +107,19 @@ class Boot:
 
     async def capture(self, spec: VmSpec, key: str, backend: Backend) -> bool:
         """At the first Ready of a pristine cold boot: snapshot the guest, then let the same boot go
-        on from the snapshot (which proves it loads). Ready at once (True) unless the snapshot could
-        not be stored or restored: the guest then boots cold again (False)."""
+        on: in its own process where the backend can (``continues_after_save``), else restored from
+        the snapshot in a new one (which proves it loads). Ready at once (True) unless the guest had
+        to boot cold again (False)."""
         assert self._machine.plan is not None
-        await self._streams.hold_input()  # what a console client types meanwhile goes to the next QEMU
+        await self._streams.hold_input()  # what a console client types meanwhile waits for the guest
         try:
             capture = await self._snapshots.save(key, backend)
             if capture is None:  # the backend cannot snapshot this guest: it runs on
                 return True
+            if backend.continues_after_save:
+                went_on = await self._continue_in_place(spec, capture, backend)
+                if went_on is not None:
+                    return went_on
             await self._machine.stop()  # its last output is read first: it belongs in the snapshot
             consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
             snap = await self._snapshots.commit(capture, consoles)
@@ -122,3 +130,35 @@ class Boot:
             return False
         finally:
             self._streams.release_input()
+
+    async def _continue_in_place(self, spec: VmSpec, capture: Capture, backend: Backend) -> bool | None:
+        """Store the snapshot while the captured guest is paused, then let it run on in its process,
+        its writes going to a new overlay over the frozen disk (no new process, no restore: 0.1 s
+        less at a cold start's Ready, and the first lease's guest keeps what TCG translated).
+
+        The snapshot is first restored at the next recycle; a snapshot QEMU refuses then is
+        discarded and that boot is cold (``Boot._restore``). Returns None when the backend cannot
+        switch the disk (the caller stops it and restores instead), else as ``capture``.
+        """
+        try:
+            frozen = await self._disks.freeze_live(await backend.disk_size(), backend.continue_on)
+        except HostError as e:
+            log.warning("the captured boot cannot go on in its process (%s); it is restored from the snapshot",
+                        e.message)
+            return None
+        await self._streams.output_read()  # what the guest wrote before it paused belongs in the snapshot
+        consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
+        snap = await self._snapshots.commit(capture, consoles, frozen_disk=frozen)
+        try:
+            await backend.resume()
+        except VmsidecarError as e:
+            log.warning("the captured guest did not resume (%s); booting it cold again", e.message)
+            await self._machine.stop()
+            self._disks.drop_overlays()  # the disk it booted: a cold boot starts from the image
+            await self._cold(spec)
+            return False
+        if snap is not None:
+            assert self._machine.plan is not None
+            # the guest's clock stood still while it was paused: set like a restored guest's
+            await self._snapshots.went_on(capture, snap, self._machine.plan.guest_agent_socket)
+        return True

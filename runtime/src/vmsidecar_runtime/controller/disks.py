@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,36 @@ class Disks:
             await create_overlay(backing, self.paths.overlay)
         return self.paths.overlay
 
+    async def freeze_live(self, size: int, switch: Callable[[Path], Awaitable[None]]) -> Path:
+        """The running guest's overlay becomes ``overlay_base``, frozen, under a new overlay that
+        ``switch`` (``Backend.continue_on``) puts on top of it in the backend; returns the frozen file.
+
+        The new overlay names the frozen file as its backing by the path it has from now on, so
+        the lease's disk chain (a power cycle, a dump) holds after the renames. QEMU holds both files
+        open: it is told of the new one before any rename, so nothing it opens by name is moved yet.
+
+        :raise HostError: the overlay cannot be made or the backend cannot switch; the lease's
+            overlay is as it was.
+        """
+        assert self.current is not None
+        frozen, top = self.paths.overlay_base, self.paths.state / "overlay.next.qcow2"
+        if frozen.exists():  # the overlay stands on it: one more freeze would make it its own backing
+            raise HostError(f"{frozen} is in use by this lease's disk")
+        await create_overlay(DiskImage(frozen, "qcow2", self.current.digest, self.current.source), top, size=size)
+        try:
+            await switch(top)
+        except BaseException:
+            top.unlink(missing_ok=True)
+            raise
+        os.rename(self.paths.overlay, frozen)
+        os.rename(top, self.paths.overlay)
+        return frozen
+
+    def drop_overlays(self) -> None:
+        """The lease's overlay goes, and the frozen one under it if any: the next boot starts from the disk."""
+        self.paths.overlay.unlink(missing_ok=True)
+        self.paths.overlay_base.unlink(missing_ok=True)
+
     async def receive_flash(self, chunks: AsyncIterable[bytes], *, expected_size: int | None,
                             expected_digest: str | None) -> Any:
         """Receive and verify a streamed image into a temp file (nothing changes yet).
@@ -154,6 +184,6 @@ class Disks:
     async def discard_lease(self) -> None:
         """Back to the spec's image: overlay, flashed disks and UEFI vars go (off the event loop)."""
         self.flashed = None
-        self.paths.overlay.unlink(missing_ok=True)
+        self.drop_overlays()
         for d in (self.paths.flashed, self.paths.firmware):
             await asyncio.to_thread(shutil.rmtree, d, True)

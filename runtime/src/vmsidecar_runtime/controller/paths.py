@@ -31,6 +31,12 @@ class RuntimePaths:
         return self.state / "overlay.qcow2"
 
     @property
+    def overlay_base(self) -> Path:
+        """Under the overlay of a lease whose boot was captured in place: that boot's disk up to the
+        capture, frozen (the snapshot holds a copy of it); goes with the lease."""
+        return self.state / "overlay-base.qcow2"
+
+    @property
     def flashed(self) -> Path:
         """Disks flashed during this lease."""
         return self.state / "flashed"

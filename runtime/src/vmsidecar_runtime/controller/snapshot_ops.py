@@ -275,12 +275,18 @@ class SnapshotOps:
             return None
         return Capture(key, staged, agent, started, ram)
 
-    async def commit(self, capture: Capture, consoles: dict[str, bytes]) -> Snapshot | None:
-        """With the backend stopped: freeze the overlay into the snapshot; None when it cannot be
-        stored (recorded)."""
+    async def commit(self, capture: Capture, consoles: dict[str, bytes], *, frozen_disk: Path | None = None) -> Snapshot | None:
+        """With the guest paused: store the snapshot; None when it cannot be stored (recorded).
+
+        The snapshot's disk is the boot's overlay, moved in (the backend is stopped), or a copy of
+        ``frozen_disk``, the overlay the boot froze to go on in place (its lease still reads it).
+        """
         staged = capture.staged
         try:
-            await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
+            if frozen_disk is None:
+                await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
+            else:
+                await _copy_disk(frozen_disk, staged.disk)
             hashed = {"ram": await asyncio.to_thread(copy_ram, capture.ram, staged.ram)} if capture.ram else {}
             form = TEMPLATED if capture.ram else STREAM
             snap = await asyncio.to_thread(self._store.commit, staged, capture.key, consoles,
@@ -304,7 +310,21 @@ class SnapshotOps:
         meta = snap.meta()
         return RamFile(snap.ram, share=False) if meta is not None and meta.form == TEMPLATED else None
 
-    def captured(self, capture: Capture, snap: Snapshot) -> None:
-        """The captured boot continues from ``snap``, which loaded."""
-        self.info = self.info.model_copy(update={"capture_seconds": capture.seconds, "size": snap.size})
+    async def went_on(self, capture: Capture, snap: Snapshot, agent_socket: Path) -> None:
+        """The captured boot goes on in its own process: correct its clock, record the capture."""
+        self.info = self.info.model_copy(update={"clock": await correct_clock(snap, agent_socket)})
+        self.captured(capture, snap)
 
+    def captured(self, capture: Capture, snap: Snapshot) -> None:
+        """The captured boot goes on: restored from ``snap`` (it loaded), or in its own process."""
+        self.info = self.info.model_copy(update={"available": True, "capture_seconds": capture.seconds,
+                                                 "size": snap.size})
+
+
+async def _copy_disk(frozen: Path, dest: Path) -> None:
+    """:raise HostError: naming why the copy failed (e.g. a full cache volume), and the fix."""
+    try:
+        await asyncio.to_thread(shutil.copyfile, frozen, dest)
+    except OSError as e:
+        raise HostError(f"the snapshot's disk could not be written into {dest.parent.parent} ({e.strerror or e}); "
+                        "give the cache volume room for it, or set snapshot: off") from e

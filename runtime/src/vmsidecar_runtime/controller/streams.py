@@ -19,6 +19,8 @@ CONSOLES = ("ttyS0", "hvc0")
 READ_TO_END = 1.0
 #: seconds a guest gets to read the input it was sent before it pauses for a capture
 INPUT_CONSUMED = 2.0
+#: seconds to read what a paused guest's backend wrote before a capture (it writes no more)
+OUTPUT_READ = 0.5
 
 
 class GuestStreams:
@@ -83,6 +85,11 @@ class GuestStreams:
         for hub in self.hubs.values():
             hub.hold_input()
         await asyncio.gather(*(hub.input_consumed(INPUT_CONSUMED) for hub in self.hubs.values()))
+
+    async def output_read(self) -> None:
+        """The guest is paused: let every hub read what the backend already wrote (bounded), so a
+        capture's scrollback ends where the guest stopped."""
+        await asyncio.gather(*(hub.output_read(OUTPUT_READ) for hub in self.hubs.values()))
 
     def release_input(self) -> None:
         """Send the held input on to the guest's new backend process (or drop it: a new boot)."""

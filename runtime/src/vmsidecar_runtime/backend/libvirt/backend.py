@@ -60,6 +60,7 @@ class LibvirtBackend:
     label = "the libvirt domain"
     #: libvirt's own save/restore (virDomainSave) is not wired in yet: recycles boot cold
     supports_snapshots = False
+    continues_after_save = False
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         """Check libvirt-python is there; nothing starts before ``launch``.
@@ -256,6 +257,12 @@ class LibvirtBackend:
         """
         raise HostError("the libvirt backend has no memory snapshots yet; recycles boot cold "
                         "(use backend: qemu for sub-second recycles)")
+
+    async def disk_size(self) -> int:
+        raise HostError("the libvirt backend has no memory snapshots yet")
+
+    async def continue_on(self, overlay: Path) -> None:
+        raise HostError("the libvirt backend has no memory snapshots yet")
 
     async def quit(self, timeout: float = 5.0) -> None:
         """Destroy the domain (QEMU is ended; nothing of it is left in libvirt), bounded."""
