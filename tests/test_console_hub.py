@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from fixtures.waiting import wait_until_async
 from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub, RotatingByteLog
-from vmsidecar_runtime.stream_pipes import BUS_PIPE_BYTES, StreamPipes
+from vmsidecar_runtime.stream_pipes import BUS_PIPE_BYTES, ConsoleFifos, StreamPipes
 
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
@@ -148,6 +151,40 @@ async def test_a_stream_on_pipes_holds_a_backlog_counts_unread_input_and_ends_wi
     await wait_until_async(lambda: _descriptors_on(targets) == [1, 1], 2, "the hub to close the runtime's ends")
     for fd in live:
         os.close(fd)
+    writer.close()
+    await hub.close()
+
+
+async def test_named_pipes_for_a_qemu_the_runtime_does_not_spawn(tmp_path: Path) -> None:
+    """The libvirt backend's virtio console: ``<base>.in/.out`` FIFOs, private, opened once QEMU
+    holds them (read-write, as QEMU's pipe chardev opens them), ending when QEMU closes them."""
+    fifos = ConsoleFifos(tmp_path / "hvc0")
+    for path in (tmp_path / "hvc0.in", tmp_path / "hvc0.out"):
+        assert stat.S_ISFIFO(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(OSError) as no_qemu:  # nobody reads the input yet: the runtime never blocks on it
+        fifos.open()
+    assert no_qemu.value.errno == errno.ENXIO and _descriptors_on([str(tmp_path / "hvc0.out")]) == [0]
+    qemu = [os.open(tmp_path / "hvc0.in", os.O_RDWR), os.open(tmp_path / "hvc0.out", os.O_RDWR)]
+    pipe = fifos.open()
+    hub = ConsoleHub("hvc0", tmp_path / "shared" / "hvc0.sock")
+    await hub.listen()
+    reader, writer = await asyncio.open_unix_connection(str(hub.listen_path))
+    await hub.attach(pipe)
+    os.write(qemu[1], b"login: ")
+    assert await _read_until(reader, b"login: ") == b"login: "
+    writer.write(b"root\n")
+    await writer.drain()
+    await wait_until_async(lambda: hub._unread_input() == 5, 5, "the input to wait in the pipe")
+    assert os.read(qemu[0], 64) == b"root\n"
+    os.write(qemu[1], b"bye\n")
+    for fd in qemu:  # QEMU exits: the hub reads to the end and stops at EOF
+        os.close(fd)
+    started = asyncio.get_running_loop().time()
+    await hub.detach(read_to_end=5)
+    assert asyncio.get_running_loop().time() - started < 1
+    assert (await _read_until(reader, b"bye\n")).endswith(b"bye\n")
+    fifos.remove()
+    assert not list(tmp_path.glob("hvc0.*"))
     writer.close()
     await hub.close()
 

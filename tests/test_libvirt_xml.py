@@ -79,6 +79,17 @@ def test_consoles_and_channels_are_unix_sockets_at_the_plans_paths() -> None:
     assert channel.find("target").attrib == {"type": "virtio", "name": "agent"}  # type: ignore[union-attr]
 
 
+def test_under_the_private_daemon_the_virtio_console_is_on_named_pipes() -> None:
+    # QEMU drops hvc0 output its chardev cannot take: pipes hold far more small writes than a socket
+    plan = _plan()
+    root = ET.fromstring(render_domain(plan, "t", emulator="/usr/bin/qemu-system-x86_64", piped_console=True))
+    console = root.find("devices/console")
+    assert console is not None and console.get("type") == "pipe"
+    assert console.find("source").attrib == {"path": str(plan.stream_pipe("hvc0"))}  # type: ignore[union-attr]
+    assert console.find("target").attrib == {"type": "virtio", "port": "0"}  # type: ignore[union-attr]
+    assert root.find("devices/serial").get("type") == "unix"  # type: ignore[union-attr]  # QEMU holds the vCPU: no loss
+
+
 def test_no_virtio_console_when_disabled() -> None:
     assert _render(_plan(virtio_console=False)).find("devices/console") is None
 

@@ -15,6 +15,10 @@ quota, ``fs.pipe-user-pages-soft``, 64 MiB, shared by every runtime of that UID 
 ``<path>.in`` and ``<path>.out``; the runtime makes both symlinks to ``/proc/self/fd/N`` of pipes
 that QEMU inherits, so each QEMU process has pipes of its own (nothing one process was sent can
 reach the next, a new lease's), and the runtime reads the end of the output when QEMU exits.
+
+The libvirt backend's QEMU is libvirtd's child, not the runtime's: it gets named pipes instead
+(``ConsoleFifos``), made for each boot in the runtime's private run directory, and used only
+where that QEMU runs under the runtime's UID (the private daemon).
 """
 
 from __future__ import annotations
@@ -116,3 +120,36 @@ class StreamPipes:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._mine.clear()
+
+
+class ConsoleFifos:
+    """Named pipes ``<base>.in`` and ``<base>.out`` (mode 0600) for a QEMU this process does not
+    spawn; made fresh for each boot, opened once QEMU holds them (it opens both read-write, so
+    neither open blocks), removed with ``remove``."""
+
+    def __init__(self, base: Path) -> None:
+        self.input, self.output = base.with_name(base.name + ".in"), base.with_name(base.name + ".out")
+        self.remove()  # an earlier boot's: that QEMU may still hold them
+        try:
+            os.mkfifo(self.input, 0o600)
+            os.mkfifo(self.output, 0o600)
+        except OSError:
+            self.remove()
+            raise
+
+    def open(self) -> StreamPipe:
+        """The runtime's ends; the caller closes them. Reading ``output`` ends when QEMU exits.
+
+        :raise OSError: ENXIO when no QEMU holds ``input`` open.
+        """
+        output = os.open(self.output, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            return StreamPipe(output=output, input=os.open(self.input, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError:
+            os.close(output)
+            raise
+
+    def remove(self) -> None:
+        for path in (self.input, self.output):
+            path.unlink(missing_ok=True)
+

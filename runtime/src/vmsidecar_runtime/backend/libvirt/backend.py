@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,8 @@ from typing import Any
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.state import ExitInfo
 
-from ...plan import BootPlan
+from ...plan import VIRTIO_CONSOLE, BootPlan
+from ...stream_pipes import ConsoleFifos, StreamPipe
 from ..base import BackendEvent, EventSink
 from ..netguard import NetGuard, guarded
 from . import connection
@@ -86,6 +88,9 @@ class LibvirtBackend:
         self._own_resets = 0
         #: the runtime's side of the NIC's filter (``netguard``), attached before the guest runs
         self._guard: NetGuard | None = None
+        #: the virtio console's named pipes (private daemon) and the runtime's ends, until a hub takes them
+        self._console_fifos: ConsoleFifos | None = None
+        self._console_ends: StreamPipe | None = None
 
     @property
     def uri(self) -> str | None:
@@ -93,8 +98,12 @@ class LibvirtBackend:
         return self._conn.uri if self._conn else None
 
     # ---- launch --------------------------------------------------------------------------
-    def upstream(self, name: str) -> Path:
-        """The domain's socket for stream ``name`` (libvirt renders every stream as a Unix socket)."""
+    def upstream(self, name: str) -> Path | StreamPipe:
+        """Where the runtime reads and writes stream ``name``: the virtio console's named pipes
+        (the caller owns the ends from now on) under the private daemon, else the domain's socket."""
+        if name == VIRTIO_CONSOLE and self._console_ends is not None:
+            ends, self._console_ends = self._console_ends, None
+            return ends
         return self.plan.console_socket(name)
 
     async def launch(self) -> None:
@@ -104,9 +113,15 @@ class LibvirtBackend:
         """
         libvirt = self._libvirt
         self._loop = asyncio.get_running_loop()
-        xml = render_domain(self.plan, self.domain_name)
         self._conn = await connection.connect(self.plan.spec.libvirt_uri, self.plan.run_dir)
         conn = self._conn.conn
+        # QEMU drops what the guest writes on hvc0 that its chardev cannot take: named pipes hold 64 KiB
+        # of small writes, a socket ~200 (stream_pipes.py). Only under the private daemon: QEMU then
+        # runs as this UID and the pipes stay 0600 (a system daemon's QEMU has a user of its own).
+        piped = self._conn.daemon is not None and self.plan.spec.virtio_console
+        xml = render_domain(self.plan, self.domain_name, piped_console=piped)
+        if piped:
+            self._console_fifos = ConsoleFifos(self.plan.stream_pipe(VIRTIO_CONSOLE))
         if self._conn.daemon is None and self.plan.run_dir.stat().st_mode & 0o777 != 0o777:
             # a system daemon runs QEMU as its own user, which must create the console sockets here
             self.plan.run_dir.chmod(0o1777)
@@ -125,6 +140,13 @@ class LibvirtBackend:
             raise HostError(f"libvirt could not start the domain ({e}{'; ' + tail if tail else ''}); "
                             "fix the cause libvirt names (image, firmware or spec)") from e
         self.create_seconds = round(time.monotonic() - started, 3)
+        if self._console_fifos is not None:
+            try:
+                self._console_ends = self._console_fifos.open()
+            except OSError as e:
+                await self.quit()
+                raise HostError(f"the guest's virtio console pipes could not be opened ({e}); "
+                                "power on again, or set virtio_console: false") from e
         log.info("libvirt domain %s created paused in %.2f s on %s", self.domain_name, self.create_seconds,
                  self._conn.uri)
         if not await asyncio.to_thread(self._is_active):
@@ -283,8 +305,16 @@ class LibvirtBackend:
             await asyncio.to_thread(dom.destroy)
 
     async def close(self) -> None:
-        """Stop listening to the domain's events, close the NIC's filter (the domain must be gone)."""
+        """Stop listening to the domain's events, close the NIC's filter and the console's pipes
+        (the domain must be gone)."""
         self._detach()
+        if self._console_ends is not None:  # never handed to a hub
+            os.close(self._console_ends.output)
+            os.close(self._console_ends.input)
+            self._console_ends = None
+        if self._console_fifos is not None:
+            self._console_fifos.remove()
+            self._console_fifos = None
         if self._guard is not None:
             await self._guard.close()
             self._guard = None

@@ -58,8 +58,9 @@ def _qemu_args(plan: BootPlan) -> list[str]:
             *(netguard.qemu_args(plan, NETDEV_ID) if netguard.guarded(plan) else [])]
 
 
-def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> str:
-    """The domain XML for one boot of ``plan``, named ``name``.
+def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None, piped_console: bool = False) -> str:
+    """The domain XML for one boot of ``plan``, named ``name``. ``piped_console``: the virtio
+    console on the named pipes at ``plan.stream_pipe`` (``ConsoleFifos``), else on a socket.
 
     :raise HostError: when the spec asks for something the libvirt backend cannot do.
     """
@@ -111,7 +112,11 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None) -> 
     serial = _unix_chardev(devices, "serial", str(plan.console_socket(SERIAL)))
     _sub(serial, "target", port="0")
     if spec.virtio_console:
-        console = _unix_chardev(devices, "console", str(plan.console_socket(VIRTIO_CONSOLE)))
+        if piped_console:
+            console = _sub(devices, "console", type="pipe")
+            _sub(console, "source", path=str(plan.stream_pipe(VIRTIO_CONSOLE)))
+        else:
+            console = _unix_chardev(devices, "console", str(plan.console_socket(VIRTIO_CONSOLE)))
         _sub(console, "target", type="virtio", port="0")
     for ch in spec.channels:
         channel = _unix_chardev(devices, "channel", str(plan.console_socket(channel_stream(ch.name))))
