@@ -29,6 +29,7 @@ from .streams import GuestStreams
 
 log = logging.getLogger(__name__)
 
+
 class Boot:
     """Restore or cold boot, and the capture of a pristine boot."""
 
@@ -121,7 +122,7 @@ class Boot:
                 if went_on is not None:
                     return went_on
             await self._machine.stop()  # its last output is read first: it belongs in the snapshot
-            consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
+            consoles = self._streams.boot_outputs()
             snap = await self._snapshots.commit(capture, consoles)
             if snap is not None and await self._restore(spec, snap, new_boot=False):
                 self._snapshots.captured(capture, snap)
@@ -147,7 +148,7 @@ class Boot:
                         e.message)
             return None
         await self._streams.output_read()  # what the guest wrote before it paused belongs in the snapshot
-        consoles = {name: self._streams.hubs[name].boot_output() for name in CONSOLES if name in self._streams.hubs}
+        consoles = self._streams.boot_outputs()
         snap = await self._snapshots.commit(capture, consoles, frozen_disk=frozen)
         try:
             await backend.resume()

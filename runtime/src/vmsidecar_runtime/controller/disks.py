@@ -110,8 +110,14 @@ class Disks:
         except BaseException:
             top.unlink(missing_ok=True)
             raise
-        os.rename(self.paths.overlay, frozen)
-        os.rename(top, self.paths.overlay)
+        try:
+            os.rename(self.paths.overlay, frozen)
+            os.rename(top, self.paths.overlay)
+        except OSError as e:  # the guest is still paused: the caller stops it and moves the overlay itself
+            if frozen.exists() and not self.paths.overlay.exists():
+                os.rename(frozen, self.paths.overlay)
+            top.unlink(missing_ok=True)
+            raise HostError(f"the lease's overlay could not be renamed in {self.paths.state} ({e.strerror or e})") from e
         return frozen
 
     def drop_overlays(self) -> None:

@@ -80,11 +80,16 @@ class GuestStreams:
         await asyncio.gather(*(hub.detach(read_to_end=READ_TO_END) for hub in self.hubs.values()))
 
     async def hold_input(self) -> None:
-        """The guest is about to move to a new backend process: hold the clients' input from now on,
-        and let the guest read what it was already sent (bounded: it may not read at all)."""
+        """The guest is about to pause for a capture (and may move to a new backend process): hold
+        the clients' input from now on, and let the guest read what it was already sent (bounded:
+        it may not read at all)."""
         for hub in self.hubs.values():
             hub.hold_input()
         await asyncio.gather(*(hub.input_consumed(INPUT_CONSUMED) for hub in self.hubs.values()))
+
+    def boot_outputs(self) -> dict[str, bytes]:
+        """Each console's scrollback of this boot (what a capture keeps for the guests restored from it)."""
+        return {name: self.hubs[name].boot_output() for name in CONSOLES if name in self.hubs}
 
     async def output_read(self) -> None:
         """The guest is paused: let every hub read what the backend already wrote (bounded), so a

@@ -121,7 +121,12 @@ class LibvirtBackend:
         piped = self._conn.daemon is not None and self.plan.spec.virtio_console
         xml = render_domain(self.plan, self.domain_name, piped_console=piped)
         if piped:
-            self._console_fifos = ConsoleFifos(self.plan.stream_pipe(VIRTIO_CONSOLE))
+            try:
+                self._console_fifos = ConsoleFifos(self.plan.stream_pipe(VIRTIO_CONSOLE))
+            except OSError as e:
+                await self.close()
+                raise HostError(f"the guest's virtio console pipes could not be made in {self.plan.run_dir} "
+                                f"({e.strerror or e}); free the run directory's volume, or set virtio_console: false") from e
         if self._conn.daemon is None and self.plan.run_dir.stat().st_mode & 0o777 != 0o777:
             # a system daemon runs QEMU as its own user, which must create the console sockets here
             self.plan.run_dir.chmod(0o1777)
