@@ -192,6 +192,21 @@ async def test_a_snapshot_the_hypervisor_refuses_to_load_is_discarded_and_taken_
     assert (await recycled(fvm)).snapshot.boot == "restored"
 
 
+async def test_a_guest_whose_fresh_snapshots_never_load_becomes_ready_and_is_not_captured_again(
+        fake_vm: Build, fake_images: Images) -> None:
+    # A snapshot QEMU saves and cannot load (a device's state that does not migrate): the capture's
+    # restore failed, the boot went cold, captured again at Ready, failed again... and was never Ready.
+    hv = FakeHypervisor(refusing_restores=1000)
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"), hv=hv)
+    state = await ready(fvm)
+    assert state.snapshot.boot == "cold" and not state.snapshot.available, state.snapshot
+    assert "refused twice" in (state.snapshot.reason or ""), state.snapshot
+    # cold, refused restore, cold, refused restore, cold (not captured)
+    assert len(hv.backends) == 5 and hv.current.alive and not hv.current.paused
+    state = await recycled(fvm)
+    assert state.snapshot.boot == "cold" and "refused twice" in (state.snapshot.reason or "") and len(hv.backends) == 6
+
+
 async def test_libvirt_guests_boot_cold_and_say_why(fake_vm: Build, fake_images: Images) -> None:
     fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto", backend="libvirt"))
     state = await ready(fvm)

@@ -98,7 +98,7 @@ class Boot:
                 if new_boot:
                     metrics.snapshot_lookup("seal_broken")
             else:
-                await self._snapshots.refused(snap, e)
+                await self._snapshots.refused(snap, e, just_captured=not new_boot)
                 if new_boot:
                     metrics.snapshot_lookup("refused")
             return False

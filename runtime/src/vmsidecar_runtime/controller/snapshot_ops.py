@@ -53,6 +53,10 @@ from .source_fetch import SourceFetch
 log = logging.getLogger(__name__)
 
 
+#: a key whose fresh snapshots were refused at their first load this many times is not captured again
+FRESH_REFUSALS = 2
+
+
 class SnapshotOps:
     """When to restore or capture, why not, and the snapshot store behind it."""
 
@@ -69,6 +73,10 @@ class SnapshotOps:
         self._planned_key: str | None = None
         #: keys QEMU could not snapshot (a device that blocks migration): not retried
         self._uncapturable: dict[str, str] = {}
+        #: keys captured in place whose snapshot no restore has loaded yet
+        self._unproven: set[str] = set()
+        #: key -> how many of its snapshots this process captured were refused at their first load
+        self._fresh_refusals: dict[str, int] = {}
         #: set while a capture runs (it started before any lease had the guest); a claim waits for it
         self._capturing: asyncio.Event | None = None
         #: what the current boot's snapshot must match (its key and the fields behind it)
@@ -226,9 +234,22 @@ class SnapshotOps:
         """``snap`` failed its seal check (QEMU, if it was started, is stopped): remove it."""
         await self._not_restored(snap, f"the snapshot failed its seal check: {broken}; it was removed")
 
-    async def refused(self, snap: Snapshot, error: VmsidecarError) -> None:
-        """The backend refused ``snap`` (it is stopped): discard it."""
+    async def refused(self, snap: Snapshot, error: VmsidecarError, *, just_captured: bool = False) -> None:
+        """The backend refused ``snap`` (it is stopped): discard it. ``just_captured``: the capture's
+        own restore. A key whose snapshots this process captured were refused at their first load
+        ``FRESH_REFUSALS`` times is not captured again: the next capture would be refused too, and
+        a capture whose restore fails boots cold and captures again, without end."""
+        key = snap.path.name
+        fresh = just_captured or key in self._unproven
+        self._unproven.discard(key)
         await self._not_restored(snap, f"the snapshot was refused ({error.message}); it was discarded")
+        if fresh:
+            self._fresh_refusals[key] = self._fresh_refusals.get(key, 0) + 1
+            if self._fresh_refusals[key] >= FRESH_REFUSALS:
+                self._uncapturable[key] = (f"QEMU refused twice to load this guest's snapshot right after capturing it "
+                                           f"({error.message}); this runtime boots it cold from now on")
+                self._why(self._uncapturable[key])
+                self._capture_key = None
 
     async def _not_restored(self, snap: Snapshot, what: str) -> None:
         """Remove ``snap`` and the overlay made over its frozen disk; the cold boot that follows captures anew."""
@@ -241,6 +262,8 @@ class SnapshotOps:
 
     async def restored(self, snap: Snapshot, started: float, agent_socket: Path, *, new_boot: bool) -> None:
         """The guest runs from ``snap``: correct its clock, record the restore."""
+        self._unproven.discard(snap.path.name)  # it loads
+        self._fresh_refusals.pop(snap.path.name, None)
         update: dict[str, Any] = {"available": True, "restore_seconds": round(time.monotonic() - started, 3)}
         update["clock"] = await correct_clock(snap, agent_socket)
         if (meta := snap.meta()) is not None:
@@ -311,7 +334,9 @@ class SnapshotOps:
         return RamFile(snap.ram, share=False) if meta is not None and meta.form == TEMPLATED else None
 
     async def went_on(self, capture: Capture, snap: Snapshot, agent_socket: Path) -> None:
-        """The captured boot goes on in its own process: correct its clock, record the capture."""
+        """The captured boot goes on in its own process: correct its clock, record the capture (its
+        first load is the next restore's)."""
+        self._unproven.add(capture.key)
         self.info = self.info.model_copy(update={"clock": await correct_clock(snap, agent_socket)})
         self.captured(capture, snap)
 
