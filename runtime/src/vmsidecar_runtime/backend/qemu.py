@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,16 @@ def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[s
 def _log_late_failure(reply: asyncio.Future[Any]) -> None:
     if not reply.cancelled() and (error := reply.exception()) is not None:
         log.warning("QEMU answered cont with an error after it resumed the guest: %s", error)
+
+
+def _poll_waits() -> Iterator[float]:
+    """Seconds between polls of a migration: a templated snapshot's device state is saved or loaded
+    in ~5-20 ms, a full stream's RAM in seconds; a fixed 10-20 ms made the short one wait for the
+    poll (a recycle's restore, a capture's pause)."""
+    wait = 0.001
+    while True:
+        yield wait
+        wait = min(wait * 2, 0.02)
 
 
 class QemuBackend:
@@ -246,10 +257,11 @@ class QemuBackend:
             await self._pass_file(path, os.O_RDONLY, "incoming")
             await self._execute("migrate-incoming", uri="fd:incoming")
             deadline = asyncio.get_running_loop().time() + timeout
+            waits = _poll_waits()
             while (await self._execute("query-status"))["status"] == "inmigrate":
                 if asyncio.get_running_loop().time() > deadline:
                     raise HostError(f"restoring the memory snapshot took over {timeout:.0f} s")
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(next(waits))
             result = await self._execute("query-migrate")
         except (QMPError, EOFError, OSError) as e:  # QEMU exits when it cannot load the stream
             await self.wait_exit(5)
@@ -272,11 +284,12 @@ class QemuBackend:
             await self._pass_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "snapshot")
             await self._execute("migrate", uri="fd:snapshot")
             deadline = asyncio.get_running_loop().time() + timeout
+            waits = _poll_waits()
             while (status := await self._execute("query-migrate")).get("status") not in ("completed", "failed"):
                 if asyncio.get_running_loop().time() > deadline:
                     await self._execute("migrate_cancel")
                     raise HostError(f"writing the memory snapshot took over {timeout:.0f} s")
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(next(waits))
         except QMPError as e:
             raise HostError(f"QEMU cannot snapshot this guest ({e})") from e
         if status["status"] != "completed":
