@@ -41,6 +41,11 @@ BUS_PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
+def pipe_paths(base: Path) -> tuple[Path, Path]:
+    """What QEMU's pipe chardev with ``path=base`` opens: the guest's input, then its output."""
+    return base.with_name(base.name + ".in"), base.with_name(base.name + ".out")
+
+
 @dataclass(frozen=True)
 class StreamPipe:
     """The runtime's ends of one stream's pipes (QEMU holds the other ends); whoever takes them
@@ -87,8 +92,7 @@ class StreamPipes:
             link.symlink_to(inherited_path(fd))
 
     def _links(self, name: str) -> tuple[Path, Path]:
-        base = self.base(name)
-        return base.with_name(base.name + ".in"), base.with_name(base.name + ".out")
+        return pipe_paths(self.base(name))
 
     @property
     def qemu_fds(self) -> tuple[int, ...]:
@@ -128,7 +132,7 @@ class ConsoleFifos:
     neither open blocks), removed with ``remove``."""
 
     def __init__(self, base: Path) -> None:
-        self.input, self.output = base.with_name(base.name + ".in"), base.with_name(base.name + ".out")
+        self.input, self.output = pipe_paths(base)
         self.remove()  # an earlier boot's: that QEMU may still hold them
         try:
             os.mkfifo(self.input, 0o600)
@@ -152,4 +156,3 @@ class ConsoleFifos:
     def remove(self) -> None:
         for path in (self.input, self.output):
             path.unlink(missing_ok=True)
-
