@@ -150,6 +150,7 @@ class Power:
             if graceful:
                 await self.machine.powerdown(timeout)
         await self.machine.stop()
+        self._free_live_ram()
 
     async def off(self, *, graceful: bool, timeout: float) -> None:
         """Power off a guest that runs (or failed while running), and be Stopped."""
@@ -239,3 +240,9 @@ class Power:
             if self.machine.backend is backend:
                 self._readiness.disarm()
                 self._phases.fail(Phase.CRASHED, await self.machine.crashed())
+                self._free_live_ram()
+
+    def _free_live_ram(self) -> None:
+        """Its QEMU is gone: free a captured guest's RAM in a thread, beside what comes next."""
+        if (ram := self._snapshots.take_live_ram()) is not None:
+            self._spawn(asyncio.to_thread(ram.close))
