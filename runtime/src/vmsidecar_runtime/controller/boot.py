@@ -155,6 +155,8 @@ class Boot:
         except VmsidecarError as e:
             log.warning("the captured guest did not resume (%s); booting it cold again", e.message)
             await self._machine.stop()
+            if (ram := self._snapshots.take_live_ram()) is not None:
+                await asyncio.to_thread(ram.close)
             self._disks.drop_overlays()  # the disk it booted: a cold boot starts from the image
             await self._cold(spec)
             return False
