@@ -327,6 +327,8 @@ class SnapshotOps:
             if capture.ram is not None and frozen_disk is None:
                 capture.ram.close()
             elif capture.ram is not None:
+                if self._live_ram is not None:  # an earlier guest's, never taken: its QEMU is gone by now
+                    self._live_ram.close()
                 self._live_ram = capture.ram
         capture.seconds = round(time.monotonic() - capture.started, 3)
         metrics.snapshot_capture.observe(capture.seconds)
