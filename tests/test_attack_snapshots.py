@@ -119,7 +119,7 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     reason = state.snapshot.reason or ""
     print(f"RAM file rewritten: {state.snapshot}")
     assert state.snapshot.boot == "cold", state.snapshot
-    assert "ram" in reason and "sha256" in reason and "removed" in reason, reason
+    assert "ram" in reason and "BLAKE3" in reason and "removed" in reason, reason
     assert _sha256(_snapshot_dir(cache) / "ram") != tampered
     assert third.stop() == 0
 
@@ -158,7 +158,7 @@ async def test_the_snapshot_reaches_qemu_only_after_its_seal_check(tiny_image: A
         await wait_until_async(plan.qmp_socket.exists, 60, "QEMU's QMP socket")
         await asyncio.wait({launch}, timeout=1.0)  # the launch must not end without the check's verdict
         assert not launch.done(), launch  # QEMU is up and waits; the backend waits for the check
-        check.set_result("ram does not match the sha256 recorded at capture (altered on disk)")
+        check.set_result("ram does not match the BLAKE3 recorded at capture (altered on disk)")
         with pytest.raises(HostError, match=r"^the memory snapshot was not loaded: ram does not match"):
             await asyncio.wait_for(launch, 30)
     finally:

@@ -45,6 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from blake3 import blake3
+
 from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_contract.spec import Readiness, VmSpec
 from vmsidecar_contract.state import FORM_REASON_GPIO, FORM_REASON_RUNTIME
@@ -61,14 +63,14 @@ log = logging.getLogger(__name__)
 
 #: bump when the layout or the meaning of a snapshot changes: older ones are then never matched
 #: (2: every QEMU has the guest agent's port; the snapshot has meta.json; 3: sealed; 4: templated
-#: form, the agent's port has a device id)
-FORMAT = 4
+#: form, the agent's port has a device id; 5: the RAM file's seal is BLAKE3)
+FORMAT = 5
 TEMPLATED = "templated"
 STREAM = "stream"
 #: a RAM file's seal hashes it in chunks: a chunk in a hole (guest RAM never written, not on disk)
 #: is not read, its digest is the zero chunk's; the digest depends on the content only
 RAM_CHUNK = 4 << 20
-RAM_DIGEST = "sha256-4m:"
+RAM_DIGEST = "blake3-4m:"
 #: ``stream`` makes this runtime capture full-stream snapshots (a pool owner's choice: a cache
 #: volume whose files should not be mapped by every instance, e.g. a network file system)
 FORM_ENV = "VMSIDECAR_SNAPSHOT_FORM"
@@ -421,7 +423,7 @@ class SnapshotStore:
             if seals.get(name) != seal:
                 hashed.append(name)
                 if seal_digest(path) != digest:
-                    return f"{name} does not match the sha256 recorded at capture (altered on disk)"
+                    return f"{name} does not match the {seal_hash(name)} recorded at capture (altered on disk)"
             seals[name] = seal
         if hashed:
             log.info("snapshot %s: %s hashed against its seal in %.2f s", snap.path.name, ", ".join(hashed),
@@ -468,30 +470,91 @@ def seal_digest(path: Path) -> str:
     return hash_ram(path) if path.name == "ram" else hash_file(path)
 
 
+def seal_hash(name: str) -> str:
+    """The hash of the seal of the snapshot file ``name``, as messages name it."""
+    return "BLAKE3" if name == "ram" else "sha256"
+
+
 def hash_ram(path: Path) -> str:
-    """``RAM_DIGEST<hex>``: the sha256 of the sha256 of every ``RAM_CHUNK`` of a (sparse) RAM file,
-    in order; chunks are hashed on every core, holes are not read. Empty hex when it cannot be read."""
+    """``RAM_DIGEST<hex>``: the BLAKE3 of the BLAKE3 of every ``RAM_CHUNK`` of a (sparse) RAM file,
+    in order; chunks are hashed on every core, holes are not read. Empty hex when it cannot be read.
+
+    BLAKE3, not sha256 as the other files: the capture hashes the RAM with the guest paused, and
+    BLAKE3 runs at 6 GB/s on one core of the bench machine where sha256 (SHA-NI) does 1.7."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return RAM_DIGEST
     try:
-        size = os.fstat(fd).st_size
-        extents = _data_extents(fd, size)
-
-        def chunk_digest(start: int) -> bytes:
-            length = min(RAM_CHUNK, size - start)
-            if not any(s < start + length and start < e for s, e in extents):
-                return _zero_digest(length)
-            return hashlib.sha256(os.pread(fd, length, start)).digest()
-
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            digests = list(pool.map(chunk_digest, range(0, size, RAM_CHUNK)))
+        return hash_ram_chunks(fd)
     except OSError:
         return RAM_DIGEST
     finally:
         os.close(fd)
-    return RAM_DIGEST + hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def hash_ram_chunks(fd: int, copy_to: int | None = None) -> str:
+    """:func:`hash_ram` of the open file ``fd``; with ``copy_to``, each chunk's data is also written
+    at the same offset of that file (holes stay holes), so one pass over the RAM both copies and
+    hashes it, the chunks spread over every core.
+
+    Each thread reads into one buffer of its own (a new 4 MiB object per chunk cost more than the
+    hash), and only the data: a hole is hashed as the zeros it reads as, never read (reading a
+    memfd's hole through a mapping would allocate it).
+
+    :raise OSError: ``fd`` cannot be read, or ``copy_to`` cannot be written.
+    """
+    size = os.fstat(fd).st_size
+    extents = _data_extents(fd, size)
+    buffers = threading.local()
+
+    def chunk_digest(start: int) -> bytes:
+        end = min(start + RAM_CHUNK, size)
+        parts = [(max(s, start), min(e, end)) for s, e in extents if s < end and start < e]
+        if not parts:
+            return _zero_digest(end - start)
+        if not hasattr(buffers, "view"):
+            buffers.view = memoryview(bytearray(RAM_CHUNK))
+        digest, at = blake3(), start
+        for a, b in parts:
+            if at < a:
+                digest.update(_zeros()[: a - at])
+            data = _read_exactly(fd, buffers.view[: b - a], a)
+            digest.update(data)
+            if copy_to is not None:
+                _write_all(copy_to, data, a)
+            at = b
+        if at < end:
+            digest.update(_zeros()[: end - at])
+        return digest.digest()
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        digests = list(pool.map(chunk_digest, range(0, size, RAM_CHUNK)))
+    return RAM_DIGEST + blake3(b"".join(digests)).hexdigest()
+
+
+def _read_exactly(fd: int, into: memoryview, offset: int) -> memoryview:
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"the file ended at offset {offset + done}")
+        done += got
+    return into
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        written = os.pwrite(fd, data[done:], offset + done)
+        if written == 0:
+            raise OSError(errno.EIO, f"nothing written at offset {offset + done}")
+        done += written
+
+
+@functools.cache
+def _zeros() -> memoryview:
+    return memoryview(bytes(RAM_CHUNK))
 
 
 def _data_extents(fd: int, size: int) -> list[tuple[int, int]]:
@@ -514,7 +577,7 @@ def _data_extents(fd: int, size: int) -> list[tuple[int, int]]:
 
 @functools.cache
 def _zero_digest(length: int) -> bytes:
-    return hashlib.sha256(bytes(length)).digest()
+    return blake3(bytes(length)).digest()
 
 
 def _frozen_overlay_problem(snap: Snapshot, base: DiskImage) -> str | None:

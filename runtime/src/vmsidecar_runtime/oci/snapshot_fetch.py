@@ -40,7 +40,7 @@ from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC
 from ..procs import child_env
 from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
-from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest
+from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
 from .cache import remove_tree, stat_seal
 from .mediatypes import (
     ANNOTATION_TITLE,
@@ -298,7 +298,7 @@ def _stage(client: RegistryClient, digest: str, doc: dict, store: SnapshotStore,
             except OSError:
                 seal = {}
             if seal_digest(staged.path / name) != sealed:  # a RAM file's by chunks
-                raise SourceRefused("tampered", f"{name} of {where} does not match the sha256 its {META_FILE} "
+                raise SourceRefused("tampered", f"{name} of {where} does not match the {seal_hash(name)} its {META_FILE} "
                                     f"recorded at capture; {RESEND}")
             hashed[name] = (sealed, seal)
     except BaseException:
