@@ -60,7 +60,9 @@ async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles:
     try:
         if dirty_mb:
             await _dirty(rt.shared / "console.sock", dirty_mb, 300)
-        state = await rt.wait_ready(900, poll=0.05)
+        await rt.wait_ready(900, poll=0.05)
+        async with RuntimeClient(rt.socket) as client:
+            state = await client.wait_stored(300)  # the capture is stored just after Ready
         assert state.snapshot.form == form and state.snapshot.available, state.snapshot
         print(f"  captured {form}: {state.snapshot.capture_seconds} s, {state.snapshot.size / 2**20:.0f} MB", flush=True)
         times = []

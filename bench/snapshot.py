@@ -190,8 +190,10 @@ async def ready_runtime(guest: Guest, work: Path, cache: Path, res: Results,
     started = time.monotonic()
     # the stop is not measured; a short grace keeps the benchmark short
     with RuntimeProcess.start(work, spec=spec, cache=cache, args=["--grace", "5"]) as rt:
-        state = await rt.wait_ready(guest.timeout, poll=0.02)
+        await rt.wait_ready(guest.timeout, poll=0.02)
         res.add(guest.name, leg, time.monotonic() - started)
+        async with RuntimeClient(rt.socket) as client:
+            state = await client.wait_stored()  # a capture is stored just after Ready (not timed)
         yield rt, state
 
 

@@ -85,7 +85,8 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     args = ["--cache-dir", str(cache)]
 
     first = await start_runtime(spec, name="capture", extra_args=args)
-    state = await first.client().wait_ready(240)
+    await first.client().wait_ready(240)
+    state = await first.client().wait_stored()
     assert state.snapshot.available, state.snapshot
     assert first.stop() == 0
     snap = _snapshot_dir(cache)
@@ -101,6 +102,7 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     tampered = _sha256(snap / "memory")
     second = await start_runtime(spec, name="after-memory", extra_args=args)
     state = await second.client().wait_ready(240)
+    await second.client().wait_stored()  # its cold boot's capture is stored just after Ready
     reason = state.snapshot.reason or ""
     assert state.snapshot.boot == "cold", state.snapshot
     print(f"memory rewritten: {reason}")
@@ -116,6 +118,7 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     tampered = _sha256(snap / "ram")
     third = await start_runtime(spec, name="after-ram", extra_args=args)
     state = await third.client().wait_ready(240)
+    await third.client().wait_stored()  # its cold boot's capture is stored just after Ready
     reason = state.snapshot.reason or ""
     print(f"RAM file rewritten: {state.snapshot}")
     assert state.snapshot.boot == "cold", state.snapshot
@@ -129,6 +132,7 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     _forge_seal(snap, "disk.qcow2")
     third = await start_runtime(spec, name="after-overlay", extra_args=args)
     state = await third.client().wait_ready(240)
+    await third.client().wait_stored()  # its cold boot's capture is stored just after Ready
     reason = state.snapshot.reason or ""
     assert state.snapshot.boot == "cold", state.snapshot
     print(f"overlay replaced, seal forged: {reason}")

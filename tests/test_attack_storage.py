@@ -77,13 +77,15 @@ async def test_the_cache_evicts_the_least_recently_used_but_never_what_a_vm_uses
     # an old snapshot no runtime uses any more
     old = await start_runtime({"image": image, "memory": "256M", "channels": [{"name": "evict-old"}]},
                               name="old", extra_args=args)
-    assert (await old.client().wait_ready(240)).snapshot.available
+    await old.client().wait_ready(240)
+    assert (await old.client().wait_stored()).snapshot.available
     old.stop()
     [old_snap] = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
     # a live VM: its base image and the snapshot it runs on are in use
     live = await start_runtime({"image": image, "memory": "256M", "channels": [{"name": "evict-live"}]},
                                name="live", extra_args=args)
-    assert (await live.client().wait_ready(240)).snapshot.available
+    await live.client().wait_ready(240)
+    assert (await live.client().wait_stored()).snapshot.available
     [live_snap] = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".") and p != old_snap]
     [base] = list((cache / "disks").iterdir())
 

@@ -219,3 +219,30 @@ async def test_a_corrupted_cache_entry_is_detected_and_pulled_again(
     assert "pulling it again" in rt.log_text(), rt.log_text()[-2000:]
     if damage == "flipped":
         await _marker(rt, "tiny")
+
+
+async def test_a_capture_the_cache_cannot_store_leaves_the_guest_ready_and_no_snapshot(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    # the cache holds the tiny guest's image (13 MiB) but not its snapshot's RAM (~140 MiB): the
+    # capture's pause copies the RAM into memory, the store after Ready hits ENOSPC
+    with tmpfs(tmp_path / "cache", "40m") as cache:
+        rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"},
+                                 extra_args=["--cache-dir", str(cache)])
+        client = rt.client()
+        await client.wait_ready(240)
+        state = await client.wait_stored()
+        assert state.phase.value == "Ready" and not state.snapshot.available, state.snapshot
+        reason = state.snapshot.reason or ""
+        assert "could not be written" in reason and "give the cache volume room" in reason, reason
+        assert list((cache / "snapshots").glob("*")) == [], "a half-stored snapshot was kept"
+        con = await Console.open(rt.shared / "console.sock")
+        try:
+            await con.wake()
+            assert "STILL-42" in await con.run("echo STILL-$((40+2))")  # the lease's guest runs on
+        finally:
+            await con.close()
+        # the next boot finds no snapshot: cold, and Ready again
+        await client.recycle()
+        state = await client.wait_ready(240)
+        assert state.snapshot.boot == "cold", state.snapshot

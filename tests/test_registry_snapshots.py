@@ -11,6 +11,7 @@ tests/test_attack_registry_snapshots.py covers each refusal in detail without a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -26,9 +27,11 @@ from typing import Any
 import pytest
 from test_snapshots import _lease_leaves_traces, _probe, _recycle
 
+from fixtures.faults import wait_phase
 from fixtures.registry import Crafter, RunningRegistry, copy_manifest, start_registry
 from vmsidecar_contract.blocking import BlockingRuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import push_artifact
 from vmsidecar_runtime.oci.mediatypes import OCI_INDEX
 from vmsidecar_runtime.oci.reference import parse_reference
@@ -72,7 +75,8 @@ def published(registry: RunningRegistry, tiny_image: Any, tmp_path_factory: pyte
     rt = RuntimeProcess.start(work / "capture", spec=spec, cache=cache, args=["--grace", "20"], env=env)
     try:
         rt.wait_serving_blocking()
-        state = BlockingRuntimeClient(rt.socket).wait_ready(240)
+        BlockingRuntimeClient(rt.socket).wait_ready(240)
+        state = BlockingRuntimeClient(rt.socket).wait_stored()  # the capture is stored just after Ready
         assert state["snapshot"]["boot"] == "cold" and state["snapshot"]["available"], state["snapshot"]
     finally:
         assert rt.stop() == 0, rt.log_text()[-3000:]
@@ -187,6 +191,7 @@ async def test_a_tampered_artifact_is_refused_and_the_pod_boots_cold(
         spec = {**published.spec, "snapshotSource": f"{reg.host}/{published.repo}"}
         rt = await start_runtime(spec, cache=tmp_path / "cache")
         state = await rt.client().wait_ready(240)
+        await rt.client().wait_stored()  # its cold boot's capture is stored just after Ready
     assert state.snapshot.boot == "cold" and state.snapshot.source_refusal == "tampered", state.snapshot
     assert not list((tmp_path / "cache" / "snapshots").glob(".incoming-*"))
 
@@ -206,6 +211,7 @@ async def test_a_snapshot_in_another_repository_is_never_read(start_runtime: Any
     state = await rt.client().wait_ready(240)
     assert state.snapshot.boot == "cold" and state.snapshot.source_refusal == "not_found", state.snapshot
     assert "regsnap/elsewhere has no snapshot artifact" in (state.snapshot.reason or ""), state.snapshot
+    assert (await rt.client().wait_stored()).snapshot.available
     assert os.path.isdir(tmp_path / "cache" / "snapshots" / published.key)  # captured here, at Ready
 
 
@@ -222,3 +228,41 @@ def test_vmsidecar_shell_starts_from_the_registry_on_an_empty_cache(published: P
     assert result.returncode == 0, result.stderr[-3000:]
     state = json.loads(result.stdout[result.stdout.index("{"):])
     assert state["phase"] == "Ready" and state["snapshot"]["boot"] == "registry_warm", state["snapshot"]
+
+
+async def test_a_push_during_the_boot_waits_for_its_capture(start_runtime: Any, published: Published,
+                                                             tmp_path: Path) -> None:
+    """"Serve until Ready, then push" while the capture is still being stored (it is, just after
+    Ready): the push waits for a capture of its key under way in a live runtime on its cache. Made
+    certain here: the push starts while the guest boots, which cannot be Ready before the test types
+    the line its readiness pattern waits for."""
+    spec = {**published.spec, "channels": [{"name": "push-wait"}], "readiness": {"pattern": "PUSH-WAIT-42"}}
+    cache = tmp_path / "cache"
+    rt = await start_runtime(spec, cache=cache)
+    client = rt.client()
+    await wait_phase(client, "Running", timeout=240)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    push = subprocess.Popen([sys.executable, "-m", "vmsidecar_runtime.oci.cli", "snapshot", "push",
+                             f"{published.registry.host}/regsnap/push-wait", "--cache", str(cache),
+                             "--spec", str(spec_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean_environ(keep=ENV_KEEP))
+    try:
+        assert push.stderr is not None
+        waiting = await asyncio.wait_for(asyncio.to_thread(push.stderr.readline), 120)
+        assert "waiting for the capture under way" in waiting, waiting
+        assert push.poll() is None
+        con = await Console.open(rt.shared / "console.sock")
+        try:
+            await con.wake()
+            await con.run("echo PUSH-WAIT-$((40+2))")  # the shell's answer, not the echo of the line
+        finally:
+            await con.close()
+        out, err = await asyncio.to_thread(push.communicate, timeout=120)
+    finally:
+        if push.poll() is None:
+            push.kill()
+    assert push.returncode == 0, err
+    state = await client.state()
+    assert state.snapshot.boot == "cold" and state.snapshot.available, state.snapshot
+    assert out.strip().startswith(f"{published.registry.host}/regsnap/push-wait@sha256:"), out

@@ -57,7 +57,8 @@ async def test_debian_guest_clock_is_corrected_after_a_restore(start_runtime: An
     # a channel no other test's spec has: a snapshot key of its own, so this first boot captures
     rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G", "channels": [{"name": "clock"}]})
     client = rt.client()
-    first = await client.wait_ready(600)
+    await client.wait_ready(600)
+    first = await client.wait_stored()  # the capture is stored just after Ready
     assert first.snapshot.boot == "cold" and first.snapshot.available, first.snapshot
     # the capture found the agent, and the captured boot continuing from the snapshot had its clock set
     assert first.snapshot.clock == "corrected", first.snapshot
@@ -82,7 +83,8 @@ async def test_a_guest_without_agent_restores_as_fast_and_says_so(start_runtime:
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "clock-tiny"}]}
     rt = await start_runtime(spec)
     client = rt.client()
-    first = await client.wait_ready(240)
+    await client.wait_ready(240)
+    first = await client.wait_stored()
     assert first.snapshot.boot == "cold" and first.snapshot.available, first.snapshot
     assert first.snapshot.clock == "no guest agent", first.snapshot
     state, seconds = await _recycle(client)
@@ -97,6 +99,7 @@ async def test_a_guest_without_agent_restores_as_fast_and_says_so(start_runtime:
     state, _ = await _recycle(client)
     assert state.snapshot.boot == "cold" and "captures one" in (state.snapshot.reason or ""), state.snapshot
     assert state.snapshot.clock == "no guest agent", state.snapshot  # the captured boot goes on restored
+    assert (await client.wait_stored()).snapshot.available
     assert newest.is_file(), "the cold boot captured the snapshot again"
     state, _ = await _recycle(client)
     assert state.snapshot.boot == "restored" and state.snapshot.clock == "no guest agent", state.snapshot

@@ -90,7 +90,8 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "isolation"}]}
     rt = await start_runtime(spec, backend=backend, env={"VMSIDECAR_SNAPSHOT_FORM": form} if form else None)
     client = rt.client()
-    first = await client.wait_ready(240)
+    await client.wait_ready(240)
+    first = await client.wait_stored()  # the capture is stored just after Ready
     console = rt.shared / "console.sock"
     if backend == "qemu":
         assert first.snapshot.boot == "cold" and first.snapshot.available and first.snapshot.size
@@ -139,7 +140,8 @@ async def test_instances_of_one_template_keep_their_ram_to_themselves(start_runt
     # all three run at once from the same RAM file, each writes its own data to its RAM
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "template"}]}
     first = await start_runtime(spec, name="one")
-    state = await first.client().wait_ready(240)
+    await first.client().wait_ready(240)
+    state = await first.client().wait_stored()
     assert state.snapshot.form == "templated" and state.snapshot.available, state.snapshot
     snap = next(p for p in (image_cache / "snapshots").iterdir() if not p.name.startswith("."))
     ram = snap / "ram"
@@ -167,7 +169,7 @@ async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "warm"}]}
     first = await start_runtime(spec, name="first")
     await first.client().wait_ready(240)
-    assert (await first.client().state()).snapshot.available
+    assert (await first.client().wait_stored()).snapshot.available
     # nothing of the capture lingers beside the guest: the one memfd the runtime holds is the RAM the
     # captured guest runs on (its QEMU maps it; the runtime frees it once that QEMU is gone)
     (qemu,) = qemu_pids(str(first.state))
@@ -213,7 +215,8 @@ async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runti
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "shared-cache"}]}
     one, two = await asyncio.gather(start_runtime(spec, name="one", cache=image_cache),
                                     start_runtime(spec, name="two", cache=image_cache))
-    states = await asyncio.gather(one.client().wait_ready(240), two.client().wait_ready(240))
+    await asyncio.gather(one.client().wait_ready(240), two.client().wait_ready(240))
+    states = await asyncio.gather(one.client().wait_stored(), two.client().wait_stored())
     assert all(s.snapshot.available for s in states), [s.snapshot for s in states]
     root = image_cache / "snapshots"
     assert not list(root.glob(".incoming-*")) and not list(root.glob(".trash-*")), list(root.iterdir())
@@ -308,7 +311,8 @@ async def test_the_captured_boot_goes_on_in_its_process_and_its_lease_keeps_its_
     client = rt.client()
     await wait_phase(client, "Running", timeout=240)
     booting = qemu_pids(str(rt.state))
-    first = await client.wait_ready(240)
+    await client.wait_ready(240)
+    first = await client.wait_stored()
     assert first.snapshot.boot == "cold" and first.snapshot.available and first.snapshot.capture_seconds, first.snapshot
     assert len(booting) == 1 and qemu_pids(str(rt.state)) == booting, "the captured boot moved to another QEMU"
     assert (rt.state / "overlay-base.qcow2").is_file()

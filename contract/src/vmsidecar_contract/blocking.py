@@ -234,3 +234,16 @@ class BlockingRuntimeClient:
             if wait.ready(str(state.get("phase")), state.get("last_error"), time.monotonic()):
                 return state
             time.sleep(poll)
+
+    def wait_stored(self, timeout: float = 60.0, *, poll: float = 0.05) -> dict[str, Any]:
+        """Poll until no capture is being written into the cache (``snapshot.storing`` false), as
+        :meth:`.client.RuntimeClient.wait_stored`.
+
+        :raise TimeoutError: when it is still being stored after ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while (state := self.state()).get("snapshot", {}).get("storing"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the captured snapshot was still being stored after {timeout:.0f} s")
+            time.sleep(poll)
+        return state

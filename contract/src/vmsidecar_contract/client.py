@@ -271,6 +271,19 @@ class RuntimeClient:
             await asyncio.sleep(poll)
 
 
+    async def wait_stored(self, timeout: float = 60.0, *, poll: float = 0.05) -> VmState:
+        """Poll until no capture is being written into the cache (``snapshot.storing`` false; a
+        capture whose guest went on is stored just after Ready): ``snapshot.available`` then says
+        whether the snapshot is there.
+
+        :raise TimeoutError: when it is still being stored after ``timeout``.
+        """
+        async with asyncio.timeout(timeout):
+            while (state := await self.state()).snapshot.storing:
+                await asyncio.sleep(poll)
+        return state
+
+
 async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
     with open(path, "rb") as fh:
         while chunk := await asyncio.to_thread(fh.read, 1 << 20):

@@ -79,7 +79,11 @@ class SnapshotInfo(BaseModel):
     reason: str | None = None
     #: the snapshot in the cache for this spec and image, if any
     available: bool = False
+    #: a capture whose guest went on (Ready) is being written into the cache: ``available`` turns
+    #: true when it is there (a fraction of a second after Ready; the next boot waits for it)
+    storing: bool = False
     size: int | None = None
+    #: how long the capture kept the guest paused (what it added to the cold start's Ready)
     capture_seconds: float | None = None
     restore_seconds: float | None = None
     #: the guest's wall clock after this boot's restore (a restored guest resumes at the capture

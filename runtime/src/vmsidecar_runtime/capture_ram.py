@@ -71,6 +71,22 @@ def copy_ram(ram: CaptureRam, dest: Path) -> tuple[str, dict]:
     return sealed, stat_seal(st)
 
 
+def seal_into(ram: CaptureRam, frozen: CaptureRam) -> str:
+    """``ram`` copied into the empty memfd ``frozen`` (holes stay holes), hashed in the same pass;
+    returns the seal digest (blocking: in a thread, the guest stopped).
+
+    :raise HostError: the host has no memory for the copy.
+    """
+    assert ram.fd is not None and frozen.fd is not None
+    try:
+        os.ftruncate(frozen.fd, os.fstat(ram.fd).st_size)
+        return hash_ram_chunks(ram.fd, copy_to=frozen.fd)
+    except OSError as e:
+        raise HostError(f"the snapshot's RAM could not be copied out of the guest's ({e.strerror or e}); "
+                        "give the runtime memory for a second copy of the guest's RAM while it is stored, "
+                        "or set snapshot: off") from e
+
+
 def _unwritable(dest: Path, e: OSError) -> HostError:
     return HostError(f"the snapshot's RAM could not be written into {dest.parent.parent} ({e.strerror or e}); "
                      "give the cache volume room for it, or set snapshot: off")

@@ -79,7 +79,8 @@ boot_to_ready = Histogram("vmsidecar_boot_to_ready_seconds", "From a boot's star
                           ["kind"], buckets=_BOOT_BUCKETS, registry=REGISTRY)
 recycle_to_ready = Histogram("vmsidecar_recycle_to_ready_seconds", "From a recycle's start to the fresh guest's Ready",
                              buckets=_BOOT_BUCKETS, registry=REGISTRY)
-snapshot_capture = Histogram("vmsidecar_snapshot_capture_seconds", "Memory snapshot captures, from pause to commit",
+snapshot_capture = Histogram("vmsidecar_snapshot_capture_seconds", "Memory snapshot captures, the guest paused "
+                             "(to the commit, or to the frozen copy of a guest that goes on)",
                              buckets=_BOOT_BUCKETS, registry=REGISTRY)
 snapshot_restore = Histogram("vmsidecar_snapshot_restore_seconds", "Memory snapshot restores, checks to running "
                              "(the clock's correction included)", buckets=_BOOT_BUCKETS, registry=REGISTRY)

@@ -264,6 +264,35 @@ class SnapshotStore:
                 os.unlink(DiskCache(self._cache).locks / f"staging.{path.name}.lock")
             os.close(fd)
 
+    def wait_for(self, key: str, timeout: float, waiting: Callable[[], None] | None = None) -> Snapshot | None:
+        """The snapshot for ``key``, once a live runtime capturing it has stored it (a capture is
+        stored just after that runtime's Ready; a cold boot that is to capture one holds its staging
+        from its start); None at once when no capture of ``key`` is under way, or after ``timeout``.
+        ``waiting`` is called once if it has to wait."""
+        deadline = time.monotonic() + timeout
+        while (snap := self.find(key)) is None and self._capture_under_way(key) and time.monotonic() < deadline:
+            if waiting is not None:
+                waiting()
+                waiting = None
+            time.sleep(0.1)
+        return snap
+
+    def _capture_under_way(self, key: str) -> bool:
+        """Whether a live process holds the lock of a staging directory of ``key``."""
+        locks = DiskCache(self._cache).locks
+        for path in self.root.glob(f".incoming-{key}-*"):
+            try:
+                fd = os.open(locks / f"staging.{path.name}.lock", os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:  # its runtime holds it
+                return True
+            finally:
+                os.close(fd)
+        return False
+
     def remove_abandoned_staging(self) -> list[str]:
         """Remove the staging directories of captures whose runtime died (SIGKILL, a node's OOM
         killer): a templated capture's holds the RAM of the guest that booted on it. A live runtime's

@@ -133,9 +133,10 @@ class Boot:
             self._streams.release_input()
 
     async def _continue_in_place(self, spec: VmSpec, capture: Capture, backend: Backend) -> bool | None:
-        """Store the snapshot while the captured guest is paused, then let it run on in its process,
-        its writes going to a new overlay over the frozen disk (no new process, no restore: 0.1 s
-        less at a cold start's Ready, and the first lease's guest keeps what TCG translated).
+        """Copy the snapshot out of the captured guest's reach while it is paused (sealed), then let
+        it run on in its process, its writes going to a new overlay over the frozen disk (no new
+        process, no restore: 0.1 s less at a cold start's Ready, and the first lease's guest keeps
+        what TCG translated), the snapshot written into the store beside it.
 
         The snapshot is first restored at the next recycle; a snapshot QEMU refuses then is
         discarded and that boot is cold (``Boot._restore``). Returns None when the backend cannot
@@ -149,7 +150,9 @@ class Boot:
             return None
         await self._streams.output_read()  # what the guest wrote before it paused belongs in the snapshot
         consoles = self._streams.boot_outputs()
-        snap = await self._snapshots.commit(capture, consoles, frozen_disk=frozen)
+        copied = await self._snapshots.freeze(capture, frozen)
+        if copied is not None:  # stored whether the guest resumes or not: what it is made of is copied
+            self._snapshots.store_in_background(capture, copied, consoles)
         try:
             await backend.resume()
         except VmsidecarError as e:
@@ -160,8 +163,8 @@ class Boot:
             self._disks.drop_overlays()  # the disk it booted: a cold boot starts from the image
             await self._cold(spec)
             return False
-        if snap is not None:
+        if copied is not None:
             assert self._machine.plan is not None
             # the guest's clock stood still while it was paused: set like a restored guest's
-            await self._snapshots.went_on(capture, snap, self._machine.plan.guest_agent_socket)
+            await self._snapshots.went_on(capture, self._machine.plan.guest_agent_socket)
         return True

@@ -18,8 +18,18 @@ class Capture:
     started: float
     #: the boot's RAM (a templated capture), copied into ``staged`` at the commit
     ram: CaptureRam | None = None
-    #: seconds from the start to the commit
+    #: seconds from the pause to the commit, or to the frozen copy of a guest that goes on in its process
     seconds: float = 0.0
+
+
+@dataclass
+class FrozenCapture:
+    """A capture whose guest went on: its RAM copied out of the guest's reach, sealed, to be stored."""
+
+    #: a copy of the guest's RAM at the capture (a templated capture), else None (a full stream)
+    ram: CaptureRam | None
+    #: the RAM's seal digest, taken with the guest paused
+    sealed: str | None
 
 
 @dataclass

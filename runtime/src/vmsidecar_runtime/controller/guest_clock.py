@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 from ..backend import guest_agent
-from ..snapshots import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -18,12 +17,12 @@ CLOCK_CORRECTED = "corrected"
 CLOCK_NO_AGENT = "no guest agent"
 
 
-async def correct_clock(snap: Snapshot, agent_socket: Path) -> str:
-    """Set the restored guest's clock to the host's when the capture found an agent; what happened
-    (``snapshot.clock`` of ``GET /v1/vm``). Returns once the agent has read ``guest-set-time``
-    (it sets the clock then), not at its answer, which waits for ``hwclock -w`` (up to ~2.6 s)."""
-    meta = snap.meta()
-    if meta is None or not meta.guest_agent:
+async def correct_clock(has_agent: bool, agent_socket: Path) -> str:
+    """Set the restored guest's clock to the host's when the capture found an agent
+    (``has_agent``, as the snapshot's meta records it); what happened (``snapshot.clock`` of
+    ``GET /v1/vm``). Returns once the agent has read ``guest-set-time`` (it sets the clock then),
+    not at its answer, which waits for ``hwclock -w`` (up to ~2.6 s)."""
+    if not has_agent:
         return CLOCK_NO_AGENT
     started = time.monotonic()
     try:

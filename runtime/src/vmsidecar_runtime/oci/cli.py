@@ -208,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
 
         cache = args.cache or Path(os.environ.get(ENV_CACHE) or DEFAULT_CACHE)
         start = time.monotonic()
-        pushed = push_snapshot(args.ref, cache, spec_from_sources(args.spec), plain_http=args.plain_http)
+        pushed = push_snapshot(args.ref, cache, spec_from_sources(args.spec), plain_http=args.plain_http,
+                               waiting=lambda: print("waiting for the capture under way in a runtime on this cache",
+                                                     file=sys.stderr, flush=True))
         print(pushed.reference)
         print(f"snapshot {pushed.key} of {pushed.subject}: {pushed.entry_bytes >> 20} MB in the cache, "
               f"{pushed.pushed_bytes >> 20} MB pushed in {time.monotonic() - start:.2f} s"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,10 @@ from .reference import parse_reference
 from .registry import RegistryClient
 from .snapshot_artifact import COMPRESS_FROM, META_FILE, referrers_tag
 
+#: how long a push waits for a capture of its snapshot under way in a runtime on the same cache (a
+#: cold boot that is to capture holds its staging from its start: a Debian boot under TCG is ~30 s)
+CAPTURE_WAIT_S = 300.0
+
 
 @dataclass(frozen=True)
 class PushedSnapshot:
@@ -57,8 +62,10 @@ class PushedSnapshot:
     tag_schema: bool
 
 
-def push_snapshot(ref: str, cache: Path, spec: VmSpec, *, plain_http: bool | None = None) -> PushedSnapshot:
-    """Publish the snapshot of ``spec`` in ``cache`` to ``ref`` (``REGISTRY/REPO[:TAG]``).
+def push_snapshot(ref: str, cache: Path, spec: VmSpec, *, plain_http: bool | None = None,
+                  waiting: Callable[[], None] | None = None) -> PushedSnapshot:
+    """Publish the snapshot of ``spec`` in ``cache`` to ``ref`` (``REGISTRY/REPO[:TAG]``); a capture
+    of it under way in a runtime on ``cache`` is waited for (``waiting`` is called then).
 
     :raise BadReferenceError: ``ref`` is not a registry repository (or pins a digest).
     :raise ImageError: the spec has no OCI image, the cache has no (intact) snapshot for it.
@@ -79,7 +86,7 @@ def push_snapshot(ref: str, cache: Path, spec: VmSpec, *, plain_http: bool | Non
     base = DiskImage(pulled.path, pulled.format, pulled.digest, spec.image, pulled.annotations, pulled.manifest_digest)
     identity = identify(spec, base, choose_accel(spec.accel, spec.arch).accel)
     store = SnapshotStore(cache)
-    snap = store.find(identity.key)
+    snap = store.wait_for(identity.key, CAPTURE_WAIT_S, waiting)
     if snap is None:
         raise ImageError(
             f"{cache} holds no snapshot of this spec (key {identity.key}); run the runtime with this spec and "
