@@ -11,9 +11,11 @@ The HTTP policy under them (auth, TLS, timeouts, bounded retries on top of oras-
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
 
@@ -23,9 +25,13 @@ from vmsidecar_runtime.image.digest import sha256_digest
 from .auth import HOW_TO_INSECURE, Credentials, RegistryConfig, current_config
 from .mediatypes import ACCEPT, OCI_INDEX, load_document
 from .reference import Reference
-from .transport import TRIES, OrasRegistry, Unreachable
+from .transport import TRIES, OrasRegistry, Unreachable, origin
+
+log = logging.getLogger(__name__)
 
 MAX_MANIFEST = 4 << 20
+#: pages of a paginated referrers listing read at most (each up to MAX_MANIFEST)
+REFERRER_PAGES = 16
 CHUNK = 1 << 20
 
 
@@ -220,23 +226,40 @@ class RegistryClient:
             raise self._fail(response, "pushing the manifest", f"{self.ref.name}:{reference}")
         return response
 
-    def referrers(self, digest: str, artifact_type: str) -> dict | None:
-        """The OCI 1.1 referrers index of ``digest`` filtered by ``artifact_type``, or None when the
-        registry has no referrers API (a 404: the caller reads the referrers tag schema instead).
+    def referrers(self, digest: str, artifact_type: str, limit: int) -> list | None:
+        """The descriptors of ``artifact_type`` in the OCI 1.1 referrers index of ``digest`` (asked
+        filtered, which a registry may ignore), up to ``limit`` of them over at most
+        ``REFERRER_PAGES`` pages (``Link: <…>; rel="next"``; a page on another host is not asked
+        for: nothing of this registry's goes there); None when the registry has no referrers API (a
+        404: the caller reads the referrers tag schema instead).
 
         :raise RegistryError: unreachable, unauthorized, or an answer that is not an index.
         """
-        url = f"{self.scheme}://{self.host}/v2/{self.ref.repository}/referrers/{digest}"
+        base = f"{self.scheme}://{self.host}"
+        url: str | None = f"{base}/v2/{self.ref.repository}/referrers/{digest}?{urlencode({'artifactType': artifact_type})}"
         subject = f"{self.ref.name} referrers of {digest}"
-        response = self._call("listing referrers", "GET", f"{url}?artifactType={artifact_type}",
-                              headers={"Accept": OCI_INDEX}, stream=True)
-        with contextlib.closing(response):
-            if response.status_code == 404:
-                return None
-            if response.status_code != 200:
-                raise self._fail(response, "the referrers", subject)
-            data = _read_limited(response, MAX_MANIFEST, subject)
-        return RawManifest(data, OCI_INDEX, sha256_digest(data)).json()
+        found: list = []
+        for page in range(REFERRER_PAGES):
+            assert url is not None
+            response = self._call("listing referrers", "GET", url, headers={"Accept": OCI_INDEX}, stream=True)
+            with contextlib.closing(response):
+                if response.status_code == 404 and page == 0:
+                    return None
+                if response.status_code != 200:
+                    raise self._fail(response, "the referrers", subject)
+                data = _read_limited(response, MAX_MANIFEST, subject)
+                link = response.links.get("next", {}).get("url")
+            entries = RawManifest(data, OCI_INDEX, sha256_digest(data)).json().get("manifests")
+            found += [e for e in (entries if isinstance(entries, list) else [])  # whether it filtered or not
+                      if isinstance(e, dict) and e.get("artifactType") == artifact_type]
+            url = urljoin(url, link) if link else None
+            if url is None or len(found) >= limit:
+                break
+            if origin(url) != origin(base):
+                log.warning("the referrers of %s on %s link a next page on another host (%s): not followed",
+                            digest, self.host, urlsplit(url).netloc)
+                break
+        return found[:limit]
 
     def tags(self) -> list[str] | None:
         """The repository's tags (first page); ``None`` when the repository does not exist.

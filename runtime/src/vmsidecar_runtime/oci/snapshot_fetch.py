@@ -183,13 +183,11 @@ def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity,
     """The digest and manifest document of the artifact to fetch (fetched by digest, checked in
     every identity field not in ``ignore``)."""
     where = client.ref.name
-    listing = client.referrers(subject, SNAPSHOT_ARTIFACT_TYPE)
-    if listing is None:  # no referrers API: the tag schema
+    candidates = _candidates(client.referrers(subject, SNAPSHOT_ARTIFACT_TYPE, MAX_CANDIDATES) or [])
+    if not candidates:  # no referrers API, or one that lists none of ours (pushed before it had one): the tag schema
         raw = client.get_manifest_or_none(referrers_tag(subject))
         listing = raw.json() if raw is not None else {}
-    entries = listing.get("manifests") if isinstance(listing.get("manifests"), list) else []
-    candidates = [d for d in entries[:MAX_CANDIDATES] if isinstance(d, dict)
-                  and d.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE and is_digest(d.get("digest"))]
+        candidates = _candidates(listing.get("manifests") if isinstance(listing.get("manifests"), list) else [])
     if not candidates:
         raise SourceRefused("not_found", f"{where} has no snapshot artifact for the image's manifest {subject}; "
                             "publish one with vmsidecar-oci snapshot push")
@@ -212,6 +210,12 @@ def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity,
         first = first or (problem[0], f"the snapshot artifact {digest} in {where} is refused: {problem[1]}")
     assert first is not None
     raise SourceRefused(first[0], f"{first[1]}; {PUBLISH}")
+
+
+def _candidates(entries: list) -> list[dict]:
+    """The listed descriptors of snapshot artifacts (a registry may list every artifact type)."""
+    return [d for d in entries[:MAX_CANDIDATES] if isinstance(d, dict)
+            and d.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE and is_digest(d.get("digest"))]
 
 
 def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity,
