@@ -1,0 +1,125 @@
+"""Cold start timeline: where a cold start spends what the bare QEMU boot does not, run by run.
+
+    uv run python bench/cold_timeline.py [--runs 5] [--guest tiny|debian]
+
+Each run boots the guest bare (as ``bench/snapshot.py``'s first leg) and then with ``serve`` on a
+fresh cache (its second leg), and prints for the latter: when its QEMU was spawned (from
+``/proc``, after the process started), the pull, QEMU launch → marker (``timings.ready``), the
+guest's own uptime in its marker line (``VMSIDECAR-READY … uptime=``, which both boots print:
+equal uptimes put a difference before the guest's kernel, or outside the guest), the capture's
+pause (``snapshot.capture_seconds``) and start → Ready; then the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from snapshot import MARKER, Guest, bare_argv, resolve_guest  # bench/ is no package
+
+from vmsidecar_contract.arch import host_arch
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess
+from vmsidecar_runtime.accel import AccelChoice, choose_accel
+
+UPTIME = re.compile(rb"VMSIDECAR-READY image=\S+ uptime=([0-9.]+)")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _uptime() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def _child_qemu_start(parent: int) -> float | None:
+    """When the ``qemu-system-*`` child of ``parent`` started (seconds since boot), if there is one."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm, rest = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+        if comm.startswith("qemu-system") and int(rest[1]) == parent:
+            return int(rest[19]) / CLOCK_TICKS
+    return None
+
+
+async def bare(guest: Guest, accel: AccelChoice, work: Path) -> tuple[float, float]:
+    """Seconds to the marker, and the guest's uptime in it."""
+    work.mkdir(parents=True)
+    overlay = work / "overlay.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(guest.disk), "-F", "qcow2",
+                    str(overlay)], check=True)
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(*bare_argv(guest, accel, overlay), stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    seen = b""
+    try:
+        async with asyncio.timeout(guest.timeout):
+            while (found := UPTIME.search(seen)) is None:
+                chunk = await proc.stdout.read(4096)
+                if not chunk:
+                    raise RuntimeError("QEMU ended before its marker")
+                seen = seen[-4096:] + chunk
+        return time.monotonic() - started, float(found.group(1))
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def cold(guest: Guest, work: Path) -> dict[str, float]:
+    spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
+    cache = work / "cache"
+    started, since_boot = time.monotonic(), _uptime()
+    with RuntimeProcess.start(work, spec=spec, cache=cache, args=["--grace", "5"]) as rt:
+        spawned = None
+        while spawned is None and time.monotonic() - started < 30:
+            spawned = _child_qemu_start(rt.proc.pid)
+            await asyncio.sleep(0.005)
+        await rt.wait_ready(guest.timeout, poll=0.02)
+        total = time.monotonic() - started
+        async with RuntimeClient(rt.socket) as client:
+            state = await client.wait_stored()
+    consoles = list((cache / "snapshots").glob("*/ttyS0.console"))
+    found = UPTIME.search(consoles[0].read_bytes()) if consoles else None
+    return {"spawn": (spawned - since_boot) if spawned else float("nan"), "pull": state.timings.pull or 0.0,
+            "ready": state.timings.ready or 0.0, "uptime": float(found.group(1)) if found else float("nan"),
+            "capture": state.snapshot.capture_seconds or 0.0, "total": total}
+
+
+async def main(runs: int, name: str) -> None:
+    guest = resolve_guest(name)
+    assert guest is not None
+    accel = choose_accel("auto", host_arch())
+    rows: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
+        for i in range(runs):
+            seconds, uptime = await bare(guest, accel, Path(tmp) / f"bare-{i}")
+            row = {"bare": seconds, "bare_uptime": uptime, **await cold(guest, Path(tmp) / f"cold-{i}")}
+            rows.append(row)
+            print(f"run {i + 1}: bare {seconds:.2f} s (guest uptime {uptime:.2f}); cold: QEMU spawned at "
+                  f"{row['spawn']:.2f} s, pull {row['pull']:.2f}, launch → marker {row['ready']:.2f} (guest uptime "
+                  f"{row['uptime']:.2f}), capture pause {row['capture']:.2f}, start → Ready {row['total']:.2f} s "
+                  f"= {row['total'] / seconds:.2f}x", flush=True)
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    print(f"\nmedians of {runs}: bare {med['bare']:.2f} s, cold start → Ready {med['total']:.2f} s = "
+          f"{med['total'] / med['bare']:.2f}x; QEMU spawned {med['spawn']:.2f} s after the start, pull "
+          f"{med['pull']:.2f}, launch → marker {med['ready']:.2f} (bare {med['bare']:.2f}), guest uptime at the "
+          f"marker {med['uptime']:.2f} (bare {med['bare_uptime']:.2f}), capture pause {med['capture']:.2f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--guest", choices=["tiny", "debian"], default="tiny")
+    args = p.parse_args()
+    asyncio.run(main(args.runs, args.guest))
