@@ -77,6 +77,7 @@ async def _unchanged(rt: Any, raw: Raw, spec: dict[str, Any]) -> None:
 async def test_no_host_path_through_the_api(live: Any, secret: Path, image_cache: Path) -> None:
     rt, raw, spec, allowed = live
     await rt.client().wait_ready(180)  # the spec's own image is in the cache now
+    await rt.client().wait_stored()  # and the snapshot its first Ready captured
     cached_before = sorted(p.name for p in image_cache.rglob("*") if not p.name.endswith(".part"))
     relative = os.path.relpath(secret, Path.cwd())
     refused = [

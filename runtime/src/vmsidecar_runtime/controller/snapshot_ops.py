@@ -369,6 +369,8 @@ class SnapshotOps:
                     self._live_ram.close()
                 self._live_ram = capture.ram
         capture.seconds = round(time.monotonic() - capture.started, 3)
+        metrics.snapshot_capture.observe(capture.seconds)  # the pause is over: known at Ready, as the state says
+        self.info = self.info.model_copy(update={"capture_seconds": capture.seconds})
         return FrozenCapture(frozen_ram, sealed)
 
     def store_in_background(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
@@ -399,7 +401,6 @@ class SnapshotOps:
             if frozen.ram is not None:
                 frozen.ram.close()
             self.info = self.info.model_copy(update={"storing": False})
-        metrics.snapshot_capture.observe(capture.seconds)
         log.info("memory snapshot %s captured in %.2f s with the guest paused, stored %.2f s later (%d MB)",
                  capture.key, capture.seconds, time.monotonic() - started, snap.size >> 20)
         self._unproven.add(capture.key)
