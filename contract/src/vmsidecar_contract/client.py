@@ -270,7 +270,6 @@ class RuntimeClient:
                 return state
             await asyncio.sleep(poll)
 
-
     async def wait_stored(self, timeout: float = 60.0, *, poll: float = 0.05) -> VmState:
         """Poll until no capture is being written into the cache (``snapshot.storing`` false; a
         capture whose guest went on is stored just after Ready): ``snapshot.available`` then says

@@ -6,11 +6,12 @@ capturing boot's RAM must be shared memory that outlives QEMU. It was the stagin
 page of a file on the cache's disk, allocated by the filesystem and written back while the guest
 boots. Measured with plain QEMU on the same disk, against anonymous RAM: the tiny guest booted
 0.3-0.5 s slower (Debian 0.7-1.3 s), the same file on tmpfs 0.1 s. A memfd is such memory and
-any filesystem's; QEMU maps it through ``/proc/self/fd/N`` (it inherits the descriptor), and at
-the capture the pages the guest touched are copied into the snapshot's RAM file (sparse: holes
-stay holes) and hashed for its seal in the same pass, 0.075 s for the tiny guest's 144 MB. A full disk now fails the capture (no snapshot,
-the reason in ``snapshot.reason``, the guest boots again uncaptured) where the guest's own page
-faults used to hit it (SIGBUS in QEMU).
+any filesystem's; QEMU maps it through ``/proc/self/fd/N`` (it inherits the descriptor). At the
+capture the pages the guest touched are copied into the snapshot's RAM file (sparse: holes stay
+holes) and hashed for its seal in the same pass; where the guest goes on in its QEMU, they are
+copied into a second memfd in the pause (``seal_into``) and from it into the file after Ready. A
+full disk fails the capture (no snapshot, the reason in ``snapshot.reason``) where the guest's
+own page faults used to hit it (SIGBUS in QEMU).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class CaptureRam:
 
 def copy_ram(ram: CaptureRam, dest: Path) -> tuple[str, dict]:
     """``ram`` into ``dest`` (a new file; the pages the guest never touched stay holes), hashed for
-    the seal in the same pass (blocking: in a thread, the guest stopped); returns the seal digest
-    and ``dest``'s stat seal (``SnapshotStore.commit``'s ``hashed``).
+    the seal in the same pass (blocking: in a thread, ``ram`` unchanging meanwhile: the guest
+    stopped, or the frozen copy of its RAM); returns the seal digest and ``dest``'s stat seal
+    (``SnapshotStore.commit``'s ``hashed``).
 
     One pass over the chunks on every core, where a copy (``sendfile``) beside a second reading of
     the memfd for the hash took 0.13 s for the tiny guest's 144 MB.

@@ -236,11 +236,10 @@ class RegistryClient:
         :raise RegistryError: unreachable, unauthorized, or an answer that is not an index.
         """
         base = f"{self.scheme}://{self.host}"
-        url: str | None = f"{base}/v2/{self.ref.repository}/referrers/{digest}?{urlencode({'artifactType': artifact_type})}"
+        url = f"{base}/v2/{self.ref.repository}/referrers/{digest}?{urlencode({'artifactType': artifact_type})}"
         subject = f"{self.ref.name} referrers of {digest}"
         found: list = []
         for page in range(REFERRER_PAGES):
-            assert url is not None
             response = self._call("listing referrers", "GET", url, headers={"Accept": OCI_INDEX}, stream=True)
             with contextlib.closing(response):
                 if response.status_code == 404 and page == 0:
@@ -252,9 +251,9 @@ class RegistryClient:
             entries = RawManifest(data, OCI_INDEX, sha256_digest(data)).json().get("manifests")
             found += [e for e in (entries if isinstance(entries, list) else [])  # whether it filtered or not
                       if isinstance(e, dict) and e.get("artifactType") == artifact_type]
-            url = urljoin(url, link) if link else None
-            if url is None or len(found) >= limit:
+            if not link or len(found) >= limit:
                 break
+            url = urljoin(url, link)
             if origin(url) != origin(base):
                 log.warning("the referrers of %s on %s link a next page on another host (%s): not followed",
                             digest, self.host, urlsplit(url).netloc)
