@@ -322,13 +322,9 @@ class SnapshotOps:
         try:
             await asyncio.to_thread(shutil.move, self._paths.overlay, staged.disk)
             hashed = {"ram": await asyncio.to_thread(copy_ram, capture.ram, staged.ram)} if capture.ram else {}
-            form = TEMPLATED if capture.ram else STREAM
-            snap = await asyncio.to_thread(self._store.commit, staged, capture.key, consoles,
-                                           SnapshotMeta(guest_agent=capture.guest_agent, form=form), hashed)
+            snap = await self._commit(capture, consoles, hashed)
         except HostError as e:
-            await self._store.discard(staged)
-            self._why(e.message)
-            log.warning("no memory snapshot: %s", e.message)
+            await self._not_stored(staged, e.message)
             return None
         finally:
             if capture.ram is not None:
@@ -359,9 +355,7 @@ class SnapshotOps:
         except HostError as e:
             if frozen_ram is not None:
                 frozen_ram.close()
-            await self._store.discard(staged)
-            self._why(e.message)
-            log.warning("no memory snapshot: %s", e.message)
+            await self._not_stored(staged, e.message)
             return None
         finally:
             if capture.ram is not None:
@@ -388,14 +382,10 @@ class SnapshotOps:
                 if digest != frozen.sealed:  # nothing but this runtime holds the frozen memfd
                     raise HostError("the snapshot's RAM changed between its capture and its store; no snapshot is stored")
                 hashed["ram"] = (digest, stat)
-            form = TEMPLATED if frozen.ram is not None else STREAM
-            snap = await asyncio.to_thread(self._store.commit, staged, capture.key, consoles,
-                                           SnapshotMeta(guest_agent=capture.guest_agent, form=form), hashed)
+            snap = await self._commit(capture, consoles, hashed)
         except (HostError, OSError) as e:  # nothing else reaches the runtime: the lease's guest runs on
-            why = e.message if isinstance(e, HostError) else f"the snapshot could not be stored ({e})"
-            await self._store.discard(staged)
-            self._why(why)
-            log.warning("no memory snapshot: %s", why)
+            await self._not_stored(staged, e.message if isinstance(e, HostError) else f"the snapshot could not be "
+                                   f"stored ({e})")
             return
         finally:
             if frozen.ram is not None:
@@ -405,6 +395,17 @@ class SnapshotOps:
                  capture.key, capture.seconds, time.monotonic() - started, snap.size >> 20)
         self._unproven.add(capture.key)
         self.captured(capture, snap)
+
+    async def _commit(self, capture: Capture, consoles: dict[str, bytes], hashed: dict) -> Snapshot:
+        """The staged files, complete, made the store's snapshot (templated when ``hashed`` has its RAM)."""
+        meta = SnapshotMeta(guest_agent=capture.guest_agent, form=TEMPLATED if "ram" in hashed else STREAM)
+        return await asyncio.to_thread(self._store.commit, capture.staged, capture.key, consoles, meta, hashed)
+
+    async def _not_stored(self, staged: Snapshot, why: str) -> None:
+        """A capture that cannot be stored: what it staged goes, the reason is recorded."""
+        await self._store.discard(staged)
+        self._why(why)
+        log.warning("no memory snapshot: %s", why)
 
     def take_live_ram(self) -> CaptureRam | None:
         """Once the QEMU of a guest that went on after its capture is gone: its RAM, for the caller
