@@ -9,8 +9,10 @@ extents, the worst case). For each, medians of ``--runs``:
 
 - ``copy+seal → file``: ``copy_ram`` into a new file in ``--dir`` (default: the temporary
   directory; point it at the cache's volume) (what the capture did in the pause before 2026-11-27, and what the store does after Ready);
-- ``copy+seal → memfd``: the same into a second memfd (``seal_into``: the pause since then),
-  when the code has it;
+- ``pause → memfd``: what the pause of a capture whose guest goes on does with its RAM: now
+  ``FrozenRam.freeze`` (a copy into a memfd whose pages were allocated while the guest booted,
+  ``FrozenRam.mirror``, untimed here; then sealed read-only, hashed after Ready); in the night of
+  2026-11-27 ``seal_into`` (copy and seal into a new memfd); before that nothing (the file's copy);
 - ``re-hash``: ``hash_ram`` of the file (a restore's seal check).
 
 The file's figures depend on the disk's writeback: a run right after a large write is slower.
@@ -50,6 +52,28 @@ def _ram(layout: str, size: int, data: int) -> CaptureRam:
     return ram
 
 
+def _pause(ram: CaptureRam) -> float | None:
+    """Seconds the pause spends on the RAM, by whichever way the code under test has."""
+    frozen_ram = getattr(capture_ram, "FrozenRam", None)
+    seal_into = getattr(capture_ram, "seal_into", None)
+    if frozen_ram is not None:
+        frozen = frozen_ram("bench-frozen", ram)
+        frozen.mirror()  # while the guest boots
+        started = time.monotonic()
+        frozen.freeze()
+        seconds = time.monotonic() - started
+        frozen.close()
+        return seconds
+    if seal_into is not None:
+        copy = CaptureRam("bench-frozen")
+        started = time.monotonic()
+        seal_into(ram, copy)
+        seconds = time.monotonic() - started
+        copy.close()
+        return seconds
+    return None
+
+
 def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} s" if values else "—"
 
@@ -61,9 +85,8 @@ def main() -> int:
     p.add_argument("--data-mb", type=int, default=144)
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where the files are written")
     args = p.parse_args()
-    seal_into = getattr(capture_ram, "seal_into", None)
     print(f"code: {capture_ram.__file__}")
-    print(f"{'layout':<10} {'copy+seal → file':>18} {'copy+seal → memfd':>18} {'re-hash':>10}")
+    print(f"{'layout':<10} {'copy+seal → file':>18} {'pause → memfd':>18} {'re-hash':>10}")
     with tempfile.TemporaryDirectory(prefix="bench-capture-", dir=args.dir) as tmp:
         for layout in ("blocks", "scattered"):
             ram = _ram(layout, args.size_mb * MIB, args.data_mb * MIB)
@@ -79,12 +102,8 @@ def main() -> int:
                 hash_ram(dest)
                 rehash.append(time.monotonic() - started)
                 dest.unlink()
-                if seal_into is not None:
-                    frozen = CaptureRam("bench-frozen")
-                    started = time.monotonic()
-                    seal_into(ram, frozen)
-                    to_memfd.append(time.monotonic() - started)
-                    frozen.close()
+                if (pause := _pause(ram)) is not None:
+                    to_memfd.append(pause)
             ram.close()
             print(f"{layout:<10} {_median(to_file):>18} {_median(to_memfd):>18} {_median(rehash):>10}", flush=True)
     return 0

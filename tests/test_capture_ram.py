@@ -8,6 +8,9 @@ holes (in the file, and in the memfd, which the guest goes on running on), and s
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from blake3 import blake3
 
 from fixtures.faults import tmpfs
 from vmsidecar_contract.errors import HostError
-from vmsidecar_runtime.capture_ram import CaptureRam, copy_ram
+from vmsidecar_runtime.capture_ram import CaptureRam, FrozenRam, copy_ram
 from vmsidecar_runtime.snapshots import RAM_CHUNK, RAM_DIGEST, hash_ram
 
 MIB = 1 << 20
@@ -93,3 +96,60 @@ def test_a_copy_the_volume_cannot_take_is_a_clear_error_and_leaves_no_file(tmp_p
             copy_ram(ram, dest)
         assert not dest.exists()
     ram.close()
+
+
+def test_the_frozen_copy_is_the_ram_at_the_freeze_and_nobody_can_change_it(tmp_path: Path) -> None:
+    live, _ = _ram()
+    assert live.fd is not None
+    frozen = FrozenRam("test-frozen", live)
+    assert frozen.ram.fd is not None
+    frozen.mirror()  # while the "guest" boots: its pages are allocated ahead, still zeros
+    assert _allocated(frozen.ram.fd) >= sum(length for _, length in WRITES)
+    assert os.pread(frozen.ram.fd, 4096, WRITES[0][0]) == bytes(4096)
+    os.pwrite(live.fd, os.urandom(3 * 4096), 30 * MIB)  # written after the last mirror
+    at_freeze = os.pread(live.fd, SIZE, 0)
+    frozen.freeze()
+    os.pwrite(live.fd, b"after the capture", WRITES[0][0])  # the guest goes on
+    assert os.pread(frozen.ram.fd, SIZE, 0) == at_freeze
+    assert frozen.is_sealed()
+    for change in (lambda fd: os.pwrite(fd, b"lease", 0), lambda fd: os.ftruncate(fd, 0),
+                   lambda fd: os.ftruncate(fd, 2 * SIZE)):
+        with pytest.raises(PermissionError):
+            change(frozen.ram.fd)
+    with pytest.raises(PermissionError):  # nor through a shared writable mapping
+        mmap.mmap(frozen.ram.fd, SIZE)
+    sealed, _ = copy_ram(frozen.ram, tmp_path / "ram")  # the store, after Ready
+    assert sealed == _expected_digest(at_freeze)
+    frozen.close()
+    live.close()
+
+
+def test_what_the_ram_no_longer_holds_is_a_hole_in_the_frozen_copy() -> None:
+    """QEMU may give RAM back (a hole again in its memfd) after a mirror allocated its copy's pages."""
+    live, _ = _ram()
+    assert live.fd is not None
+    frozen = FrozenRam("test-frozen", live)
+    frozen.mirror()
+    offset, length = WRITES[2]
+    with mmap.mmap(live.fd, SIZE) as view:
+        view.madvise(mmap.MADV_REMOVE, offset, length)
+    frozen.freeze()
+    assert frozen.ram.fd is not None
+    assert os.pread(frozen.ram.fd, length, offset) == bytes(length)
+    assert _allocated(frozen.ram.fd) < _allocated(live.fd) + 4 * MIB, "the range freed in the RAM is allocated in the copy"
+    frozen.close()
+    live.close()
+
+
+def test_a_copy_the_host_has_no_memory_for_is_a_clear_error() -> None:
+    """The kernel refuses the copy its pages (here through a seal against growth, where a full
+    memory cgroup would refuse them): the cause is named, and the fix."""
+    live, _ = _ram()
+    frozen = FrozenRam("test-frozen", live)
+    assert frozen.ram.fd is not None
+    fcntl.fcntl(frozen.ram.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+    with pytest.raises(HostError, match=rf"could not be copied out of the guest's \({os.strerror(errno.EPERM)}\); "
+                       "give the runtime memory"):
+        frozen.freeze()
+    frozen.close()
+    live.close()

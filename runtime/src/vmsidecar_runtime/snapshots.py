@@ -529,31 +529,59 @@ def hash_ram_chunks(fd: int, copy_to: int | None = None) -> str:
     at the same offset of that file (holes of ``RAM_GAP`` or more stay holes), so one pass over the
     RAM both copies and hashes it, the chunks spread over every core.
 
-    A chunk with data is read whole, in one call, into a buffer of the thread's own (a call per
-    extent of a guest's scattered RAM cost 0.3 s, a new 4 MiB object per chunk more than the hash);
-    reading a hole gives zeros without allocating it, even in the memfd a guest runs on.
+    :raise OSError: ``fd`` cannot be read, or ``copy_to`` cannot be written.
+    """
+    digests = _ram_pass(fd, copy_to, hashed=True)
+    return RAM_DIGEST + blake3(b"".join(digests)).hexdigest()
+
+
+def copy_ram_chunks(fd: int, copy_to: int, runs: list[tuple[int, int]]) -> None:
+    """:func:`hash_ram_chunks`' copy without its hash, of ``runs`` (``ram_copy_runs`` of ``fd``,
+    unchanged since): the capture's pause copies the guest's RAM into a memfd that is sealed
+    read-only at once and hashed after Ready (``capture_ram.FrozenRam``).
 
     :raise OSError: ``fd`` cannot be read, or ``copy_to`` cannot be written.
     """
+    parts: dict[int, list[tuple[int, int]]] = {}
+    for start, end in runs:  # no run crosses a chunk's bound
+        parts.setdefault(start - start % RAM_CHUNK, []).append((start, end))
+    _ram_pass(fd, copy_to, hashed=False, parts=parts)
+
+
+def _ram_pass(fd: int, copy_to: int | None, *, hashed: bool,
+              parts: dict[int, list[tuple[int, int]]] | None = None) -> list[bytes]:
+    """One pass over the chunks of ``fd`` on every core: the BLAKE3 of each (``hashed``), its data
+    written to ``copy_to`` at the same offset.
+
+    A chunk with data is read whole, in one call, into a buffer of the thread's own (a call per
+    extent of a guest's scattered RAM cost 0.3 s, a new 4 MiB object per chunk more than the hash);
+    reading a hole gives zeros without allocating it, even in the memfd a guest runs on.
+    """
     size = os.fstat(fd).st_size
-    parts = _chunk_parts(_data_extents(fd, size), size)
+    if parts is None:
+        parts = _chunk_parts(_data_extents(fd, size), size)
     buffers = threading.local()
 
     def chunk_digest(start: int) -> bytes:
         end = min(start + RAM_CHUNK, size)
         if not parts.get(start):
-            return _zero_digest(end - start)
+            return _zero_digest(end - start) if hashed else b""
         if not hasattr(buffers, "view"):
             buffers.view = memoryview(bytearray(RAM_CHUNK))
         data = _read_exactly(fd, buffers.view[: end - start], start)
         if copy_to is not None:
             for a, b in parts[start]:
                 _write_all(copy_to, data[a - start:b - start], a)
-        return blake3(data).digest()
+        return blake3(data).digest() if hashed else b""
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        digests = list(pool.map(chunk_digest, range(0, size, RAM_CHUNK)))
-    return RAM_DIGEST + blake3(b"".join(digests)).hexdigest()
+        return list(pool.map(chunk_digest, range(0, size, RAM_CHUNK)))
+
+
+def ram_copy_runs(fd: int, size: int) -> list[tuple[int, int]]:
+    """The (start, end) of what a copy of ``fd`` (:func:`copy_ram_chunks`) writes: its data, joined
+    over gaps shorter than ``RAM_GAP``."""
+    return [run for runs in _chunk_parts(_data_extents(fd, size), size).values() for run in runs]
 
 
 def _chunk_parts(extents: list[tuple[int, int]], size: int) -> dict[int, list[tuple[int, int]]]:

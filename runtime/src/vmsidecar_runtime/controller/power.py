@@ -61,7 +61,7 @@ class Power:
         self._transfers = transfers
         self.machine = Machine(paths, streams, events, backend_factory, self._on_backend_event)
         self._boot = Boot(disks, streams, self.machine, snapshots, running=self._running)
-        self._readiness = ReadinessWatch(self._mark_ready, lambda e: phases.fail(Phase.ERROR, e))
+        self._readiness = ReadinessWatch(self._mark_ready, self._not_ready)
         #: the spec of the current boot (readiness is re-armed with it when the guest reboots)
         self._spec: VmSpec | None = None
         #: the boot whose Ready is to be timed (None after a reset, a stop or a failure)
@@ -184,6 +184,10 @@ class Power:
         if key is not None:
             self._snapshots.abandon_capture()
         self._set_ready()
+
+    def _not_ready(self, error: VmsidecarError) -> None:
+        self._snapshots.not_ready()
+        self._phases.fail(Phase.ERROR, error)
 
     def _set_ready(self) -> None:
         self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())

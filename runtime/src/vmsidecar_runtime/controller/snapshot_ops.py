@@ -38,7 +38,7 @@ from vmsidecar_contract.state import SnapshotInfo
 from .. import metrics
 from ..backend import Backend
 from ..backend.factory import supports_snapshots
-from ..capture_ram import CaptureRam, copy_ram, seal_into
+from ..capture_ram import CaptureRam, FrozenRam, copy_ram
 from ..disk import DiskImage
 from ..plan import RamFile
 from ..snapshot_identity import SnapshotIdentity, identify
@@ -52,6 +52,13 @@ from .source_fetch import SourceFetch
 
 log = logging.getLogger(__name__)
 
+
+#: seconds between two passes of a capturing boot's ``FrozenRam.mirror``, at least
+MIRROR_INTERVAL_S = 0.25
+#: ... and at least this many times the last pass's own time: a pass over a guest's RAM scattered in
+#: 16,000 extents takes ~0.1 s even when nothing is new, and the mirror must not take a core from a
+#: booting guest (at most 1 / (1 + MIRROR_IDLE_FACTOR) of one)
+MIRROR_IDLE_FACTOR = 4
 
 #: a key whose fresh snapshots were refused at their first load this many times is not captured again
 FRESH_REFUSALS = 2
@@ -96,6 +103,8 @@ class SnapshotOps:
         #: the snapshot of a guest that went on after its capture, being written into the store
         #: after Ready (``store_in_background``); awaited before the store is read again (``stored``)
         self._storing: asyncio.Task[None] | None = None
+        #: allocates the frozen copy's pages as the capturing boot's RAM grows (``FrozenRam.mirror``)
+        self._mirroring: asyncio.Task[None] | None = None
 
     def _why(self, reason: str) -> None:
         self.info = self.info.model_copy(update={"reason": reason})
@@ -177,16 +186,52 @@ class SnapshotOps:
         if self._capture_key is None or self._form != TEMPLATED:
             return None
         snap = await asyncio.to_thread(self._store.staging, self._capture_key)
-        self._staged = Staging(snap, CaptureRam(f"vmsidecar-ram-{self._capture_key}"))
-        return RamFile(self._staged.ram.qemu_path, share=True, fd=self._staged.ram.fd)
+        ram = CaptureRam(f"vmsidecar-ram-{self._capture_key}")
+        self._staged = Staging(snap, ram, FrozenRam(f"vmsidecar-frozen-{self._capture_key}", ram))
+        self._mirroring = asyncio.create_task(self._mirror(self._staged.frozen))
+        return RamFile(ram.qemu_path, share=True, fd=ram.fd)
+
+    @staticmethod
+    async def _mirror(frozen: FrozenRam) -> None:
+        """Until stopped, every ``MIRROR_INTERVAL_S`` or more: allocate the frozen copy's pages as the
+        guest's RAM grows. A pass under way when stopped ends first: nothing closes the memfds under it."""
+        took = 0.0
+        while True:
+            await asyncio.sleep(max(MIRROR_INTERVAL_S, MIRROR_IDLE_FACTOR * took))
+            started = time.monotonic()
+            mirrored = asyncio.ensure_future(asyncio.to_thread(frozen.mirror))
+            try:
+                await asyncio.shield(mirrored)
+            except asyncio.CancelledError:
+                with contextlib.suppress(OSError):
+                    await mirrored
+                raise
+            except OSError as e:  # the pause's copy allocates what is left, or says why it cannot
+                log.warning("the capture's copy of the guest's RAM cannot be prepared (%s); it is made in the "
+                            "capture's pause", e)
+                return
+            took = time.monotonic() - started
+
+    def _cancel_mirror(self) -> asyncio.Task[None] | None:
+        """Stop the mirror (a pass under way ends before the memfds can close); the task, to await."""
+        task, self._mirroring = self._mirroring, None
+        if task is not None:
+            task.cancel()
+        return task
+
+    async def _stop_mirror(self) -> None:
+        if (task := self._cancel_mirror()) is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def drop_staging(self) -> None:
         """Remove the staging directory of a capture that will not happen (the boot running on its
         RAM keeps its mapping: the memory goes when that QEMU ends)."""
         await self.stored()
+        await self._stop_mirror()
         staged, self._staged = self._staged, None
         if staged is not None:
-            staged.ram.close()
+            staged.close()
             await self._store.discard(staged.snap)
 
     async def stored(self) -> None:
@@ -198,12 +243,23 @@ class SnapshotOps:
                 self._storing = None
 
     def abandon_capture(self) -> None:
+        """A lease claimed the guest before its first Ready: this boot is not captured."""
+        self._abandon("a lease was handed out before this boot was Ready, so it is not captured (the lease may "
+                      "have changed the guest); the next pristine boot, after the lease's recycle, captures it")
+
+    def not_ready(self) -> None:
+        """This boot's readiness failed (the guest runs on, to be looked at): it is not captured, and
+        the copy of its RAM allocated for the capture is let go."""
+        self._abandon("this boot did not get Ready, so it is not captured; the next boot that does captures it")
+
+    def _abandon(self, reason: str) -> None:
+        self._cancel_mirror()  # a pass under way ends before the close below returns (FrozenRam's lock)
+        self._capture_key = None
         staged, self._staged = self._staged, None
-        if staged is not None:  # the lease's guest keeps its mapping; the memory goes when its QEMU ends
-            staged.ram.close()
+        if staged is not None:  # the guest keeps its mapping; the memory goes when its QEMU ends
+            staged.close()
             self._store.discard_now(staged.snap)
-        self._why("a lease was handed out before this boot was Ready, so it is not captured (the lease may "
-                  "have changed the guest); the next pristine boot, after the lease's recycle, captures it")
+        self._why(reason)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -294,18 +350,21 @@ class SnapshotOps:
     async def save(self, key: str, backend: Backend) -> Capture | None:
         """Pause the guest and write its state; None when the backend cannot (recorded, never retried
         for ``key``; the guest runs on)."""
-        started = time.monotonic()
+        await self._stop_mirror()
+        if self._staged is not None:  # what the guest wrote since the last pass, allocated while it runs
+            with contextlib.suppress(OSError):  # the copy in the pause allocates it, or says why it cannot
+                await asyncio.to_thread(self._staged.frozen.mirror)
+        started = time.monotonic()  # the pause (capture_seconds) begins
         # the guest opened the agent's port by now if it runs one: no probe, no wait
         agent = backend.guest_agent_open
         log.info("guest agent at capture: %s", "port open" if agent else "none")
         prepared, self._staged = self._staged, None
         staged = prepared.snap if prepared else self._store.staging(key)  # a full stream's is made now
-        ram = prepared.ram if prepared else None
         try:
             await backend.save_state(staged.memory)
         except HostError as e:
-            if ram is not None:
-                ram.close()
+            if prepared is not None:
+                prepared.close()
             await self._store.discard(staged)
             self._uncapturable[key] = f"QEMU cannot snapshot this guest: {e.message}"
             self._why(self._uncapturable[key])
@@ -313,7 +372,9 @@ class SnapshotOps:
             if backend.alive:
                 await backend.resume()
             return None
-        return Capture(key, staged, agent, started, ram)
+        if prepared is None:
+            return Capture(key, staged, agent, started)
+        return Capture(key, staged, agent, started, prepared.ram, prepared.frozen)
 
     async def commit(self, capture: Capture, consoles: dict[str, bytes]) -> Snapshot | None:
         """With the guest stopped (it is restored from the snapshot next): store the snapshot, its
@@ -329,6 +390,8 @@ class SnapshotOps:
         finally:
             if capture.ram is not None:
                 capture.ram.close()
+            if capture.frozen is not None:
+                capture.frozen.close()
         capture.seconds = round(time.monotonic() - capture.started, 3)
         metrics.snapshot_capture.observe(capture.seconds)
         log.info("memory snapshot %s captured in %.2f s (%d MB)", capture.key, capture.seconds, snap.size >> 20)
@@ -336,25 +399,22 @@ class SnapshotOps:
 
     async def freeze(self, capture: Capture, frozen_disk: Path) -> FrozenCapture | None:
         """With the guest paused, for a boot that goes on in its process: what the snapshot is made
-        of, copied where the guest cannot change it, and its RAM sealed (the seal is taken over what
-        the capture wrote, before any lease); None when it cannot be (recorded, the guest goes on
+        of, copied where the guest cannot change it (the RAM into a memfd the kernel then keeps
+        read-only, hashed for the seal when it is stored: the seal is taken over exactly what the
+        capture wrote, before any lease); None when it cannot be (recorded, the guest goes on
         uncaptured). :meth:`store_in_background` writes it into the store after Ready.
 
         The RAM goes into a second memfd, not the cache's file: writing a file's page cache while
         the kernel writes back the pull's image stalled the pause to 0.3-0.6 s (0.08 s into memory).
         """
-        staged = capture.staged
-        frozen_ram: CaptureRam | None = None
+        staged, frozen = capture.staged, capture.frozen
         try:
             await _copy_disk(frozen_disk, staged.disk)
-            if capture.ram is not None:
-                frozen_ram = CaptureRam(f"vmsidecar-frozen-{capture.key}")
-                sealed = await asyncio.to_thread(seal_into, capture.ram, frozen_ram)
-            else:
-                sealed = None
+            if frozen is not None:
+                await asyncio.to_thread(frozen.freeze)
         except HostError as e:
-            if frozen_ram is not None:
-                frozen_ram.close()
+            if frozen is not None:
+                frozen.close()
             await self._not_stored(staged, e.message)
             return None
         finally:
@@ -365,7 +425,7 @@ class SnapshotOps:
         capture.seconds = round(time.monotonic() - capture.started, 3)
         metrics.snapshot_capture.observe(capture.seconds)  # the pause is over: known at Ready, as the state says
         self.info = self.info.model_copy(update={"capture_seconds": capture.seconds})
-        return FrozenCapture(frozen_ram, sealed)
+        return FrozenCapture(frozen)
 
     def store_in_background(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
         """Write the frozen capture into the store while the guest runs on (``snapshot.available``
@@ -378,10 +438,9 @@ class SnapshotOps:
         try:
             hashed = {}
             if frozen.ram is not None:
-                digest, stat = await asyncio.to_thread(copy_ram, frozen.ram, staged.ram)
-                if digest != frozen.sealed:  # nothing but this runtime holds the frozen memfd
-                    raise HostError("the snapshot's RAM changed between its capture and its store; no snapshot is stored")
-                hashed["ram"] = (digest, stat)
+                if not frozen.ram.is_sealed():  # what makes a seal taken now the capture's
+                    raise HostError("the copy of the snapshot's RAM is not sealed read-only; no snapshot is stored")
+                hashed["ram"] = await asyncio.to_thread(copy_ram, frozen.ram.ram, staged.ram)
             snap = await self._commit(capture, consoles, hashed)
         except (HostError, OSError) as e:  # nothing else reaches the runtime: the lease's guest runs on
             await self._not_stored(staged, e.message if isinstance(e, HostError) else f"the snapshot could not be "
