@@ -165,6 +165,21 @@ async def test_the_first_pristine_boot_is_captured_and_every_recycle_restores_it
     assert fvm.hv.clock_sets == 2 and fvm.hv.max_alive == 1
 
 
+async def test_a_restored_guest_that_reboots_at_once_starts_a_new_boot(fake_vm: Build, fake_images: Images) -> None:
+    # a restore runs no firmware: a reset right after it is the guest's, however soon (the real guest:
+    # tests/test_faults_process.py::test_a_restored_guest_that_reboots_at_once_starts_a_new_boot)
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"))
+    await ready(fvm)
+    before = await recycled(fvm)
+    assert before.snapshot.boot == "restored"
+    async with watch(fvm.vm) as seen:
+        fvm.hv.current.guest_reboot()  # well within RESET_COALESCE_S of the restore's start
+        await seen.next("boot")
+        state = await until(fvm.vm, RD)
+    assert seen.of("boot")[0].data["reason"] == "guest reboot" and seen.phases == [R, RD]
+    assert state.boot == before.boot + 1 and state.generation == before.generation
+
+
 async def test_a_guest_the_hypervisor_cannot_snapshot_runs_on_and_is_not_asked_again(
         fake_vm: Build, fake_images: Images) -> None:
     hv = FakeHypervisor(refuse_save="device 'vfio' blocks migration")

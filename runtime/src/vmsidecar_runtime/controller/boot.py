@@ -88,7 +88,7 @@ class Boot:
             # scrollback (a capture continues the boot it interrupted)
             overlay = await self._disks.overlay(self._snapshots.overlay_backing(snap))
             if new_boot:
-                self._machine.begin_boot("restore")
+                self._machine.begin_boot("restore", firmware=False)
                 self._streams.preload({name: snap.console(name) for name in CONSOLES})
             await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap), deferred_check)
         except VmsidecarError as e:

@@ -68,6 +68,7 @@ class Machine:
         #: time and readiness belong to one boot, so a reader can never take the last boot for this one
         self.boot_count = 0
         self._boot_started = 0.0
+        self._boot_runs_firmware = True
 
     @property
     def alive(self) -> bool:
@@ -88,10 +89,12 @@ class Machine:
         return self.accel
 
     # ---- per boot ------------------------------------------------------------------------
-    def begin_boot(self, reason: str) -> None:
-        """A new boot starts: its own scrollback, first-byte time and readiness timings."""
+    def begin_boot(self, reason: str, *, firmware: bool = True) -> None:
+        """A new boot starts: its own scrollback, first-byte time and readiness timings.
+        ``firmware`` is false for a restore: the guest goes on where its capture stopped."""
         self.boot_count += 1
         self._boot_started = time.monotonic()
+        self._boot_runs_firmware = firmware
         self.timings = Timings(launched_at=time.time(), pull=self.timings.pull)
         self._streams.new_boot()
         self._events.publish("boot", boot=self.boot_count, reason=reason)
@@ -99,7 +102,10 @@ class Machine:
     def is_new_boot(self) -> bool:
         """Whether a RESET event starts a boot. Our own system_reset, and the one or two resets
         SeaBIOS adds within ~50 ms of it, belong to the boot already begun; so does a reset before
-        the boot printed anything. No guest reboots within a second of starting."""
+        the boot printed anything. No guest reboots within a second of its firmware starting. A
+        restored guest runs no firmware and may reboot at once (its shell answered in 0.2 s)."""
+        if not self._boot_runs_firmware:
+            return True
         return self._streams.boot_has_output() and time.monotonic() - self._boot_started > RESET_COALESCE_S
 
     def ready(self) -> Timings:
