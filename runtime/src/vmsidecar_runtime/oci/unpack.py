@@ -32,7 +32,8 @@ Progress = Callable[[int, int | None], None]
 
 
 class BlobReader(io.RawIOBase):
-    """A read-only file over an iterator of chunks that hashes and counts what passes through.
+    """A read-only file over an iterator of chunks that counts what passes through, and hashes it
+    when a digest is expected (a ``file:`` disk has none: the disk written is hashed, once).
 
     It refuses to read past ``size`` bytes (when known), so a lying server cannot fill the disk.
     """
@@ -49,7 +50,7 @@ class BlobReader(io.RawIOBase):
         super().__init__()
         self._chunks: Iterator[bytes] = iter(chunks)
         self._pending = memoryview(b"")
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if digest is not None else None
         self.expected_digest = digest
         self.expected_size = size
         self.where = where
@@ -77,7 +78,8 @@ class BlobReader(io.RawIOBase):
                 f"{self.where} sent more than the {self.expected_size} bytes its descriptor names; "
                 "the content was altered or the manifest is wrong, so push the image again"
             )
-        self._hash.update(chunk)
+        if self._hash is not None:
+            self._hash.update(chunk)
         self._pending = memoryview(chunk)
         if self._progress is not None:
             self._progress(self.count, self.expected_size)
@@ -91,7 +93,8 @@ class BlobReader(io.RawIOBase):
 
     @property
     def digest(self) -> str:
-        """``sha256:HEX`` of every byte read so far."""
+        """``sha256:HEX`` of every byte read so far (a reader with an expected digest)."""
+        assert self._hash is not None, "a BlobReader without an expected digest hashes nothing"
         return sha256_digest(self._hash)
 
     def verify(self) -> None:
