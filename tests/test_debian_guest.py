@@ -144,8 +144,11 @@ def _debugfs_stat(image: Path, path: str) -> dict[str, str]:
 def test_unprivileged_unpack_gives_the_ext4_the_tarball_owners_and_modes(tmp_path: Path) -> None:
     """What a non-root build writes (files owned by the builder, no set-id on others' files, 0000
     files it cannot read back) is corrected in the ext4 by debugfs: the inodes match the tarball."""
-    if subprocess.run(["unshare", "--user", "--map-user=1234", "--map-group=1234", "true"]).returncode != 0:
-        pytest.skip("no unprivileged user namespace here to play the non-root builder")
+    probe = subprocess.run(["unshare", "--user", "--map-user=1234", "--map-group=1234", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("this test needs a user namespace (kernel.unprivileged_userns_clone / user.max_user_namespaces) "
+                    f"to play the non-root builder: unshare --user said {probe.stderr.strip()!r}")
     tar, tree, image = tmp_path / "root.tar", tmp_path / "tree", tmp_path / "p2.img"
     _synthetic_rootfs(tar)
     script = (

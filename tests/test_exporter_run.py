@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import RUNNER, exporter_config, jmp_env, start_runner
+from fixtures.jmp import RUNNER, exporter_config, jmp_env, start_runner, wait_listening
 from fixtures.ports import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,6 +56,7 @@ async def test_standalone_one_process_serves_jmp_shell_and_stops_on_sigterm(
                    "--tls-grpc-insecure"], jmp_env(), tmp_path / "runner.log")
     try:
         await rt.client().wait_ready(180)
+        await asyncio.to_thread(wait_listening, proc, port, tmp_path / "runner.log")
         shell = await asyncio.to_thread(
             subprocess.run, ["jmp", "shell", "--tls-grpc", f"127.0.0.1:{port}", "--tls-grpc-insecure", "--",
                              "j", "vm", "power", "read"],
