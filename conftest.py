@@ -3,8 +3,11 @@ real `jmp` processes and the in-test Jumpstarter controller (tests/fixtures/).""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
+import anyio
 import pytest
 
 pytest_plugins = ["fixtures.registry", "fixtures.images", "fixtures.runtime", "fixtures.jmp", "fixtures.controller",
@@ -39,3 +42,18 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
         pytest.exit(f"pytest-xdist's --dist loadgroup did not group {ungrouped[0]} (and {len(ungrouped) - 1} "
                     "more): this pytest and pytest-xdist do not work together (pytest-dev/pytest-xdist#1386); "
                     "use the pytest that pyproject.toml pins (uv sync --frozen)", returncode=4)
+
+
+def _import_anyio_now() -> None:
+    """Import all of anyio now, before any test. anyio is a pytest plugin, so pytest rewrites its
+    modules as they are imported (it parses them with ``ast``), and anyio imports its submodules
+    lazily: mid-test, in Jumpstarter's portal thread, with asyncio garbage of earlier tests waiting.
+    CPython 3.11.7 does not survive a collection (or a thread switch) inside a parse whose finalizers
+    parse too ("SystemError: AST constructor recursion depth mismatch", python/cpython#106905; it failed
+    test_can.py's fixture in a CI run): see fixtures/source.py, which the source-reading tests use."""
+    for module in pkgutil.walk_packages(anyio.__path__, "anyio."):
+        if not module.name.startswith("anyio._backends._trio"):  # needs trio, which we do not install
+            importlib.import_module(module.name)
+
+
+_import_anyio_now()

@@ -20,6 +20,7 @@ from typing import Any, cast
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from fixtures.source import parse_python
 from vmsidecar_contract import blocking, client
 from vmsidecar_contract import endpoints as api
 from vmsidecar_contract.endpoints import ENDPOINTS, Answer, Endpoint
@@ -69,7 +70,7 @@ def test_the_document_describes_exactly_the_table() -> None:
 
 def _endpoints_reached(cls: type) -> dict[str, set[str]]:
     """Per method of ``cls``: the rows it names (``api.NAME``); fails on a path written as a string."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    tree = parse_python(textwrap.dedent(inspect.getsource(cls)))
     reached: dict[str, set[str]] = {}
     for fn in tree.body[0].body:  # type: ignore[attr-defined]
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -138,7 +139,7 @@ def _published() -> dict[str, set[str]]:
     (``_set_phase(…)`` publishes ``phase`` events)."""
     found: dict[str, set[str]] = {}
     for path in RUNTIME_SRC.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path)):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
             keywords = {k.arg for k in node.keywords if k.arg is not None}

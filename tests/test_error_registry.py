@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.source import parse_python
 from vmsidecar_contract import errors
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import registry
@@ -22,7 +23,7 @@ def _raised_codes() -> list[tuple[str, str, str]]:
     """(file, class name, code) for every ``SomeError(..., code="x")`` in the runtime and contract."""
     found = []
     for path in SOURCES:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("Error"):
                 for kw in node.keywords:
                     if kw.arg == "code" and isinstance(kw.value, ast.Constant):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.source import parse_python
 from fixtures.waiting import wait_until
 from vmsidecar_runtime import procs
 
@@ -96,7 +97,7 @@ def test_no_preexec_fn_anywhere() -> None:
     offenders = []
     for package in ("contract", "runtime", "drivers", "images"):
         for path in (ROOT / package / "src").rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for node in ast.walk(parse_python(path)):
                 if isinstance(node, ast.keyword) and node.arg == "preexec_fn":
                     offenders.append(f"{path.relative_to(ROOT)}:{node.value.lineno}")
                 elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \

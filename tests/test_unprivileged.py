@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.source import parse_python
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.process import RuntimeProcess
 from vmsidecar_contract.state import Phase
@@ -174,7 +175,7 @@ def test_the_umask_is_set_once_at_start() -> None:
     that instant (the image cache came out 0660, untraversable for a UID without root's override)."""
     calls = []
     for path in (ROOT / "runtime" / "src").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "umask":
                 calls.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert calls and all(c.startswith("runtime/src/vmsidecar_runtime/perms.py:") for c in calls), calls
