@@ -129,15 +129,16 @@ def resolve_guest(name: str) -> Guest | None:
 
 # ---- leg 1: bare QEMU ------------------------------------------------------------------------
 
-def bare_argv(guest: Guest, accel: AccelChoice, overlay: Path) -> list[str]:
+def bare_argv(guest: Guest, accel: AccelChoice, overlay: Path, cpu: str | None = None) -> list[str]:
     """QEMU with the guest hardware the runtime gives a default spec (machine, CPU, disk, serial,
     hvc0, NIC, RNG) and nothing else: the floor of a cold boot. The guests expect hvc0 and a NIC
-    (Debian's consoles and networkd), so leaving them out would time a different boot."""
+    (Debian's consoles and networkd), so leaving them out would time a different boot. ``cpu``:
+    another ``-cpu`` than the runtime's default."""
     arch = host_arch()
     return [
         qemu_binary(arch), "-nodefaults", "-no-user-config", "-display", "none",
         "-machine", MACHINE[arch], "-accel", accel.accel,
-        "-cpu", "host" if accel.accel == "kvm" else TCG_CPU[arch],
+        "-cpu", cpu or ("host" if accel.accel == "kvm" else TCG_CPU[arch]),
         "-smp", "1", "-m", guest.memory,
         "-drive", f"file={overlay},if=virtio,format=qcow2",
         "-serial", "stdio",
@@ -158,7 +159,7 @@ async def wait_for_marker(stream: asyncio.StreamReader, timeout: float) -> None:
             tail = (tail + chunk)[-4096:]
 
 
-async def bare_boot(guest: Guest, accel: AccelChoice, work: Path) -> float:
+async def bare_boot(guest: Guest, accel: AccelChoice, work: Path, cpu: str | None = None) -> float:
     """Seconds from starting QEMU to the marker on its serial port."""
     work.mkdir(parents=True)
     overlay = work / "overlay.qcow2"  # a fresh overlay, as the runtime boots (the base is read-only)
@@ -167,7 +168,7 @@ async def bare_boot(guest: Guest, accel: AccelChoice, work: Path) -> float:
     started = time.monotonic()
     with open(work / "qemu.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            *bare_argv(guest, accel, overlay), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+            *bare_argv(guest, accel, overlay, cpu), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
     try:
         assert proc.stdout is not None
         await wait_for_marker(proc.stdout, guest.timeout)

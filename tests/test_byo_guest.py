@@ -26,6 +26,7 @@ from fixtures.byo import (
     skopeo_artifact,
     skopeo_published,
 )
+from fixtures.images import DEBIAN_FAST_CPU
 from vmsidecar_contract.spec import DEFAULT_READY_PATTERN, READY_MARKER
 from vmsidecar_images.console import Console
 
@@ -86,7 +87,7 @@ async def test_a_systemd_debian_guest_from_podman_and_skopeo(
     #    that prints nothing of vmsidecar is Ready on the default (its serial getty)
     (tmp_path / "cd").mkdir()
     with podman_published(debian_image.disk, registry, "byo/debian-podman", tmp_path / "cd") as podman:
-        spec = {"image": podman.plain, "memory": "1G", "snapshot": "off", "kernel": str(debian_image.kernel),
+        spec = {"image": podman.plain, "memory": "1G", "cpu": DEBIAN_FAST_CPU, "snapshot": "off", "kernel": str(debian_image.kernel),
                 "initrd": str(debian_image.initrd),
                 "cmdline": debian_image.manifest["cmdline"] + " systemd.mask=vmsidecar-ready.service"}
         rt = await start_runtime(spec, name="podman")
@@ -101,7 +102,7 @@ async def test_a_systemd_debian_guest_from_podman_and_skopeo(
     #    as it is (BIOS, its own boot loader) and is Ready on what the image says
     pattern = r"login: root \(automatic login\)"
     skopeo = skopeo_published(debian_image.disk, registry, "byo/debian-skopeo", tmp_path / "layout", pattern)
-    rt = await start_runtime({"image": skopeo.annotated, "memory": "1G", "snapshot": "off"}, name="skopeo")
+    rt = await start_runtime({"image": skopeo.annotated, "memory": "1G", "cpu": DEBIAN_FAST_CPU, "snapshot": "off"}, name="skopeo")
     state = await rt.client().wait_ready(600)
     assert state.readiness is not None
     assert (state.readiness_source, state.readiness.pattern) == ("image", pattern)

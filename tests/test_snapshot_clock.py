@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.images import DEBIAN_FAST_CPU
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_images.console import Console
 
@@ -55,7 +56,8 @@ async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
 
 async def test_debian_guest_clock_is_corrected_after_a_restore(start_runtime: Any, debian_image: Any) -> None:
     # a channel no other test's spec has: a snapshot key of its own, so this first boot captures
-    rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G", "channels": [{"name": "clock"}]})
+    rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G", "cpu": DEBIAN_FAST_CPU,
+                                "channels": [{"name": "clock"}]})
     client = rt.client()
     await client.wait_ready(600)
     first = await client.wait_stored()  # the capture is stored just after Ready

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.images import DEBIAN_FAST_CPU
 from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import GuestError
@@ -195,8 +196,8 @@ async def test_uefi_guest_boots_and_gets_fresh_vars_each_boot(start_runtime: Any
     template = _ovmf_template()
     template_before = (template.stat().st_mtime_ns, hashlib.sha256(template.read_bytes()).hexdigest())
     # snapshot off: every power on is a cold boot of a new QEMU (no memory snapshot restored)
-    rt = await start_runtime({"image": f"file:{debian_uefi_image.disk}", "memory": "1G", "firmware": "uefi",
-                              "snapshot": "off"})
+    rt = await start_runtime({"image": f"file:{debian_uefi_image.disk}", "memory": "1G", "cpu": DEBIAN_FAST_CPU,
+                              "firmware": "uefi", "snapshot": "off"})
     con = await Console.open_when_served(rt.shared / "console.sock")
     t0 = time.monotonic()
     boot_id = await _ready(rt, con)
