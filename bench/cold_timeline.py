@@ -38,16 +38,18 @@ def _uptime() -> float:
 
 
 def _child_qemu_start(parent: int) -> float | None:
-    """When the ``qemu-system-*`` child of ``parent`` started (seconds since boot), if there is one."""
+    """When the guest's ``qemu-system-*`` child of ``parent`` started (seconds since boot), if there
+    is one (not the ``qemu-system-* --version`` the runtime asks meanwhile)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         comm, rest = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
-        if comm.startswith("qemu-system") and int(rest[1]) == parent:
+        if comm.startswith("qemu-system") and int(rest[1]) == parent and b"--version" not in argv:
             return int(rest[19]) / CLOCK_TICKS
     return None
 
@@ -103,7 +105,9 @@ async def main(runs: int, name: str) -> None:
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
         for i in range(runs):
+            os.sync()  # each boot starts with no earlier leg's files being written back
             seconds, uptime = await bare(guest, accel, Path(tmp) / f"bare-{i}")
+            os.sync()
             row = {"bare": seconds, "bare_uptime": uptime, **await cold(guest, Path(tmp) / f"cold-{i}")}
             rows.append(row)
             print(f"run {i + 1}: bare {seconds:.2f} s (guest uptime {uptime:.2f}); cold: QEMU spawned at "
