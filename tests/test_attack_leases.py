@@ -26,6 +26,7 @@ import pytest
 from fixtures.events import collecting
 from fixtures.faults import ThrottleProxy, wait_phase
 from fixtures.registry import push_incompressible
+from fixtures.vmdev import in_background_until_listening
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import PullTimeoutError, TransferError
 from vmsidecar_images.console import Console
@@ -219,7 +220,7 @@ async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pul
     await client.wait_ready(180)
     con = await Console.open(rt.shared / "console.sock")
     await con.wake()
-    await con.run("(candump -L -n 1 can0 > /data/from-can; sync) > /dev/null 2>&1 & sleep 0.5")
+    await con.run(in_background_until_listening("(candump -L -n 1 can0 > /data/from-can; sync) > /dev/null 2>&1"))
     cfg = jmpctl.exporter_config({"vm": {"type": VM_TYPE, "config": {"socket": str(rt.socket),
                                                                        "recycle": "InPlaceReuse", "spec": spec}}})
     exporter = jmpctl.start_exporter(cfg)
