@@ -2,7 +2,8 @@
 
 The image is built once per cache (~40 s, from the machine's Debian mirror; a cache hit is well
 under a second). The boot test runs it through a runtime process (TCG: ~25 s to the marker),
-checks the system from its console shell and powers it off through the ACPI power button.
+checks the system from its console shell, restores it from the snapshot that boot captured (its
+clock set to the host's through the guest agent) and powers it off through the ACPI power button.
 """
 
 from __future__ import annotations
@@ -179,8 +180,35 @@ def test_unprivileged_unpack_gives_the_ext4_the_tarball_owners_and_modes(tmp_pat
 
 
 
-async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, debian_image: BuiltImage) -> None:
-    rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G"})
+#: how long the captured guest sits in the cache before the recycle: its clock would be this far behind
+BEHIND_S = 20.0
+#: how far the corrected clock may be from the host's (agent round trip, console, TCG load)
+CLOCK_SLACK_S = 5.0
+
+
+async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
+    """Host time before, the guest's wall clock and uptime, host time after."""
+    con = await Console.open(console_sock)
+    try:
+        await con.drain_replay()
+        await con.wake()
+        before = time.time()
+        out = await con.run("echo CLOCK $(date +%s.%N) $(cut -d' ' -f1 /proc/uptime)")
+        after = time.time()
+    finally:
+        await con.close()
+    m = re.search(r"CLOCK ([0-9.]+) ([0-9.]+)", out)
+    assert m, out
+    return before, float(m.group(1)), float(m.group(2)), after
+
+
+async def test_debian_guest_boots_to_marker_is_restored_with_its_clock_set_and_powers_off(
+    start_runtime: Any, debian_image: BuiltImage
+) -> None:
+    # The default spec (CPU model included) but for a channel no other test's spec has: a snapshot
+    # key of its own, so this boot is cold and captures. One Debian boot serves the boot, the
+    # restored clock and the power button (each a TCG boot of ~50 CPU-s on its own).
+    rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G", "channels": [{"name": "clock"}]})
     client = rt.client()
     ttys0 = await Console.open_when_served(rt.shared / "console.sock")
     hvc0 = await Console.open_when_served(rt.shared / "hvc0.sock")
@@ -195,6 +223,11 @@ async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, d
         pytest.fail(f"no marker: {exc!r}\nruntime log:\n{rt.log_text()[-3000:]}")
     boot_id = marker.result().group(2)
     print(f"\ndebian guest: marker {time.monotonic() - t0:.1f} s after the runtime served")
+    first = await client.wait_stored()  # the capture is stored just after Ready
+    assert first.snapshot.boot == "cold" and first.snapshot.available, first.snapshot
+    # the capture found the agent, and the captured boot going on in its process had its clock set
+    assert first.snapshot.clock == "corrected", first.snapshot
+    _, _, uptime_at_capture, captured_at = await _guest_clock(rt.shared / "console.sock")
     assert (await hvc0.expect(MARKER, 60)).group(2) == boot_id, "the same boot's marker on hvc0"
 
     # root is logged in on both consoles; the system came up whole
@@ -213,7 +246,24 @@ async def test_debian_guest_boots_to_marker_and_powers_off(start_runtime: Any, d
     await ttys0.close()
     await hvc0.close()
 
-    # graceful off: QMP system_powerdown -> ACPI power button -> logind -> poweroff
+    # restored: the guest resumes at the capture instant; its clock is set to the host's before Ready
+    await asyncio.sleep(max(0.0, captured_at + BEHIND_S - time.time()))  # the snapshot's clock falls behind
+    started = time.monotonic()
+    await client.recycle()
+    state = await client.wait_ready(120, poll=0.02)
+    seconds = time.monotonic() - started
+    assert state.snapshot.boot == "restored" and state.snapshot.clock == "corrected", state.snapshot
+    assert seconds < 30, f"restore + clock took {seconds:.1f} s"
+    before, guest_now, uptime_now, after = await _guest_clock(rt.shared / "console.sock")
+    assert before - CLOCK_SLACK_S <= guest_now <= after + CLOCK_SLACK_S, (before, guest_now, after)
+    # the fix matters: the restored guest lived only seconds since the capture (its uptime is the
+    # snapshot's), while the host lived over BEHIND_S; its own clock would be that far behind
+    guest_lived, host_lived = uptime_now - uptime_at_capture, after - captured_at
+    print(f"guest lived {guest_lived:.1f} s, host {host_lived:.1f} s; recycle -> Ready {seconds:.2f} s; "
+          f"guest clock - host clock {guest_now - (before + after) / 2:+.2f} s")
+    assert host_lived - guest_lived >= BEHIND_S - CLOCK_SLACK_S, (guest_lived, host_lived)
+
+    # graceful off, the restored guest: QMP system_powerdown -> ACPI power button -> logind -> poweroff
     async with collecting(client, ["guest.powerdown_requested", "guest.powered_off"]) as events:
         t0 = time.monotonic()
         # typically ~10 s; a CI run with three TCG guests and an image build on two cores took the
