@@ -62,6 +62,14 @@ def _memfds(pid: int) -> list[str]:
     return sorted(t for t in (_readlink(f) for f in fds.iterdir()) if t.startswith("/memfd:"))
 
 
+def _ram_mapping_start(pid: int, name: str) -> int:
+    """Where QEMU ``pid`` maps the guest RAM file ``name`` (a memfd's ``/memfd:…`` or a path)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if name in line and int(line.split()[0].split("-")[1], 16) - int(line.split()[0].split("-")[0], 16) >= 64 << 20:
+            return int(line.split("-")[0], 16)
+    raise AssertionError(f"QEMU {pid} maps no guest RAM named {name}")
+
+
 def _frozen_allocated(pid: int) -> int:
     """Bytes allocated in the memfd process ``pid`` holds for a capture's copy of the guest's RAM."""
     for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -162,6 +170,11 @@ async def test_instances_of_one_template_keep_their_ram_to_themselves(start_runt
         state = await rt.client().wait_ready(120)
         assert state.snapshot.boot == "restored" and state.snapshot.form == "templated", state.snapshot
     runtimes = [first, *others]
+    # every QEMU maps the RAM on a 2 MiB boundary, where shmem can be huge pages (qemu_argv.RAM_ALIGN):
+    # the capturing boot's memfd, which it runs on, and the restores' private mappings of the template
+    for rt, name in zip(runtimes, ("/memfd:vmsidecar-ram-", str(ram), str(ram)), strict=True):
+        (qemu,) = qemu_pids(str(rt.state))
+        assert _ram_mapping_start(qemu, name) % (2 << 20) == 0, Path(f"/proc/{qemu}/maps").read_text()
     for tag, rt in zip(("one", "two", "three"), runtimes, strict=True):
         assert await _write_and_list(rt.shared / "console.sock", tag) == [tag]
     for tag, rt in zip(("one", "two", "three"), runtimes, strict=True):  # after all three wrote
