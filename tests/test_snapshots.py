@@ -65,8 +65,9 @@ def _memfds(pid: int) -> list[str]:
 def _ram_mapping_start(pid: int, name: str) -> int:
     """Where QEMU ``pid`` maps the guest RAM file ``name`` (a memfd's ``/memfd:…`` or a path)."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        if name in line and int(line.split()[0].split("-")[1], 16) - int(line.split()[0].split("-")[0], 16) >= 64 << 20:
-            return int(line.split("-")[0], 16)
+        start, end = (int(a, 16) for a in line.split(maxsplit=1)[0].split("-"))
+        if name in line and end - start >= 64 << 20:  # the guest's RAM (256 MiB here), nothing smaller
+            return start
     raise AssertionError(f"QEMU {pid} maps no guest RAM named {name}")
 
 
