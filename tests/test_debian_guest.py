@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from fixtures.events import collecting
+from fixtures.runtime import recycle_until_ready
 from vmsidecar_images import disk, rootfs
 from vmsidecar_images.build import BuiltImage, build_image
 from vmsidecar_images.console import Console
@@ -248,10 +249,7 @@ async def test_debian_guest_boots_to_marker_is_restored_with_its_clock_set_and_p
 
     # restored: the guest resumes at the capture instant; its clock is set to the host's before Ready
     await asyncio.sleep(max(0.0, captured_at + BEHIND_S - time.time()))  # the snapshot's clock falls behind
-    started = time.monotonic()
-    await client.recycle()
-    state = await client.wait_ready(120, poll=0.02)
-    seconds = time.monotonic() - started
+    state, seconds = await recycle_until_ready(client)
     assert state.snapshot.boot == "restored" and state.snapshot.clock == "corrected", state.snapshot
     assert seconds < 30, f"restore + clock took {seconds:.1f} s"
     before, guest_now, uptime_now, after = await _guest_clock(rt.shared / "console.sock")

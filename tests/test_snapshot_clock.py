@@ -5,13 +5,12 @@ on the boot of ``test_debian_guest.py`` (one Debian boot for both)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vmsidecar_contract.client import RuntimeClient
+from fixtures.runtime import recycle_until_ready
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -20,13 +19,6 @@ def image_cache(tmp_path: Path) -> Path:
     """A cache of this test's own (overrides the session's, which every xdist worker shares): these
     tests read, compare or damage the cache's entries, and another worker's captures would be among them."""
     return tmp_path / "cache"
-
-
-async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
-    started = time.monotonic()
-    await client.recycle()
-    state = await client.wait_ready(120, poll=0.02)
-    return state, time.monotonic() - started
 
 
 async def test_a_guest_without_agent_restores_as_fast_and_says_so(start_runtime: Any, tiny_image: Any,
@@ -38,7 +30,7 @@ async def test_a_guest_without_agent_restores_as_fast_and_says_so(start_runtime:
     first = await client.wait_stored()
     assert first.snapshot.boot == "cold" and first.snapshot.available, first.snapshot
     assert first.snapshot.clock == "no guest agent", first.snapshot
-    state, seconds = await _recycle(client)
+    state, seconds = await recycle_until_ready(client)
     assert state.snapshot.boot == "restored" and state.snapshot.clock == "no guest agent", state.snapshot
     assert seconds < 10, f"a restore took {seconds:.1f} s"  # ~0.15 s unloaded: no agent, no wait
 
@@ -47,10 +39,10 @@ async def test_a_guest_without_agent_restores_as_fast_and_says_so(start_runtime:
     metas = [p / "meta.json" for p in (image_cache / "snapshots").iterdir() if (p / "meta.json").is_file()]
     newest = max(metas, key=lambda p: p.stat().st_mtime)
     newest.unlink()
-    state, _ = await _recycle(client)
+    state, _ = await recycle_until_ready(client)
     assert state.snapshot.boot == "cold" and "captures one" in (state.snapshot.reason or ""), state.snapshot
     assert state.snapshot.clock == "no guest agent", state.snapshot  # the captured boot goes on restored
     assert (await client.wait_stored()).snapshot.available
     assert newest.is_file(), "the cold boot captured the snapshot again"
-    state, _ = await _recycle(client)
+    state, _ = await recycle_until_ready(client)
     assert state.snapshot.boot == "restored" and state.snapshot.clock == "no guest agent", state.snapshot
