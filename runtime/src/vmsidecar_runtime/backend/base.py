@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
+    from vmsidecar_contract.spec import PortForward
     from vmsidecar_contract.state import ExitInfo
 
     from ..plan import BootPlan
@@ -100,6 +101,14 @@ class Backend(Protocol):
         """Pause the guest and write its RAM and device state to ``path`` (a new file).
 
         :raise HostError: when the backend cannot (the reason names the device or the limit).
+        """
+        ...
+
+    async def add_forward(self, forward: PortForward, port: int) -> None:
+        """Serve ``forward`` on host port ``port``, the guest running (a spare restore gets its
+        forwards when a recycle adopts it: ``controller/standby.py``).
+
+        :raise HostError: when the port cannot be bound.
         """
         ...
 

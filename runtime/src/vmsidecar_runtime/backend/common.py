@@ -9,7 +9,7 @@ import os
 import shutil
 
 from vmsidecar_contract.errors import HostError
-from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.spec import PortForward, VmSpec
 
 from ..plan import BootPlan
 
@@ -73,9 +73,16 @@ def emulator_path(arch: str) -> str:
 
 def user_netdev(plan: BootPlan, ident: str) -> str:
     """The ``-netdev`` value of the guest's user-mode NIC ``ident``, with every port forward of
-    the spec bound to the host port the runtime resolved for it (``plan.ports``). What the guest
-    sends passes the runtime's guard first (``netguard.qemu_args``)."""
+    the spec bound to the host port the runtime resolved for it (``plan.ports``; a spare restore's
+    plan has none: they are added when a recycle adopts it). What the guest sends passes the
+    runtime's guard first (``netguard.qemu_args``)."""
     netdev = f"user,id={ident}"
     for fwd in plan.spec.network.forwards:
-        netdev += f",hostfwd=tcp:{fwd.host_address}:{plan.ports[fwd.name]}-:{fwd.guest_port}"
+        if fwd.name in plan.ports:
+            netdev += f",hostfwd={hostfwd_rule(fwd, plan.ports[fwd.name])}"
     return netdev
+
+
+def hostfwd_rule(forward: PortForward, port: int) -> str:
+    """Slirp's rule for ``forward`` on host port ``port`` (``-netdev user,hostfwd=``, HMP ``hostfwd_add``)."""
+    return f"tcp:{forward.host_address}:{port}-:{forward.guest_port}"

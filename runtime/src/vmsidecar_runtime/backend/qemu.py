@@ -21,15 +21,16 @@ from qemu.qmp import EventListener, QMPClient
 from qemu.qmp.error import QMPError
 
 from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import PortForward
 from vmsidecar_contract.state import ExitInfo
 
 from ..plan import BootPlan
 from ..procs import spawn
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink
-from .common import emulator_path
+from .common import emulator_path, hostfwd_rule
 from .netguard import NetGuard, guarded
-from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, build_argv, piped_streams
+from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, piped_streams
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,14 @@ class QemuBackend:
             reply.result()  # the error QEMU refused cont with, if any
         else:
             reply.add_done_callback(_log_late_failure)
+
+    async def add_forward(self, forward: PortForward, port: int) -> None:
+        """Slirp's rules change only through HMP's ``hostfwd_add`` (QMP has no command for them): one
+        line made of the validated spec's address and port numbers."""
+        failed = await self._execute("human-monitor-command",
+                                     **{"command-line": f"hostfwd_add {NETDEV_ID} {hostfwd_rule(forward, port)}"})
+        if failed.strip():  # HMP answers nothing when the rule is set
+            raise HostError(f"the forward {forward.name!r} could not be bound to host port {port} ({failed.strip()})")
 
     async def powerdown(self) -> None:
         """Ask the guest to power off (ACPI power button; QEMU reports POWERDOWN)."""

@@ -9,8 +9,10 @@ was given (the controller's state machine), and its methods return what happened
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,11 @@ class Machine:
         self.boot_count = 0
         self._boot_started = 0.0
         self._boot_runs_firmware = True
+
+    @property
+    def event_sink(self) -> EventSink:
+        """Where this boot's backend reports (a spare's, once adopted, too)."""
+        return self._on_event
 
     @property
     def alive(self) -> bool:
@@ -130,37 +137,85 @@ class Machine:
                      ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None) -> None:
         """Start the backend paused, attach every stream, then let the guest run.
 
-        A free host port for a forward is only free until QEMU binds it: another process may take
-        it in between. QEMU then refuses the forwarding rule and exits; the launch is retried on
-        new ports.
-
         :raise HostError: the backend cannot start.
         """
+        plan, backend = await self._launch_paused(
+            lambda: self.new_plan(spec, overlay, self._paths.run, self._paths.state, incoming, ram, incoming_check),
+            self._on_event, current=True)
+        await self._streams.attach(plan, backend)
+        await backend.resume()
+
+    async def launch_spare(self, make_plan: Callable[[], BootPlan], on_event: EventSink) -> tuple[BootPlan, Backend]:
+        """Start a backend paused that is not this boot's (a spare restore, ``standby.py``): no
+        stream is attached; ``adopt`` makes it the boot's.
+
+        :raise HostError: the backend cannot start (nothing of it is left running).
+        """
+        return await self._launch_paused(make_plan, on_event, current=False)
+
+    async def _launch_paused(self, make_plan: Callable[[], BootPlan], on_event: EventSink, *,
+                             current: bool) -> tuple[BootPlan, Backend]:
+        """A free host port for a forward is only free until QEMU binds it: another process may take
+        it in between. QEMU then refuses the forwarding rule and exits; the launch is retried on
+        new ports. ``current``: the backend is this boot's from the start (a failed one is left
+        for the caller's ``stop``)."""
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            plan = self._new_plan(spec, overlay, incoming, ram, incoming_check)
-            self.plan = plan
-            self.expect_exit = False
-            self.last_exit = None
-            self.backend = self._factory(plan, self._on_event)
-            await self._streams.before_launch(plan)
+            plan = make_plan()
+            backend = self._factory(plan, on_event)
+            if current:
+                self.plan, self.backend, self.expect_exit, self.last_exit = plan, backend, False, None
+                await self._streams.before_launch(plan)
             try:
-                await self.backend.launch()
-                break
+                await backend.launch()
+                return plan, backend
             except HostError as e:
-                if "host forwarding rule" not in e.message or attempt == PORT_ATTEMPTS:
+                retry = "host forwarding rule" in e.message and attempt < PORT_ATTEMPTS
+                if current and retry:
+                    await self.stop()
+                elif not current:
+                    await backend.quit(timeout=1)
+                if not retry:
                     raise
                 log.warning("a forward's host port was taken before QEMU bound it; retrying on new ports")
-                await self.stop()
-        assert self.backend is not None
-        await self._streams.attach(plan, self.backend)
-        await self.backend.resume()
+            except BaseException:  # cancelled: a spare nobody holds must not run on
+                if not current:
+                    await backend.quit(timeout=1)
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _new_plan(self, spec: VmSpec, overlay: Path, incoming: Path | None, ram: RamFile | None,
-                  incoming_check: asyncio.Future[str | None] | None) -> BootPlan:
+    async def adopt(self, plan: BootPlan, backend: Backend) -> None:
+        """Make a running spare backend (``launch_spare``) this boot's: its forwards are bound now
+        (a fixed host port was the last boot's until it stopped; a spare has no port anyone could
+        reach), and its streams attached (what it wrote on its virtio consoles meanwhile waits in
+        their pipes).
+
+        :raise HostError: a forward's port cannot be bound; :raise TimeoutError: a backend socket
+            does not accept (the caller stops it either way).
+        """
+        self.plan, self.backend, self.expect_exit, self.last_exit = plan, backend, False, None
+        bound: dict[str, int] = {}
+        for forward in plan.spec.network.forwards:
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                port = ports.allocate([forward])[forward.name]
+                try:
+                    await backend.add_forward(forward, port)
+                    break
+                except HostError:  # a free port taken since it was chosen: another (a fixed one is taken)
+                    if forward.host_port or attempt == PORT_ATTEMPTS:
+                        raise
+            bound[forward.name] = port
+        self.plan = dataclasses.replace(plan, ports=bound)
+        await self._streams.attach(plan, backend)
+
+    def new_plan(self, spec: VmSpec, overlay: Path, run_dir: Path, state_dir: Path, incoming: Path | None = None,
+                 ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None, *,
+                 spare: bool = False) -> BootPlan:
+        """A boot's plan: its sockets in ``run_dir``, its UEFI vars (if any) in ``state_dir``. A
+        ``spare`` binds no forward: ``adopt`` binds them."""
         assert self.accel is not None
         return BootPlan(spec=spec, accel=self.accel.accel, disk=overlay, disk_format="qcow2",
-                        run_dir=self._paths.run, ports=ports.allocate(spec.network.forwards),
-                        firmware=prepare_firmware(spec, self._paths.state), incoming=incoming, ram=ram,
+                        run_dir=run_dir, ports={} if spare else ports.allocate(spec.network.forwards),
+                        firmware=prepare_firmware(spec, state_dir), incoming=incoming, ram=ram,
                         incoming_check=incoming_check)
 
     async def reset(self) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import PortForward
 from vmsidecar_contract.state import ExitInfo
 
 from ...plan import VIRTIO_CONSOLE, BootPlan
@@ -284,6 +285,9 @@ class LibvirtBackend:
         """
         raise HostError("the libvirt backend has no memory snapshots yet; recycles boot cold "
                         "(use backend: qemu for sub-second recycles)")
+
+    async def add_forward(self, forward: PortForward, port: int) -> None:
+        raise HostError("the libvirt backend has no memory snapshots, so no spare restore gets its forwards late")
 
     async def disk_size(self) -> int:
         raise HostError("the libvirt backend has no memory snapshots yet")
