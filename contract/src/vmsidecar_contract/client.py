@@ -270,6 +270,19 @@ class RuntimeClient:
                 return state
             await asyncio.sleep(poll)
 
+    async def wait_spare(self, timeout: float = 60.0, *, poll: float = 0.05) -> VmState:
+        """Poll until the spare restore for the next recycle (the spec's ``standby``) is made, or no
+        longer on its way: ``snapshot.standby`` then says which ("ready", else "none" with its
+        reason, or "off").
+
+        :raise TimeoutError: when it is still being made after ``timeout``.
+        """
+        async with asyncio.timeout(timeout):
+            while (state := await self.state()).snapshot.standby == "preparing" or (
+                    state.snapshot.standby == "none" and state.snapshot.standby_reason is None):
+                await asyncio.sleep(poll)
+        return state
+
     async def wait_stored(self, timeout: float = 60.0, *, poll: float = 0.05) -> VmState:
         """Poll until no capture is being written into the cache (``snapshot.storing`` false; a
         capture whose guest went on is stored just after Ready): ``snapshot.available`` then says

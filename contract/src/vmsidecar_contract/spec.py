@@ -309,6 +309,11 @@ class VmSpec(_Model):
     #: (recycles, warm starts); off: always boot. Falls back to a cold boot, with the reason in
     #: the state, whenever a snapshot cannot be taken or used.
     snapshot: Literal["auto", "off"] = "auto"
+    #: keep a spare restore of the snapshot running during each lease, which the next recycle
+    #: switches to instead of restoring (recycle → Ready in hundredths of a second): a second,
+    #: idle QEMU per instance, for InPlaceReuse pools (docs/operations.md). Not part of the
+    #: snapshot's key.
+    standby: bool = False
     #: ``REGISTRY/REPO`` (no tag, no digest) to look for a snapshot artifact of this spec and image
     #: in when the cache has none (``vmsidecar-oci snapshot push`` publishes them): found by the
     #: image's manifest digest, used only when its key matches this runtime's exactly, fetched by
@@ -419,7 +424,7 @@ def load_spec_text(text: str, source: str = "spec") -> VmSpec:
 
 #: Top-level scalar fields settable as VMSIDECAR_<FIELD> environment variables.
 ENV_FIELDS = ("image", "arch", "machine", "cpu", "cpus", "memory", "accel", "firmware", "backend", "libvirt_uri",
-              "snapshot_source")
+              "snapshot_source", "standby")
 #: Readiness fields settable as VMSIDECAR_READY_<FIELD> (and ``--ready-<field>`` flags).
 READY_ENV_FIELDS = ("pattern", "console", "timeout")
 

@@ -97,6 +97,13 @@ class SnapshotInfo(BaseModel):
     form: Literal["templated", "stream"] | None = None
     #: why the form is "stream" (None when templated)
     form_reason: FormReason | None = None
+    #: this boot's guest was restored ahead, while the previous lease ran, and the recycle only
+    #: switched to it (the spec's ``standby``)
+    restored_ahead: bool = False
+    #: the spare restore the next recycle switches to (the spec's ``standby``): "off" (not asked
+    #: for), "preparing", "ready", or "none" (why in ``standby_reason``)
+    standby: Literal["off", "preparing", "ready", "none"] = "off"
+    standby_reason: str | None = None
 
 
 class ExitInfo(BaseModel):

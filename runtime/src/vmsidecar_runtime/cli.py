@@ -199,7 +199,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     registry_auth.configure(auth_file=args.registry_auth, insecure=args.insecure_registry)
     overrides: dict[str, Any] = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
                                  "accel": args.accel, "backend": args.backend, "cpu": args.cpu,
-                                 "snapshot_source": args.snapshot_source}
+                                 "snapshot_source": args.snapshot_source, "standby": args.standby}
     ready = {k: v for k, v in {"pattern": args.ready_pattern, "console": args.ready_console,
                                "timeout": args.ready_timeout}.items() if v is not None}
     overrides["readiness"] = ready or None  # merged field by field over the file's and env's
@@ -259,6 +259,9 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--allow-host-paths", action="append", default=[], metavar="DIR",
                    help="let API callers name host paths (file:, oci-layout:, kernel, initrd) under DIR; "
                         "repeatable; also VMSIDECAR_ALLOW_HOST_PATHS=DIR[:DIR]")
+    s.add_argument("--standby", action="store_true", default=None,
+                   help="spec standby: true, a spare restore running during each lease for the next recycle "
+                        "(a second idle QEMU; docs/operations.md); also VMSIDECAR_STANDBY=true")
     s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
     s.add_argument("--pull-timeout", type=_seconds, metavar="SECONDS",
                    default=os.environ.get(PULL_TIMEOUT_ENV, str(DEFAULT_PULL_TIMEOUT_S)),

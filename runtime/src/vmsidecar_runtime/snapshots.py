@@ -102,7 +102,7 @@ def _qemu_version(arch: str) -> str:
 
 #: spec fields outside the key: whether and where snapshots are looked for change no guest, and
 #: the CPU model is in the key as the effective one (a spec naming the default shares its key)
-KEY_EXCLUDES = {"snapshot", "libvirt_uri", "snapshot_source", "cpu"}
+KEY_EXCLUDES = {"snapshot", "libvirt_uri", "snapshot_source", "cpu", "standby"}
 
 
 def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readiness: Readiness | None = None,

@@ -25,6 +25,7 @@ from .capture import Capture
 from .disks import Disks
 from .machine import Machine
 from .snapshot_ops import SnapshotOps
+from .standby import Spare, Standby
 from .streams import GuestStreams
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,12 @@ class Boot:
     """Restore or cold boot, and the capture of a pristine boot."""
 
     def __init__(self, disks: Disks, streams: GuestStreams, machine: Machine, snapshots: SnapshotOps,
-                 running: Callable[[], None]) -> None:
+                 standby: Standby, running: Callable[[], None]) -> None:
         self._disks = disks
         self._streams = streams
         self._machine = machine
         self._snapshots = snapshots
+        self._standby = standby
         self._running = running
 
     async def start(self, spec: VmSpec) -> bool:
@@ -50,6 +52,10 @@ class Boot:
         accel = self._machine.choose_accel(spec)
         await self._snapshots.drop_staging()  # an earlier boot's capture that never happened
         snap = self._snapshots.plan(spec, accel.accel)
+        if snap is not None and (spare := await self._standby.take(spec, snap)) is not None \
+                and await self._adopt(snap, spare):
+            metrics.snapshot_lookup("hit")
+            return True
         if snap is None:  # a cache miss: the spec's snapshot_source may have one
             snap = await self._snapshots.from_source(spec)
         if snap is not None and await self._restore(spec, snap):
@@ -104,6 +110,31 @@ class Boot:
             return False
         assert self._machine.plan is not None
         await self._snapshots.restored(snap, started, self._machine.plan.guest_agent_socket, new_boot=new_boot)
+        return True
+
+    async def _adopt(self, snap: Snapshot, spare: Spare) -> bool:
+        """Run the spare restore of ``snap`` as this boot (``standby.py``); False when it cannot be
+        (it is ended, and the caller restores as without it)."""
+        started = time.monotonic()
+        try:
+            self._disks.adopt_spare()
+        except OSError as e:
+            log.warning("the spare restore's files could not be moved into the lease's (%s); restoring", e)
+            await spare.backend.quit(timeout=1)
+            self._disks.drop_overlays()
+            return False
+        self._machine.begin_boot("restore", firmware=False)
+        self._streams.preload({name: snap.console(name) for name in CONSOLES})
+        self._standby.adopted(spare, self._machine.event_sink)
+        try:
+            await self._machine.adopt(spare.plan, spare.backend)
+        except (OSError, TimeoutError, HostError) as e:
+            log.warning("the spare restore could not take over (%s); restoring", e)
+            await self._machine.stop()
+            self._disks.drop_overlays()
+            return False
+        self._running()
+        self._snapshots.adopted(snap, started, spare.clock)
         return True
 
     async def capture(self, spec: VmSpec, key: str, backend: Backend) -> bool:

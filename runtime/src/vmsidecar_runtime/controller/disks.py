@@ -175,6 +175,16 @@ class Disks:
             raise HostError(f"cannot write the disk dump ({err.strip()}); free space in {out.parent}")
         return out
 
+    def adopt_spare(self) -> None:
+        """A spare restore becomes the lease's guest (``standby.py``): its overlay and UEFI vars move
+        into the lease's places (its QEMU holds them open; nothing reopens them by name), where the
+        next recycle discards them like any lease's."""
+        os.rename(self.paths.spare / self.paths.overlay.name, self.paths.overlay)
+        vars_dir = self.paths.spare / self.paths.firmware.name
+        if vars_dir.exists():
+            shutil.rmtree(self.paths.firmware, ignore_errors=True)
+            os.rename(vars_dir, self.paths.firmware)
+
     async def discard_earlier_process(self) -> None:
         """At start: remove what an earlier runtime process left in the state directory.
 
@@ -184,6 +194,7 @@ class Disks:
         flash and dump files of the dead process go too; none of them is ever used.
         """
         await self.discard_lease()
+        await asyncio.to_thread(shutil.rmtree, self.paths.spare, True)  # a spare restore's files
         for stale in self.paths.state.glob("dump-*"):
             stale.unlink(missing_ok=True)
 

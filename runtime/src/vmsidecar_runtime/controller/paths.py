@@ -37,6 +37,12 @@ class RuntimePaths:
         return self.state / "overlay-base.qcow2"
 
     @property
+    def spare(self) -> Path:
+        """A spare restore's own overlay and UEFI vars (``standby.py``), moved into the lease's places
+        when a recycle adopts it."""
+        return self.state / "spare"
+
+    @property
     def flashed(self) -> Path:
         """Disks flashed during this lease."""
         return self.state / "flashed"

@@ -32,6 +32,7 @@ from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
 from .readiness import ReadinessWatch
 from .snapshot_ops import SnapshotOps
+from .standby import Standby
 from .streams import GuestStreams
 from .transfers import Transfer, Transfers
 
@@ -60,7 +61,9 @@ class Power:
         self._lease = lease
         self._transfers = transfers
         self.machine = Machine(paths, streams, events, backend_factory, self._on_backend_event)
-        self._boot = Boot(disks, streams, self.machine, snapshots, running=self._running)
+        #: a spare restore for the next recycle (the spec's ``standby``)
+        self.standby = Standby(paths, self.machine, snapshots)
+        self._boot = Boot(disks, streams, self.machine, snapshots, self.standby, running=self._running)
         self._readiness = ReadinessWatch(self._mark_ready, self._not_ready)
         #: the spec of the current boot (readiness is re-armed with it when the guest reboots)
         self._spec: VmSpec | None = None
@@ -191,6 +194,8 @@ class Power:
 
     def _set_ready(self) -> None:
         self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
+        if self._spec is not None:
+            self.standby.refill(self._spec)
         timed, self._until_ready = self._until_ready, None
         if timed is not None:
             now = time.monotonic()

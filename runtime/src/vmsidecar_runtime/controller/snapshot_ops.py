@@ -28,6 +28,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,20 @@ MIRROR_IDLE_FACTOR = 4
 
 #: a key whose fresh snapshots were refused at their first load this many times is not captured again
 FRESH_REFUSALS = 2
+
+
+@dataclass(frozen=True)
+class SpareParts:
+    """What a spare restore starts from (``SnapshotOps.for_spare``)."""
+
+    snap: Snapshot
+    #: the snapshot's frozen overlay, which the spare's own overlay is made over
+    backing: DiskImage
+    ram: RamFile | None
+    #: the seal check of the RAM file and the memory stream, under way (``BootPlan.incoming_check``)
+    check: asyncio.Future[str | None]
+    #: the guest held the agent's port open at capture: its clock can be set
+    guest_agent: bool
 
 
 class SnapshotOps:
@@ -134,7 +149,7 @@ class SnapshotOps:
         self._identity = None
         self._fetched = None
         self.info = self.info.model_copy(update={"clock": None, "source_refusal": None, "form": None,
-                                                 "form_reason": None})
+                                                 "form_reason": None, "restored_ahead": False})
         key = self._key(spec, accel)
         self._planned_key = key
         snap = self._store.find(key) if key is not None else None
@@ -334,17 +349,44 @@ class SnapshotOps:
 
     async def restored(self, snap: Snapshot, started: float, agent_socket: Path, *, new_boot: bool) -> None:
         """The guest runs from ``snap``: correct its clock, record the restore."""
+        seconds, meta = time.monotonic() - started, snap.meta()
+        clock = await correct_clock(meta is not None and meta.guest_agent, agent_socket)
+        self._record_restore(snap, seconds, clock, new_boot=new_boot)
+
+    def adopted(self, snap: Snapshot, started: float, clock: str) -> None:
+        """The guest of a spare restore of ``snap`` is this boot's (its clock was set when it was made)."""
+        self._record_restore(snap, time.monotonic() - started, clock, new_boot=True, ahead=True)
+
+    def _record_restore(self, snap: Snapshot, seconds: float, clock: str, *, new_boot: bool,
+                        ahead: bool = False) -> None:
         self._unproven.discard(snap.path.name)  # it loads
         self._fresh_refusals.pop(snap.path.name, None)
-        update: dict[str, Any] = {"available": True, "restore_seconds": round(time.monotonic() - started, 3)}
-        meta = snap.meta()
-        update["clock"] = await correct_clock(meta is not None and meta.guest_agent, agent_socket)
-        if meta is not None:
+        update: dict[str, Any] = {"available": True, "restore_seconds": round(seconds, 3), "clock": clock, "restored_ahead": ahead}
+        if (meta := snap.meta()) is not None:
             update["form"] = meta.form
         if new_boot:
             update |= {"boot": "registry_warm" if snap.path == self._fetched else "restored", "reason": None}
             metrics.snapshot_restore.observe(update["restore_seconds"])
         self.info = self.info.model_copy(update=update)
+
+    async def for_spare(self, spec: VmSpec, accel: str) -> SpareParts | None:
+        """What a spare restore of ``spec`` (``standby.py``) starts from: the cache's sealed snapshot
+        for the spec's image, its frozen overlay, its RAM and the deferred seal check; None when
+        there is none (or its seal fails: the next boot that looks finds and removes it). Records
+        nothing: the current boot's state stays its own."""
+        await self.stored()
+        base = self._disks.base
+        if base is None:
+            return None
+        try:
+            snap = self._store.find(identify(spec, base, accel).key)
+        except (ImageError, HostError):
+            return None
+        if snap is None or await asyncio.to_thread(self._store.verify, snap, base, defer_loaded=True) is not None:
+            return None
+        meta = snap.meta()
+        return SpareParts(snap, DiskImage(snap.disk, "qcow2", base.digest, base.source), self.restore_ram(snap),
+                     self.check_deferred(snap), meta is not None and meta.guest_agent)
 
     # ---- capture -------------------------------------------------------------------------
     async def save(self, key: str, backend: Backend) -> Capture | None:

@@ -92,7 +92,11 @@ class VmController:
 
     @property
     def snapshot_info(self) -> SnapshotInfo:
-        return self._snapshots.info
+        return self._snapshot_info()
+
+    def _snapshot_info(self) -> SnapshotInfo:
+        standby, reason = self._power.standby.status(self.spec)
+        return self._snapshots.info.model_copy(update={"standby": standby, "standby_reason": reason})
 
     def state(self) -> VmState:
         """A snapshot for ``GET /v1/vm``."""
@@ -106,7 +110,7 @@ class VmController:
             timings=machine.timings, forwards=machine.forwards(), sockets=self.streams.sockets(),
             last_error=error.to_dict() if error else None, last_exit=machine.last_exit,
             console_tail=self.streams.tail() if self.phase in (Phase.ERROR, Phase.CRASHED) else None,
-            snapshot=self._snapshots.info, **readiness_state(self.spec, disk),
+            snapshot=self._snapshot_info(), **readiness_state(self.spec, disk),
         )
 
     # ---- lifecycle of the controller -----------------------------------------------------
@@ -133,18 +137,21 @@ class VmController:
         """Stop the guest (bounded) and close every socket."""
         async with self._phases.lock:
             await self._power.stop(graceful=True, timeout=20)
+            await self._power.standby.drop("the runtime stops")
             await self._snapshots.drop_staging()  # a capture that will not happen: its RAM file goes
         await self.streams.close()
 
     async def kill(self) -> None:
         """Last resort (grace period over): SIGKILL the backend, whatever the controller was doing."""
         await self._power.machine.kill()
+        await self._power.standby.kill()
         await self.streams.close()
 
     async def shutdown(self) -> None:
         """Stop the guest and ask the runtime process to exit 0 (ExitAndReplace)."""
         async with self._phases.lock:
             await self._power.stop(graceful=True, timeout=20)
+            await self._power.standby.drop("the runtime shuts down")
             self._phases.set(Phase.STOPPED, reason="shutdown")
             self._lease.summarize("shutdown")
         self.shutdown_requested.set()
@@ -167,6 +174,7 @@ class VmController:
             if self.spec is None or spec.image != self.spec.image or spec.arch != self.spec.arch:
                 self.disks.forget_image()
             self.spec = spec
+            await self._power.standby.drop("the spec changed; the next Ready makes a spare of the new one")
             await self.streams.open_for(spec)
             self.events.publish("spec", spec=spec.model_dump(mode="json"))
             if self._boot_on_spec and spec.image:

@@ -1,0 +1,221 @@
+"""A spare restore for the next recycle (the spec's ``standby``).
+
+A recycle spends its time restoring: a new QEMU maps the snapshot and loads its device state
+(0.06-0.09 s), then a restored guest's clock is set through its agent, which under TCG waits for
+the guest to translate its code afresh (0.18 s for Debian). With a standby, that happens while a
+lease runs: a second QEMU restores the snapshot into files of its own (``state/spare``, a run
+directory of its own), its clock is set, and it runs on, idle and unattached, with its own NIC
+filter and no forward. The recycle ends the lease's QEMU, moves the spare's overlay (and UEFI
+vars) into the lease's places, binds its forwards and attaches the streams (``Boot._adopt``): no
+QEMU starts, no clock waits, and the guest is Ready in the time the old one takes to stop.
+
+The spare is a pristine guest nobody reaches: nothing of the running lease is in it (it comes from
+the snapshot, not from the lease's guest), its sockets are private, and it has no forward (no port
+anyone could reach it on) until the recycle adopts it (``Machine.adopt``). Whatever it does on its
+own that a restored guest would not (power off, reset, panic, an I/O error, its QEMU's exit) ends
+it; the recycle then restores as without a standby. Where two QEMUs of one runtime would share
+something a lease reaches, there is no spare (``why_not``): the GPIO device (one vhost-user
+backend per runtime), a native CAN bus (a host interface both would join).
+
+What a pool owner pays (docs/decisions.md, "a spare restore for the next recycle"): a second QEMU
+per pod, idle (its private memory: under TCG the translation cache, ~60 MB for Debian; its
+copy-on-write pages) and the CPU of an idle guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import shutil
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.spec import VmSpec
+
+from ..backend import Backend, BackendEvent, EventSink
+from ..disk import create_overlay
+from ..plan import BootPlan
+from ..snapshots import Snapshot
+from .guest_clock import correct_clock
+from .machine import Machine
+from .paths import RuntimePaths
+from .snapshot_ops import SnapshotOps
+
+log = logging.getLogger(__name__)
+
+#: what a spare guest does on its own that ends it: a restored guest that waits for a lease does none
+ENDS_A_SPARE = frozenset({BackendEvent.POWERED_OFF, BackendEvent.RESET, BackendEvent.PANICKED,
+                          BackendEvent.IO_ERROR, BackendEvent.EXITED})
+
+StandbyStatus = Literal["off", "preparing", "ready", "none"]
+
+
+def why_not(spec: VmSpec) -> str | None:
+    """Why ``spec`` gets no spare restore (two QEMUs of one runtime would share what a lease reaches)."""
+    if spec.backend != "qemu":
+        return f"the {spec.backend} backend has no memory snapshots"
+    if spec.gpio:
+        return "GPIO lines: the runtime's one vhost-user GPIO device serves one QEMU"
+    if any(bus.mode == "native" for bus in spec.can):
+        return "a native CAN bus: both QEMUs would join the host's interface"
+    return None
+
+
+class _Relay:
+    """A backend's event sink that can be pointed elsewhere: the spare's own handler, then the
+    machine's once the spare is adopted."""
+
+    def __init__(self, target: EventSink) -> None:
+        self.target = target
+
+    def __call__(self, event: BackendEvent, data: dict[str, Any]) -> None:
+        self.target(event, data)
+
+
+@dataclass
+class Spare:
+    """A restored guest that runs idle until a recycle adopts it."""
+
+    spec: VmSpec
+    snap: Snapshot
+    plan: BootPlan
+    backend: Backend
+    relay: _Relay
+    #: ``snapshot.clock`` of the boot that adopts it (set when it was made; it ran on since)
+    clock: str
+
+
+class Standby:
+    """At most one spare; made after a Ready, taken (or dropped) by the next boot."""
+
+    def __init__(self, paths: RuntimePaths, machine: Machine, snapshots: SnapshotOps) -> None:
+        self._paths = paths
+        self._machine = machine
+        self._snapshots = snapshots
+        self._spare: Spare | None = None
+        self._making: asyncio.Task[None] | None = None
+        self._reason: str | None = None
+        self._numbers = itertools.count(1)
+        self._ending: set[asyncio.Task[None]] = set()
+
+    def status(self, spec: VmSpec | None) -> tuple[StandbyStatus, str | None]:
+        """``snapshot.standby`` and ``snapshot.standby_reason`` of ``GET /v1/vm`` under ``spec``."""
+        if spec is None or not spec.standby:
+            return "off", None
+        if self._spare is not None:
+            return "ready", None
+        if self._making is not None:
+            return "preparing", None
+        return "none", self._reason
+
+    def refill(self, spec: VmSpec) -> None:
+        """After a Ready: make a spare for the next recycle unless one is there or on its way."""
+        if not spec.standby or self._spare is not None or self._making is not None:
+            return
+        if (why := why_not(spec)) is not None:
+            self._reason = why
+            return
+        self._reason = None
+        self._making = asyncio.create_task(self._make(spec))
+
+    async def _make(self, spec: VmSpec) -> None:
+        accel = self._machine.accel
+        try:
+            parts = await self._snapshots.for_spare(spec, accel.accel) if accel is not None else None
+            if parts is None:
+                self._reason = "no sealed snapshot of this spec and image in the cache"
+                return
+            spare_dir = self._paths.spare
+            await asyncio.to_thread(shutil.rmtree, spare_dir, True)
+            self._remove_run_dirs()
+            spare_dir.mkdir(parents=True)
+            overlay = spare_dir / self._paths.overlay.name
+            await create_overlay(parts.backing, overlay)
+            run_dir = self._paths.run / f"spare{next(self._numbers)}"
+            run_dir.mkdir(mode=0o700)
+            relay = _Relay(lambda event, data: None)
+            plan, backend = await self._machine.launch_spare(
+                lambda: self._machine.new_plan(spec, overlay, run_dir, spare_dir, parts.snap.memory, parts.ram,
+                                               parts.check, spare=True), relay)
+            try:
+                await backend.resume()
+                clock = await correct_clock(parts.guest_agent, plan.guest_agent_socket)
+            except BaseException:
+                await backend.quit(timeout=1)
+                raise
+            spare = Spare(spec, parts.snap, plan, backend, relay, clock)
+            relay.target = lambda event, data: self._on_spare_event(spare, event)
+            if not backend.alive:
+                await backend.quit(timeout=1)
+                self._reason = "the spare guest's QEMU exited as it started"
+                return
+            self._spare = spare
+            log.info("a spare restore of %s runs for the next recycle", parts.snap.path.name)
+        except (VmsidecarError, OSError) as e:
+            why = e.message if isinstance(e, VmsidecarError) else str(e)
+            self._reason = f"the spare restore failed: {why}"
+            log.warning("no spare restore: %s", why)
+        finally:
+            self._making = None
+
+    def _on_spare_event(self, spare: Spare, event: BackendEvent) -> None:
+        if event in ENDS_A_SPARE and self._spare is spare:
+            self._spare = None
+            self._reason = f"the spare guest ended on its own ({event.value}); the next recycle restores"
+            log.warning("the spare restore ended: %s", event.value)
+            self._end_in_background(spare)
+
+    def _end_in_background(self, spare: Spare) -> None:
+        task = asyncio.create_task(spare.backend.quit(timeout=1))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def take(self, spec: VmSpec, snap: Snapshot) -> Spare | None:
+        """The spare, if it restores ``snap`` for ``spec`` and still runs (the caller adopts it);
+        any other spare, or one still being made, is ended."""
+        await self._stop_making()
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        if spare.spec == spec and spare.snap.path == snap.path and spare.backend.alive:
+            return spare
+        self._reason = "the spare restored another spec or snapshot"
+        await spare.backend.quit(timeout=1)
+        return None
+
+    def adopted(self, spare: Spare, on_event: EventSink) -> None:
+        """``spare`` is the boot's now: its backend's events go to ``on_event``."""
+        spare.relay.target = on_event
+
+    async def _stop_making(self) -> None:
+        task = self._making
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def drop(self, why: str) -> None:
+        """End the spare (and one being made): the spec changed, or the runtime stops."""
+        await self._stop_making()
+        spare, self._spare = self._spare, None
+        self._reason = why
+        if spare is not None:
+            await spare.backend.quit(timeout=1)
+        for task in list(self._ending):
+            with contextlib.suppress(Exception):
+                await task
+
+    async def kill(self) -> None:
+        """SIGKILL the spare, whatever it was doing (the runtime's grace period is over)."""
+        if self._spare is not None:
+            await self._spare.backend.kill()
+
+    def _remove_run_dirs(self) -> None:
+        """The run directories of earlier spares whose QEMUs are gone (the adopted one's stays)."""
+        live = self._machine.plan.run_dir if self._machine.plan is not None else None
+        for old in self._paths.run.glob("spare*"):
+            if old != live:
+                shutil.rmtree(old, ignore_errors=True)
