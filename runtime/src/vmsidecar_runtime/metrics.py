@@ -141,12 +141,15 @@ def source_of(reference: str) -> Source:
 # ---- read at scrape time ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class State:
-    """What the scrape reads from the runtime: the phase, the generation, QEMU's pid, the cache's size."""
+    """What the scrape reads from the runtime: the phase, the generation, the QEMUs' pids, the
+    cache's size, whether a spare restore is ready."""
 
     phase: Phase
     generation: int
-    qemu_pid: int | None
+    #: the guest's QEMU and, with the spec's ``standby``, its spare's
+    qemu_pids: list[int]
     cache_bytes: int | None
+    spare_ready: bool = False
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -171,16 +174,17 @@ def outcome(counter: Counter) -> Iterator[None]:
     counter.labels("ok").inc()
 
 
-def qemu_child(pids: Iterable[int]) -> int | None:
-    """Of the runtime's children, the QEMU process (there is never more than one: one hypervisor)."""
+def qemu_children(pids: Iterable[int]) -> list[int]:
+    """Of the runtime's children, the QEMU processes: the guest's, and a spare restore's."""
+    found = []
     for pid in sorted(pids):
         try:
             if os.path.basename(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]).startswith(
                     b"qemu-system"):
-                return pid
+                found.append(pid)
         except OSError:
             continue
-    return None
+    return found
 
 
 class StateCollector(Collector):
@@ -202,9 +206,11 @@ class StateCollector(Collector):
         yield phase
         yield GaugeMetricFamily("vmsidecar_generation", "The lease generation (bumped by every recycle)",
                                 value=state.generation)
-        rss = rss_bytes(state.qemu_pid) if state.qemu_pid is not None else None
-        yield GaugeMetricFamily("vmsidecar_qemu_resident_memory_bytes", "QEMU's resident memory (0: no QEMU runs)",
-                                value=rss or 0)
+        rss = sum(rss_bytes(pid) or 0 for pid in state.qemu_pids)
+        yield GaugeMetricFamily("vmsidecar_qemu_resident_memory_bytes", "QEMU's resident memory, a spare "
+                                "restore's included (0: no QEMU runs)", value=rss)
+        yield GaugeMetricFamily("vmsidecar_standby_ready", "1 while a spare restore waits for the next recycle "
+                                "(the spec's standby)", value=1 if state.spare_ready else 0)
         if state.cache_bytes is not None:
             yield GaugeMetricFamily("vmsidecar_cache_size_bytes", "Bytes on disk of the image cache (disks and "
                                     "memory snapshots)", value=state.cache_bytes)

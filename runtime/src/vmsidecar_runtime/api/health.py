@@ -89,8 +89,9 @@ def _scraped(vm: VmController) -> metrics.State:
     """What a scrape reads: cheap, no lock (QEMU is the runtime's one qemu-system child, if any)."""
     from ..oci.cache import DiskCache  # the cache's module: not on a warm start's path before the API
 
-    return metrics.State(phase=vm.phase, generation=vm.generation, qemu_pid=metrics.qemu_child(procs.OWN),
-                         cache_bytes=DiskCache(vm.paths.cache).size())
+    return metrics.State(phase=vm.phase, generation=vm.generation, qemu_pids=metrics.qemu_children(procs.OWN),
+                         cache_bytes=DiskCache(vm.paths.cache).size(),
+                         spare_ready=vm.snapshot_info.standby == "ready")
 
 
 async def serve_health(vm: VmController, listen: str) -> tuple[web.AppRunner, tuple[str, int]]:
