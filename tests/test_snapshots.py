@@ -98,16 +98,20 @@ async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
 
 #: (backend, snapshot form): the isolation test runs on both forms of the qemu backend's snapshots
 #: (templated is the default; the runtime's setting makes the full-stream one) and on libvirt (none)
-FORMS = [pytest.param("qemu", "templated", id="qemu-templated"), pytest.param("qemu", "stream", id="qemu-stream"),
-         *[pytest.param(b.values[0], None, id=b.values[0], marks=b.marks) for b in BACKENDS[1:]]]
+#: (the last, qemu-standby: each recycle switches to a spare restore made while the lease ran)
+FORMS = [pytest.param("qemu", "templated", False, id="qemu-templated"),
+         pytest.param("qemu", "stream", False, id="qemu-stream"),
+         pytest.param("qemu", "templated", True, id="qemu-standby"),
+         *[pytest.param(b.values[0], None, False, id=b.values[0], marks=b.marks) for b in BACKENDS[1:]]]
 
 
-@pytest.mark.parametrize(("backend", "form"), FORMS)
+@pytest.mark.parametrize(("backend", "form", "standby"), FORMS)
 async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
-    start_runtime: Any, tiny_image: Any, backend: str, form: str | None
+    start_runtime: Any, tiny_image: Any, backend: str, form: str | None, standby: bool
 ) -> None:
     # a channel no other test's spec has: a snapshot key of its own, so this first boot captures
-    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "isolation"}]}
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "isolation"}],
+            "standby": standby}
     rt = await start_runtime(spec, backend=backend, env={"VMSIDECAR_SNAPSHOT_FORM": form} if form else None)
     client = rt.client()
     await client.wait_ready(240)
@@ -124,10 +128,15 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
     seen_random = {await _lease_leaves_traces(console, "lease-one-secret")}
 
     for lease in (2, 3):
+        if standby:  # made while the lease wrote its traces: it runs beside the lease's guest
+            spare = await client.wait_spare()
+            assert spare.snapshot.standby == "ready", spare.snapshot
+            assert len(qemu_pids(str(rt.state))) == 2
         state, seconds = await _recycle(client)
         assert state.generation == lease - 1
         if backend == "qemu":
             assert state.snapshot.boot == "restored", state.snapshot
+            assert state.snapshot.restored_ahead == standby, state.snapshot
             assert seconds < 10, f"a restore took {seconds:.1f} s"  # ~0.5 s unloaded: see bench/snapshot.py
         replay, probe = await _probe(console)
         assert "VMSIDECAR-READY" in replay  # the pristine boot's scrollback: expect(marker) works
