@@ -1,12 +1,14 @@
 """Where a recycle's time goes: the runtime's JSON log between ``POST /v1/vm/recycle`` and Ready.
 
-    uv run python bench/recycle_trace.py [--guest tiny] [--guest debian] [--recycles 5] [--form templated]
+    uv run python bench/recycle_trace.py [--guest tiny] [--guest debian] [--recycles 5] [--form templated] [--standby]
 
 One runtime per guest (a fresh cache: the cold start captures), then ``--recycles`` recycles. For
-each: recycle → Ready (the API's view) and every log line in between, as seconds after the POST
-(``--log-format json --log-level DEBUG``: the lines carry their time). Then the medians, per guest,
-of recycle → Ready, of restore_seconds (the restore up to the guest running) and of the gap
-between the two (what comes after the restore: the clock, the phase change).
+each: recycle → Ready (the API's view), recycle → the first shell command answered on the serial
+console, and every log line in between, as seconds after the POST (``--log-format json
+--log-level DEBUG``: the lines carry their time). Then the medians, per guest, of recycle → Ready,
+of restore_seconds (the restore up to the guest running), of the gap between the two (what comes
+after the restore: the clock, the phase change) and of the first command. ``--standby``: the
+spec's ``standby`` (a spare restore, waited for before each recycle).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vmsidecar_contract.process import RuntimeProcess, clean_environ
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from snapshot import Guest, resolve_guest  # bench/ is no package
+from templating import first_answer
 
 
 def _lines_between(log: Path, start: float, end: float) -> list[tuple[float, str]]:
@@ -40,17 +43,20 @@ def _lines_between(log: Path, start: float, end: float) -> list[tuple[float, str
     return out
 
 
-async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: bool) -> dict[str, list[float]]:
+async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: bool,
+                standby: bool = False) -> dict[str, list[float]]:
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
-    spec = {"image": f"file:{guest.disk}", "memory": guest.memory}
+    spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "standby": standby}
     rt = RuntimeProcess.start(work / "rt", spec=spec, cache=work / "cache", env=env,
                               args=["--log-format", "json", "--log-level", "DEBUG"])
-    samples: dict[str, list[float]] = {"recycle": [], "restore": [], "after_restore": []}
+    samples: dict[str, list[float]] = {"recycle": [], "restore": [], "after_restore": [], "first_cmd": []}
     try:
         await rt.wait_ready(guest.timeout, poll=0.02)
         async with RuntimeClient(rt.socket) as client:
             for i in range(recycles):
                 await asyncio.sleep(1)  # the previous guest's late agent answer and timers settle
+                if standby:  # the spare restore for this recycle is made after the last Ready
+                    await client.wait_spare()
                 wall, started = time.time(), time.monotonic()
                 await client.recycle()
                 state = await client.wait_ready(guest.timeout, poll=0.005)
@@ -58,10 +64,12 @@ async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: boo
                 snap = state.snapshot
                 assert snap.boot == "restored" and snap.restore_seconds is not None, snap
                 samples["recycle"].append(took)
+                samples["first_cmd"].append(await first_answer(rt.shared / "console.sock", started, 120))
                 samples["restore"].append(snap.restore_seconds)
                 samples["after_restore"].append(took - snap.restore_seconds)
                 print(f"{guest.name} {form} recycle {i + 1}: → Ready {took:.3f} s, restore_seconds "
-                      f"{snap.restore_seconds:.3f}, clock {snap.clock}", flush=True)
+                      f"{snap.restore_seconds:.3f}, clock {snap.clock}, restored ahead {snap.restored_ahead}, first "
+                      f"command answered {samples['first_cmd'][-1]:.3f} s", flush=True)
                 if verbose:
                     for at, text in _lines_between(rt.log, wall, wall + took):
                         print(f"    +{at:6.3f} {text}")
@@ -75,8 +83,9 @@ async def main_async(args: argparse.Namespace) -> int:
     results = {}
     for guest in guests:
         with tempfile.TemporaryDirectory(prefix="recycle-trace-") as work:
-            results[guest.name] = await trace(guest, args.recycles, args.form, Path(work), not args.quiet)
-    print(f"\nmedians over {args.recycles} recycles, form {args.form}, load {os.getloadavg()[0]:.1f} at the end")
+            results[guest.name] = await trace(guest, args.recycles, args.form, Path(work), not args.quiet,
+                                              args.standby)
+    print(f"\nmedians over {args.recycles} recycles, form {args.form}, standby {args.standby}, load {os.getloadavg()[0]:.1f} at the end")
     for name, samples in results.items():
         print(f"{name:<8}" + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in samples.items()))
     return 0
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recycles", type=int, default=5)
     parser.add_argument("--form", choices=["templated", "stream"], default="templated")
     parser.add_argument("--quiet", action="store_true", help="medians only, no log lines")
+    parser.add_argument("--standby", action="store_true", help="spec standby: true (a spare restore for each recycle)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

@@ -68,7 +68,7 @@ def _qemu_mem(runtime_pid: int) -> tuple[float, float]:
     return rss / 1024, pss / 1024
 
 
-async def _first_answer(console: Path, started: float, timeout: float) -> float:
+async def first_answer(console: Path, started: float, timeout: float) -> float:
     """Seconds from ``started`` until the guest's shell answers a command on ``console``."""
     con = await Console.open(console)
     try:
@@ -110,7 +110,7 @@ async def one_run(guest: Guest, form: str, instances: int, work: Path, tb_size: 
             state = await client.wait_ready(guest.timeout, poll=0.01)
             result["recycle"] = time.monotonic() - started
         assert state.snapshot.boot == "restored", state.snapshot
-        result["first_cmd"] = await _first_answer(runtimes[0].shared / "console.sock", started, 120)
+        result["first_cmd"] = await first_answer(runtimes[0].shared / "console.sock", started, 120)
         started = time.monotonic()
         runtimes.append(RuntimeProcess.start(work / "rt1", spec=spec, cache=cache, env=env))
         state = await runtimes[1].wait_ready(guest.timeout, poll=0.02)
