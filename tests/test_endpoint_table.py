@@ -38,7 +38,7 @@ TABLE = {(row.method, row.path) for row in ENDPOINTS}
 #: the rows by the name the clients and the server use for them (``api.GET_VM`` …)
 ROWS = {name: row for name, row in vars(api).items() if isinstance(row, Endpoint)}
 #: public methods of the async client that call no endpoint themselves
-CLIENT_HELPERS = {"close", "wait_ready", "wait_stored"}
+CLIENT_HELPERS = {"close", "wait_ready", "wait_spare", "wait_stored"}
 
 
 def test_the_table_lists_every_row_once() -> None:
