@@ -203,13 +203,15 @@ async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
     return before, float(m.group(1)), float(m.group(2)), after
 
 
-async def test_debian_guest_boots_to_marker_is_restored_with_its_clock_set_and_powers_off(
+async def test_debian_guest_boots_to_marker_is_restored_and_switched_to_a_spare_with_its_clock_set_and_powers_off(
     start_runtime: Any, debian_image: BuiltImage
 ) -> None:
     # The default spec (CPU model included) but for a channel no other test's spec has: a snapshot
     # key of its own, so this boot is cold and captures. One Debian boot serves the boot, the
-    # restored clock and the power button (each a TCG boot of ~50 CPU-s on its own).
-    rt = await start_runtime({"image": f"file:{debian_image.disk}", "memory": "1G", "channels": [{"name": "clock"}]})
+    # restored clock, a spare restore's clock and the power button (each a TCG boot of ~50 CPU-s
+    # on its own).
+    spec = {"image": f"file:{debian_image.disk}", "memory": "1G", "channels": [{"name": "clock"}]}
+    rt = await start_runtime(spec)
     client = rt.client()
     ttys0 = await Console.open_when_served(rt.shared / "console.sock")
     hvc0 = await Console.open_when_served(rt.shared / "hvc0.sock")
@@ -261,7 +263,21 @@ async def test_debian_guest_boots_to_marker_is_restored_with_its_clock_set_and_p
           f"guest clock - host clock {guest_now - (before + after) / 2:+.2f} s")
     assert host_lived - guest_lived >= BEHIND_S - CLOCK_SLACK_S, (guest_lived, host_lived)
 
-    # graceful off, the restored guest: QMP system_powerdown -> ACPI power button -> logind -> poweroff
+    # a spare restore (standby: the same snapshot, whose clock is over BEHIND_S behind): made after
+    # a Ready, its clock set then, running on until the recycle switches to it, which sets nothing
+    await client.recycle(boot=False)
+    await client.put_spec({**spec, "standby": True})
+    await client.power("on")
+    await client.wait_ready(120)
+    assert (await client.wait_spare(120)).snapshot.standby == "ready"
+    state, seconds = await recycle_until_ready(client)
+    assert state.snapshot.restored_ahead and state.snapshot.clock == "corrected", state.snapshot
+    before, guest_now, _, after = await _guest_clock(rt.shared / "console.sock")
+    print(f"spare adopted: recycle -> Ready {seconds:.2f} s; guest clock - host clock "
+          f"{guest_now - (before + after) / 2:+.2f} s")
+    assert before - CLOCK_SLACK_S <= guest_now <= after + CLOCK_SLACK_S, (before, guest_now, after)
+
+    # graceful off, the adopted spare: QMP system_powerdown -> ACPI power button -> logind -> poweroff
     async with collecting(client, ["guest.powerdown_requested", "guest.powered_off"]) as events:
         t0 = time.monotonic()
         # typically ~10 s; a CI run with three TCG guests and an image build on two cores took the
