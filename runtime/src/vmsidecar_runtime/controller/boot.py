@@ -1,4 +1,5 @@
-"""How the guest boots on its disk: from a memory snapshot, or cold; and a capture's continuation.
+"""How the guest boots on its disk: from a memory snapshot (restored now, or a spare restore made
+while the last lease ran, ``standby.py``), or cold; and a capture's continuation.
 
 ``Boot`` runs the steps ``SnapshotOps`` decides on, with ``Machine`` for the backend and ``Disks``
 for the overlay. It reports the moment the guest runs through ``running`` (the controller's phase
@@ -94,8 +95,7 @@ class Boot:
             # scrollback (a capture continues the boot it interrupted)
             overlay = await self._disks.overlay(self._snapshots.overlay_backing(snap))
             if new_boot:
-                self._machine.begin_boot("restore", firmware=False)
-                self._streams.preload({name: snap.console(name) for name in CONSOLES})
+                self._begin_restored_boot(snap)
             await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap), deferred_check)
         except VmsidecarError as e:
             await self._machine.stop()
@@ -123,12 +123,13 @@ class Boot:
             await spare.backend.quit(timeout=1)
             self._disks.drop_overlays()
             return False
-        self._machine.begin_boot("restore", firmware=False)
-        self._streams.preload({name: snap.console(name) for name in CONSOLES})
-        self._standby.adopted(spare, self._machine.event_sink)
+        self._begin_restored_boot(snap)
+        self._standby.adopted(spare, self._machine.event_sink)  # from now on its exit is this boot's crash
         try:
             await self._machine.adopt(spare.plan, spare.backend)
-        except (OSError, TimeoutError, HostError) as e:
+            if not spare.backend.alive:
+                raise HostError("its QEMU exited as the recycle took it")
+        except Exception as e:  # whatever it was (its QEMU gone mid-way: a QMP error too), this boot restores
             log.warning("the spare restore could not take over (%s); restoring", e)
             await self._machine.stop()
             self._disks.drop_overlays()
@@ -136,6 +137,11 @@ class Boot:
         self._running()
         self._snapshots.adopted(snap, started, spare.clock)
         return True
+
+    def _begin_restored_boot(self, snap: Snapshot) -> None:
+        """A new boot from ``snap``: its own counter and timings, the pristine boot's scrollback."""
+        self._machine.begin_boot("restore", firmware=False)
+        self._streams.preload({name: snap.console(name) for name in CONSOLES})
 
     async def capture(self, spec: VmSpec, key: str, backend: Backend) -> bool:
         """At the first Ready of a pristine cold boot: snapshot the guest, then let the same boot go

@@ -295,9 +295,10 @@ class SnapshotOps:
     def booting_cold(self) -> None:
         self.info = self.info.model_copy(update={"boot": "cold"})
 
-    def overlay_backing(self, snap: Snapshot) -> DiskImage:
-        """The snapshot's frozen overlay, as the disk the restored boot's overlay is made over."""
-        base = self._disks.current
+    def overlay_backing(self, snap: Snapshot, base: DiskImage | None = None) -> DiskImage:
+        """The snapshot's frozen overlay, as the disk the restored boot's overlay is made over (the
+        snapshot of ``base``, by default the current disk)."""
+        base = base or self._disks.current
         assert base is not None
         return DiskImage(snap.disk, "qcow2", base.digest, base.source)
 
@@ -361,7 +362,8 @@ class SnapshotOps:
                         ahead: bool = False) -> None:
         self._unproven.discard(snap.path.name)  # it loads
         self._fresh_refusals.pop(snap.path.name, None)
-        update: dict[str, Any] = {"available": True, "restore_seconds": round(seconds, 3), "clock": clock, "restored_ahead": ahead}
+        update: dict[str, Any] = {"available": True, "restore_seconds": round(seconds, 3), "clock": clock,
+                                  "restored_ahead": ahead}
         if (meta := snap.meta()) is not None:
             update["form"] = meta.form
         if new_boot:
@@ -385,8 +387,8 @@ class SnapshotOps:
         if snap is None or await asyncio.to_thread(self._store.verify, snap, base, defer_loaded=True) is not None:
             return None
         meta = snap.meta()
-        return SpareParts(snap, DiskImage(snap.disk, "qcow2", base.digest, base.source), self.restore_ram(snap),
-                     self.check_deferred(snap), meta is not None and meta.guest_agent)
+        return SpareParts(snap, self.overlay_backing(snap, base), self.restore_ram(snap), self.check_deferred(snap),
+                          meta is not None and meta.guest_agent)
 
     # ---- capture -------------------------------------------------------------------------
     async def save(self, key: str, backend: Backend) -> Capture | None:
