@@ -1,14 +1,15 @@
 """Recycle → Ready of a big, dirty guest (issue 23): the tiny guest with ``--memory`` (2G), of which
 ``--dirty-mb`` (1536) are written before Ready, templated vs full-stream, next to the small one.
 
-    uv run python bench/dirty_recycle.py [--runs 2] [--recycles 3]
+    uv run python bench/dirty_recycle.py [--runs 2] [--recycles 3] [--standby]
 
 The big guest's readiness is a pattern its boot does not print: once the guest's shell answers on
 the console, the script fills a tmpfs with ``dd`` and then prints the pattern, so the snapshot
 taken at Ready holds that much written RAM. The small guest is the tiny one as usual (256M, Ready
 at its own marker). Per form, interleaved, each run on a fresh cache: the cold start (it
 captures), then ``--recycles`` recycles, each timed POST → Ready. Prints medians and the ratio
-big ÷ small per form (the goal: within 20 %).
+big ÷ small per form (the goal: within 20 %). ``--standby``: the spec's ``standby``, each recycle
+switching to a spare restore made since the last (waited for).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ async def _dirty(console: Path, megabytes: int, timeout: float) -> None:
         await con.close()
 
 
-async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles: int, work: Path) -> list[float]:
+async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles: int, work: Path,
+                  standby: bool = False) -> list[float]:
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
-    spec: dict[str, object] = {"image": f"file:{guest.disk}", "memory": memory}
+    spec: dict[str, object] = {"image": f"file:{guest.disk}", "memory": memory, "standby": standby}
     if dirty_mb:
         spec["readiness"] = {"pattern": DONE, "timeout": 900}
     rt = RuntimeProcess.start(work / "rt", spec=spec, cache=work / "cache", env=env)
@@ -69,11 +71,13 @@ async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles:
         async with RuntimeClient(rt.socket) as client:
             for _ in range(recycles):
                 await asyncio.sleep(1)
+                if standby:
+                    await client.wait_spare(120)
                 started = time.monotonic()
                 await client.recycle()
                 state = await client.wait_ready(120, poll=0.005)
                 times.append(time.monotonic() - started)
-                assert state.snapshot.boot == "restored", state.snapshot
+                assert state.snapshot.boot == "restored" and state.snapshot.restored_ahead == standby, state.snapshot
         return times
     finally:
         rt.stop()
@@ -87,11 +91,11 @@ async def main_async(args: argparse.Namespace) -> int:
         for form in FORMS:
             for size, memory, dirty in (("small", tiny.memory, 0), ("big", args.memory, args.dirty_mb)):
                 with tempfile.TemporaryDirectory(prefix="dirty-recycle-") as work:
-                    times = await one_run(tiny, form, memory, dirty, args.recycles, Path(work))
+                    times = await one_run(tiny, form, memory, dirty, args.recycles, Path(work), args.standby)
                 print(f"run {run + 1} {form} {size}: " + ", ".join(f"{t:.3f}" for t in times), flush=True)
                 samples.setdefault((form, size), []).extend(times)
     print(f"\nrecycle → Ready, medians of {args.runs} x {args.recycles}; big = {args.memory}, {args.dirty_mb} MB "
-          f"written; load {os.getloadavg()[0]:.1f} at the end")
+          f"written; standby {args.standby}; load {os.getloadavg()[0]:.1f} at the end")
     for form in FORMS:
         small, big = statistics.median(samples[(form, "small")]), statistics.median(samples[(form, "big")])
         print(f"{form:<10} small {small:.3f} s  big {big:.3f} s  big ÷ small {big / small:.2f}")
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recycles", type=int, default=3)
     parser.add_argument("--memory", default="2G")
     parser.add_argument("--dirty-mb", type=int, default=1536)
+    parser.add_argument("--standby", action="store_true", help="spec standby: true (each recycle switches to a spare)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 
