@@ -99,9 +99,10 @@ async def one_run(guest: Guest, form: str, instances: int, work: Path, tb_size: 
     started = time.monotonic()
     runtimes = [RuntimeProcess.start(work / "rt0", spec=spec, cache=cache, env=env)]
     try:
-        state = await runtimes[0].wait_ready(guest.timeout, poll=0.02)
+        await runtimes[0].wait_ready(guest.timeout, poll=0.02)
         result = {"cold": time.monotonic() - started}
-        snap = state.snapshot
+        async with RuntimeClient(runtimes[0].socket) as client:
+            snap = (await client.wait_stored(300)).snapshot  # stored just after Ready
         assert snap.form == form and snap.capture_seconds is not None and snap.size, snap
         result |= {"capture": snap.capture_seconds, "size_mb": snap.size / 2**20}
         async with RuntimeClient(runtimes[0].socket) as client:
