@@ -44,14 +44,18 @@ def _lines_between(log: Path, start: float, end: float) -> list[tuple[float, str
 
 
 async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: bool,
-                standby: bool = False) -> dict[str, list[float]]:
+                standby: bool = False, tb_size: int | None = None) -> dict[str, list[float]]:
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
+    if tb_size is not None:  # TCG's translation cache: private to each QEMU, and KVM has none
+        env["VMSIDECAR_TCG_TB_SIZE"] = str(tb_size)
     spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "standby": standby}
     rt = RuntimeProcess.start(work / "rt", spec=spec, cache=work / "cache", env=env,
                               args=["--log-format", "json", "--log-level", "DEBUG"])
-    samples: dict[str, list[float]] = {"recycle": [], "restore": [], "after_restore": [], "first_cmd": []}
+    samples: dict[str, list[float]] = {"cold": [], "recycle": [], "restore": [], "after_restore": [], "first_cmd": []}
+    started = time.monotonic()
     try:
         await rt.wait_ready(guest.timeout, poll=0.02)
+        samples["cold"].append(time.monotonic() - started)
         async with RuntimeClient(rt.socket) as client:
             for i in range(recycles):
                 await asyncio.sleep(1)  # the previous guest's late agent answer and timers settle
@@ -84,8 +88,9 @@ async def main_async(args: argparse.Namespace) -> int:
     for guest in guests:
         with tempfile.TemporaryDirectory(prefix="recycle-trace-") as work:
             results[guest.name] = await trace(guest, args.recycles, args.form, Path(work), not args.quiet,
-                                              args.standby)
-    print(f"\nmedians over {args.recycles} recycles, form {args.form}, standby {args.standby}, load {os.getloadavg()[0]:.1f} at the end")
+                                              args.standby, args.tb_size)
+    print(f"\nmedians over {args.recycles} recycles, form {args.form}, standby {args.standby}, tb-size "
+          f"{args.tb_size or 'default'}, load {os.getloadavg()[0]:.1f} at the end")
     for name, samples in results.items():
         print(f"{name:<8}" + ", ".join(f"{k} {statistics.median(v):.3f} s" for k, v in samples.items()))
     return 0
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--form", choices=["templated", "stream"], default="templated")
     parser.add_argument("--quiet", action="store_true", help="medians only, no log lines")
     parser.add_argument("--standby", action="store_true", help="spec standby: true (a spare restore for each recycle)")
+    parser.add_argument("--tb-size", type=int, help="TCG translation cache, MiB (VMSIDECAR_TCG_TB_SIZE; default the runtime's)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 
