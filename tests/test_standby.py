@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from test_metrics import key, scrape
 from test_port_forwards import _read_forward, _serve_once
+from test_snapshots import _readlink
 
 from fixtures.health import health_runtime
 from fixtures.ports import free_port
@@ -96,13 +97,7 @@ def _listening_ports(pid: int) -> set[int]:
 
 
 def _open_files(pid: int) -> list[str]:
-    found = []
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            found.append(os.readlink(fd))
-        except OSError:  # closed meanwhile
-            continue
-    return found
+    return [target for target in (_readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()) if target]
 
 
 async def _standby_is(client: Any, status: str) -> Any:

@@ -92,9 +92,7 @@ class VmController:
 
     @property
     def snapshot_info(self) -> SnapshotInfo:
-        return self._snapshot_info()
-
-    def _snapshot_info(self) -> SnapshotInfo:
+        """``snapshot`` of ``GET /v1/vm``: the snapshot's state and the spare restore's."""
         standby, reason = self._power.standby.status(self.spec)
         return self._snapshots.info.model_copy(update={"standby": standby, "standby_reason": reason})
 
@@ -110,7 +108,7 @@ class VmController:
             timings=machine.timings, forwards=machine.forwards(), sockets=self.streams.sockets(),
             last_error=error.to_dict() if error else None, last_exit=machine.last_exit,
             console_tail=self.streams.tail() if self.phase in (Phase.ERROR, Phase.CRASHED) else None,
-            snapshot=self._snapshot_info(), **readiness_state(self.spec, disk),
+            snapshot=self.snapshot_info, **readiness_state(self.spec, disk),
         )
 
     # ---- lifecycle of the controller -----------------------------------------------------
