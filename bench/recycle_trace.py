@@ -8,7 +8,9 @@ console, and every log line in between, as seconds after the POST (``--log-forma
 --log-level DEBUG``: the lines carry their time). Then the medians, per guest, of recycle → Ready,
 of restore_seconds (the restore up to the guest running), of the gap between the two (what comes
 after the restore: the clock, the phase change) and of the first command. ``--standby``: the
-spec's ``standby`` (a spare restore, waited for before each recycle).
+spec's ``standby`` (a spare restore, waited for before each recycle). The recycles start once the
+capture is stored (it waits for the guest to settle, as in a pool whose first lease comes later);
+``--claim-at-ready`` claims at Ready instead, which captures at once (a developer's first lease).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _lines_between(log: Path, start: float, end: float) -> list[tuple[float, str
 
 
 async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: bool,
-                standby: bool = False, tb_size: int | None = None) -> dict[str, list[float]]:
+                standby: bool = False, tb_size: int | None = None,
+                claim_at_ready: bool = False) -> dict[str, list[float]]:
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
     if tb_size is not None:  # TCG's translation cache: private to each QEMU, and KVM has none
         env["VMSIDECAR_TCG_TB_SIZE"] = str(tb_size)
@@ -57,6 +60,11 @@ async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: boo
         await rt.wait_ready(guest.timeout, poll=0.02)
         samples["cold"].append(time.monotonic() - started)
         async with RuntimeClient(rt.socket) as client:
+            # a pool's first lease comes after its pod was Ready for a while: the capture waited for
+            # the guest to settle (controller/settle.py); --claim-at-ready takes it at once instead
+            snap = (await (client.claim() if claim_at_ready else client.wait_stored(300))).snapshot
+            print(f"{guest.name} {form} captured {snap.captured_when} after settling {snap.settle_seconds} s, "
+                  f"paused {snap.capture_seconds} s")
             for i in range(recycles):
                 await asyncio.sleep(1)  # the previous guest's late agent answer and timers settle
                 if standby:  # the spare restore for this recycle is made after the last Ready
@@ -88,7 +96,7 @@ async def main_async(args: argparse.Namespace) -> int:
     for guest in guests:
         with tempfile.TemporaryDirectory(prefix="recycle-trace-") as work:
             results[guest.name] = await trace(guest, args.recycles, args.form, Path(work), not args.quiet,
-                                              args.standby, args.tb_size)
+                                              args.standby, args.tb_size, args.claim_at_ready)
     print(f"\nmedians over {args.recycles} recycles, form {args.form}, standby {args.standby}, tb-size "
           f"{args.tb_size or 'default'}, load {os.getloadavg()[0]:.1f} at the end")
     for name, samples in results.items():
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--form", choices=["templated", "stream"], default="templated")
     parser.add_argument("--quiet", action="store_true", help="medians only, no log lines")
     parser.add_argument("--standby", action="store_true", help="spec standby: true (a spare restore for each recycle)")
+    parser.add_argument("--claim-at-ready", action="store_true",
+                        help="claim at once at Ready (the capture is taken then, unsettled), as a developer's first lease")
     parser.add_argument("--tb-size", type=int, help="TCG translation cache, MiB (VMSIDECAR_TCG_TB_SIZE; default the runtime's)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 import signal
 import time
@@ -334,6 +335,57 @@ async def test_console_keystrokes_typed_across_the_capture_all_reach_the_guest(s
         await con.close()
     assert state.snapshot.capture_seconds is not None and state.boot == 1, state.snapshot
 
+
+
+async def test_a_ready_guest_is_captured_once_it_settled_and_what_is_typed_meanwhile_stays_out_of_it(
+        start_runtime: Any, tiny_image: Any) -> None:
+    """Ready comes at the marker; the capture waits until the guest's vCPUs went idle (a systemd
+    guest's boot goes on for seconds after its marker, and a snapshot taken then makes every restore
+    run that tail again). Input typed in between reaches the guest after the capture: never the
+    snapshot, nor the next lease."""
+    rt, con = await _boot_until_captured_on_output(start_runtime, tiny_image)
+    client, tag = rt.client(), f"typed-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        con.writer.write(b"echo CAPTURE-\'\'NOW\n")
+        await con.writer.drain()
+        await con.expect(rb"\nCAPTURE-NOW\r?\n", 60)
+        state = await client.wait_ready(30, poll=0.01)
+        assert state.snapshot.storing and not state.snapshot.available, state.snapshot  # Ready, not captured yet
+        con.writer.write(f"echo {tag} > /tmp/typed\n".encode())  # while the guest settles: held
+        await con.writer.drain()
+        state = await client.wait_stored(60)
+        assert state.snapshot.available and state.snapshot.captured_when == "settled", state.snapshot
+        assert state.snapshot.settle_seconds is not None and state.snapshot.settle_seconds >= 0.7, state.snapshot
+        assert tag in await con.run("cat /tmp/typed")  # it reached the guest, after the capture
+    finally:
+        await con.close()
+    await client.recycle()
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.drain_replay()
+        replay = bytes(con.seen)
+        await con.wake()
+        assert "No such file" in await con.run("cat /tmp/typed")
+    finally:
+        await con.close()
+    assert tag.encode() not in replay  # nor in the scrollback the snapshot keeps
+
+
+async def test_a_claim_at_ready_captures_at_once(start_runtime: Any, tiny_image: Any) -> None:
+    """A claim that comes while the guest settles does not wait for it: the capture is taken at once,
+    and the claim returns when it is (the lease never acts on a guest not yet captured)."""
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "claim-at-ready"}]})
+    client = rt.client()
+    await client.wait_ready(240, poll=0.01)
+    started = time.monotonic()
+    state = await client.claim()
+    claimed_in = time.monotonic() - started
+    assert state.snapshot.captured_when == "requested" and state.snapshot.capture_seconds is not None, state.snapshot
+    assert claimed_in < 20, claimed_in  # not the settle limit (30 s)
+    state = await client.wait_stored(60)
+    assert state.snapshot.available, state.snapshot
 
 
 async def test_the_captured_boot_goes_on_in_its_process_and_its_lease_keeps_its_disk(

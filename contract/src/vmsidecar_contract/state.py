@@ -79,12 +79,19 @@ class SnapshotInfo(BaseModel):
     reason: str | None = None
     #: the snapshot in the cache for this spec and image, if any
     available: bool = False
-    #: a capture whose guest went on (Ready) is being written into the cache: ``available`` turns
-    #: true when it is there (a fraction of a second after Ready; the next boot waits for it)
+    #: this boot's capture is under way: the guest, Ready, settles before it is captured (any claim
+    #: or operation captures it at once), or the capture is being written into the cache;
+    #: ``available`` turns true when it is there (the next boot waits for it)
     storing: bool = False
     size: int | None = None
-    #: how long the capture kept the guest paused (what it added to the cold start's Ready)
+    #: how long the capture kept the guest paused (what it added to a claim that came meanwhile)
     capture_seconds: float | None = None
+    #: when the capture was taken: "settled" (the guest's vCPUs had gone idle), "requested" (a
+    #: claim or an operation wanted the guest first), "settle_limit" (it never idled), "at_ready"
+    #: (at the readiness marker: the runtime cannot see the vCPUs, or VMSIDECAR_CAPTURE_SETTLE_S=0)
+    captured_when: Literal["settled", "requested", "settle_limit", "at_ready"] | None = None
+    #: seconds from Ready to the capture's pause (the guest settling)
+    settle_seconds: float | None = None
     restore_seconds: float | None = None
     #: the guest's wall clock after this boot's restore (a restored guest resumes at the capture
     #: instant; a capture also restores, to go on): "corrected" (set to the host's through the

@@ -106,3 +106,24 @@ def run(*argv: str) -> tuple[int, str, str]:
     finally:
         OWN.discard(proc.pid)
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def threads_cpu_seconds(pid: int, name_prefix: str) -> float | None:
+    """The CPU time (user + system, seconds) used so far by the threads of ``pid`` whose name starts
+    with ``name_prefix`` (QEMU names its vCPU threads "CPU <n>/TCG" or "CPU <n>/KVM" with
+    ``-name debug-threads=on``); None when the process is gone or has no such thread."""
+    total, found = 0, False
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            if not (task / "comm").read_text().startswith(name_prefix):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14 and 15)
+        found = True
+    return total / os.sysconf("SC_CLK_TCK") if found else None

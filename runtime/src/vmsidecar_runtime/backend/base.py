@@ -126,6 +126,10 @@ class Backend(Protocol):
     async def quit(self, timeout: float = 5.0) -> None:
         """End the process/domain, bounded, and release what the boot held."""
 
+    def vcpu_seconds(self) -> float | None:
+        """The CPU time the guest's vCPUs have used so far (seconds); None when it cannot be read
+        (a capture then does not wait for the guest to settle: ``controller/settle.py``)."""
+
     async def kill(self) -> None:
         """End the process/domain at once."""
 

@@ -25,7 +25,7 @@ from vmsidecar_contract.spec import PortForward
 from vmsidecar_contract.state import ExitInfo
 
 from ..plan import BootPlan
-from ..procs import spawn
+from ..procs import spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink
 from .common import emulator_path, hostfwd_rule
@@ -378,6 +378,12 @@ class QemuBackend:
     async def reset(self) -> None:
         """Hard reset the guest, like a reset button."""
         await self._execute("system_reset")
+
+    def vcpu_seconds(self) -> float | None:
+        if not self.alive:
+            return None
+        assert self._proc is not None
+        return threads_cpu_seconds(self._proc.pid, "CPU ")  # "CPU 0/TCG", "CPU 0/KVM": -name debug-threads=on
 
     @property
     def alive(self) -> bool:

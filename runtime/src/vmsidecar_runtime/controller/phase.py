@@ -21,13 +21,34 @@ from ..events import EventBus
 log = logging.getLogger(__name__)
 
 
+class PowerLock:
+    """The power lock (an ``asyncio.Lock``) that tells its holder when another operation waits for
+    it: a capture waiting for its guest to settle (``Power._capture``) then captures at once."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        #: set when an operation waited for the lock; its holder clears it before it waits on it
+        self.wanted = asyncio.Event()
+
+    async def __aenter__(self) -> None:
+        if self._lock.locked():
+            self.wanted.set()
+        await self._lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
 class PhaseMachine:
     """The phase of the VM, its power lock and the error that ended the last boot."""
 
     def __init__(self, events: EventBus) -> None:
         self._events = events
         self.phase = Phase.STOPPED
-        self.lock = asyncio.Lock()
+        self.lock = PowerLock()
         self.last_error: VmsidecarError | None = None
 
     def set(self, phase: Phase, **data: Any) -> None:

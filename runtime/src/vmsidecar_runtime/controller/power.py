@@ -31,6 +31,7 @@ from .machine import Machine, disk_io_error
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
 from .readiness import ReadinessWatch
+from .settle import AT_READY, settle_limit, until_settled
 from .snapshot_ops import SnapshotOps
 from .standby import Standby
 from .streams import GuestStreams
@@ -178,8 +179,8 @@ class Power:
         self._phases.set(Phase.RUNNING, accel=accel.accel, accel_reason=accel.reason)
 
     def _mark_ready(self) -> None:
-        """The readiness watch saw the pattern: Ready, unless this boot first captures a snapshot
-        (never once a lease has the guest: its activity must not reach the snapshot)."""
+        """The readiness watch saw the pattern: Ready; a boot that captures a snapshot is captured
+        once it settled (never once a lease has the guest: its activity must not reach the snapshot)."""
         key = self._snapshots.take_capture()
         if key is not None and not self._lease.claimed:
             self._spawn(self._capture(key))
@@ -192,9 +193,9 @@ class Power:
         self._snapshots.not_ready()
         self._phases.fail(Phase.ERROR, error)
 
-    def _set_ready(self) -> None:
+    def _set_ready(self, *, refill: bool = True) -> None:
         self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
-        if self._spec is not None:
+        if refill and self._spec is not None:
             self.standby.refill(self._spec)
         timed, self._until_ready = self._until_ready, None
         if timed is not None:
@@ -213,10 +214,33 @@ class Power:
                 self._set_ready()
                 return
             with self._snapshots.capturing():
+                if not await self._settle(backend):
+                    return
                 if await self._boot.capture(self._spec, key, backend):
                     self._set_ready()
                 else:
                     self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)
+
+    async def _settle(self, backend: Backend) -> bool:
+        """Ready now; return once the guest settled (``settle.py``), or something wants it, with the
+        power lock held all along (False: the guest went away meanwhile, nothing is captured).
+        Console input typed meanwhile reaches the guest after the capture."""
+        limit = settle_limit()
+        if limit <= 0 or backend.vcpu_seconds() is None:
+            self._snapshots.settled(AT_READY, 0.0)
+            return True
+        self._streams.hold_new_input()
+        self._set_ready(refill=False)  # the spare is made from the snapshot: once it is stored
+        self._phases.lock.wanted.clear()
+        started = time.monotonic()
+        when = await until_settled(backend.vcpu_seconds, limit, [self._phases.lock.wanted, self._snapshots.wanted])
+        if (self._phases.phase != Phase.READY or self.machine.backend is not backend or not backend.alive
+                or self.machine.expect_exit):
+            self._streams.release_input()
+            self._snapshots.not_ready()  # powered off, crashed or failed while it settled
+            return False
+        self._snapshots.settled(when, time.monotonic() - started)
+        return True
 
     def _on_backend_event(self, event: BackendEvent, data: dict[str, Any]) -> None:
         self._events.publish(event.value, **data)

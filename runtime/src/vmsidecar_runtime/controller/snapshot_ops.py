@@ -101,6 +101,8 @@ class SnapshotOps:
         self._fresh_refusals: dict[str, int] = {}
         #: set while a capture runs (it started before any lease had the guest); a claim waits for it
         self._capturing: asyncio.Event | None = None
+        #: a claim waits for the capture: one waiting for its guest to settle captures at once
+        self.wanted = asyncio.Event()
         #: what the current boot's snapshot must match (its key and the fields behind it)
         self._identity: SnapshotIdentity | None = None
         #: the snapshot this boot fetched from the spec's snapshot_source (its restore is "registry_warm")
@@ -149,7 +151,8 @@ class SnapshotOps:
         self._identity = None
         self._fetched = None
         self.info = self.info.model_copy(update={"clock": None, "source_refusal": None, "form": None,
-                                                 "form_reason": None, "restored_ahead": False})
+                                                 "form_reason": None, "restored_ahead": False,
+                                                 "captured_when": None, "settle_seconds": None})
         key = self._key(spec, accel)
         self._planned_key = key
         snap = self._store.find(key) if key is not None else None
@@ -278,18 +281,29 @@ class SnapshotOps:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Marks a capture under way (``capture_finished`` waits for it)."""
+        """Marks a capture under way, from the wait for its guest to settle (``capture_finished``
+        waits for it)."""
         self._capturing = asyncio.Event()
+        self.wanted.clear()
+        self.info = self.info.model_copy(update={"storing": True})
         try:
             yield
         finally:
             self._capturing.set()
             self._capturing = None
+            storing = self._storing is not None and not self._storing.done()
+            self.info = self.info.model_copy(update={"storing": storing})
 
     async def capture_finished(self) -> None:
-        """Return once no capture is under way (a claim waits: the lease must not act during one)."""
+        """Return once no capture is under way (a claim waits: the lease must not act during one);
+        one waiting for its guest to settle is taken at once."""
         while self._capturing is not None:
+            self.wanted.set()
             await self._capturing.wait()
+
+    def settled(self, when: str, seconds: float) -> None:
+        """Why and after how long the capture's wait for its guest to settle ended (``settle.py``)."""
+        self.info = self.info.model_copy(update={"captured_when": when, "settle_seconds": round(seconds, 3)})
 
     # ---- restore -------------------------------------------------------------------------
     def booting_cold(self) -> None:

@@ -79,6 +79,11 @@ class GuestStreams:
             await self.gpio.stop_vhost()
         await asyncio.gather(*(hub.detach(read_to_end=READ_TO_END) for hub in self.hubs.values()))
 
+    def hold_new_input(self) -> None:
+        """From now on the clients' input waits in the hubs (a capture is to come: ``hold_input``)."""
+        for hub in self.hubs.values():
+            hub.hold_input()
+
     async def hold_input(self) -> None:
         """The guest is about to pause for a capture (and may move to a new backend process): hold
         the clients' input from now on, and let the guest read what it was already sent (bounded:

@@ -262,6 +262,9 @@ class LibvirtBackend:
             self._own_resets = max(0, self._own_resets - 1)
             raise
 
+    def vcpu_seconds(self) -> float | None:
+        return None  # this backend has no memory snapshots (``supports_snapshots``): nothing waits on it
+
     @property
     def alive(self) -> bool:
         """Whether the domain still exists."""
