@@ -42,7 +42,7 @@ from snapshot import Guest, resolve_guest  # bench/ is no package
 
 FORMS = ("templated", "stream")
 LEGS = [
-    ("cold", "cold start → Ready, capture included (s)"),
+    ("cold", "cold start → Ready (the capture follows once the guest settled) (s)"),
     ("capture", "capture (snapshot.capture_seconds)"),
     ("size_mb", "snapshot on disk (MB)"),
     ("recycle", "recycle → Ready (s)"),

@@ -27,13 +27,19 @@ class PowerLock:
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()
-        #: set when an operation waited for the lock; its holder clears it before it waits on it
+        self._waiting = 0
+        #: set while an operation waits for the lock
         self.wanted = asyncio.Event()
 
     async def __aenter__(self) -> None:
-        if self._lock.locked():
-            self.wanted.set()
-        await self._lock.acquire()
+        self._waiting += 1
+        self.wanted.set()
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+            if not self._waiting:
+                self.wanted.clear()
 
     async def __aexit__(self, *exc: object) -> None:
         self._lock.release()

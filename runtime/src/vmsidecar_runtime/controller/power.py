@@ -231,13 +231,12 @@ class Power:
             return True
         self._streams.hold_new_input()
         self._set_ready(refill=False)  # the spare is made from the snapshot: once it is stored
-        self._phases.lock.wanted.clear()
         started = time.monotonic()
         when = await until_settled(backend.vcpu_seconds, limit, [self._phases.lock.wanted, self._snapshots.wanted])
         if (self._phases.phase != Phase.READY or self.machine.backend is not backend or not backend.alive
                 or self.machine.expect_exit):
             self._streams.release_input()
-            self._snapshots.not_ready()  # powered off, crashed or failed while it settled
+            self._snapshots.gone_while_settling()
             return False
         self._snapshots.settled(when, time.monotonic() - started)
         return True

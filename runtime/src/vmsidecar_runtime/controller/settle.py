@@ -27,8 +27,10 @@ SETTLE_WINDOW_S = 0.25
 #: a window in which the vCPUs ran less than this share of one core is quiet (an idle Linux guest:
 #: 0-4 % under TCG; booting: 85-100 %)
 QUIET_SHARE = 0.2
-#: this many quiet windows in a row: settled (the Debian guest's tail has single quiet windows)
-QUIET_WINDOWS = 3
+#: this many quiet windows in a row (2 s): settled. The Debian guest's tail has quiet gaps: with
+#: 0.75 s of quiet it was captured 2.0 s after its marker and its first command after a recycle took
+#: 1.3 s, where one captured after 4 s answered in 0.6 s (docs/performance.md)
+QUIET_WINDOWS = 8
 #: the longest a capture waits for its guest to settle (a guest that never idles is captured then)
 SETTLE_LIMIT_S = 30.0
 #: overrides ``SETTLE_LIMIT_S`` (seconds; 0 captures at the marker, as before 2026-11-27)

@@ -270,6 +270,11 @@ class SnapshotOps:
         the copy of its RAM allocated for the capture is let go."""
         self._abandon("this boot did not get Ready, so it is not captured; the next boot that does captures it")
 
+    def gone_while_settling(self) -> None:
+        """The guest powered off, rebooted, crashed or failed while it settled: it is not captured."""
+        self._abandon("the guest stopped, rebooted or failed before it settled, so it is not captured; the next "
+                      "pristine boot that settles is")
+
     def _abandon(self, reason: str) -> None:
         self._cancel_mirror()  # a pass under way ends before the close below returns (FrozenRam's lock)
         self._capture_key = None
