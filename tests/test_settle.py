@@ -60,7 +60,7 @@ async def test_an_operation_that_wants_the_guest_ends_the_wait_at_once() -> None
 async def test_no_wait_when_the_vcpus_cannot_be_read_or_the_limit_is_zero() -> None:
     assert await until_settled(lambda: None, 30, []) == AT_READY
     assert await until_settled(VcpuClock(60), 0, []) == AT_READY
-    gone = iter([1.0, None])  # the process ended while the guest settled
+    gone = iter([1.0, 1.0, None])  # the process ended while the guest settled
     assert await until_settled(lambda: next(gone), 30, []) == AT_READY
 
 

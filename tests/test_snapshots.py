@@ -349,11 +349,12 @@ async def test_a_ready_guest_is_captured_once_it_settled_and_what_is_typed_meanw
         con.writer.write(b"echo CAPTURE-\'\'NOW\n")
         await con.writer.drain()
         await con.expect(rb"\nCAPTURE-NOW\r?\n", 60)
-        state = await client.wait_ready(30, poll=0.01)
-        assert state.snapshot.storing and not state.snapshot.available, state.snapshot  # Ready, not captured yet
+        ready = await client.wait_ready(30, poll=0.01)
+        assert ready.snapshot.storing and not ready.snapshot.available, ready.snapshot  # Ready, not captured yet
         con.writer.write(f"echo {tag} > /tmp/typed\n".encode())  # while the guest settles: held
         await con.writer.drain()
         state = await client.wait_stored(60)
+        assert state.timings.ready == ready.timings.ready  # the boot's Ready is its marker's, not the capture's
         assert state.snapshot.available and state.snapshot.captured_when == "settled", state.snapshot
         assert state.snapshot.settle_seconds is not None and state.snapshot.settle_seconds >= 1.9, state.snapshot
         assert tag in await con.run("cat /tmp/typed")  # it reached the guest, after the capture

@@ -31,7 +31,7 @@ from .machine import Machine, disk_io_error
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
 from .readiness import ReadinessWatch
-from .settle import AT_READY, settle_limit, until_settled
+from .settle import AT_READY, can_wait, settle_limit, until_settled
 from .snapshot_ops import SnapshotOps
 from .standby import Standby
 from .streams import GuestStreams
@@ -194,7 +194,8 @@ class Power:
         self._phases.fail(Phase.ERROR, error)
 
     def _set_ready(self, *, refill: bool = True) -> None:
-        self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
+        if self._phases.phase != Phase.READY:  # Ready before its capture: its timings end at the marker
+            self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
         if refill and self._spec is not None:
             self.standby.refill(self._spec)
         timed, self._until_ready = self._until_ready, None
@@ -226,7 +227,7 @@ class Power:
         power lock held all along (False: the guest went away meanwhile, nothing is captured).
         Console input typed meanwhile reaches the guest after the capture."""
         limit = settle_limit()
-        if limit <= 0 or backend.vcpu_seconds() is None:
+        if not can_wait(limit, backend.vcpu_seconds):
             self._snapshots.settled(AT_READY, 0.0)
             return True
         self._streams.hold_new_input()

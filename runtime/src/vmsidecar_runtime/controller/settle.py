@@ -29,7 +29,7 @@ SETTLE_WINDOW_S = 0.25
 QUIET_SHARE = 0.2
 #: this many quiet windows in a row (2 s): settled. The Debian guest's tail has quiet gaps: with
 #: 0.75 s of quiet it was captured 2.0 s after its marker and its first command after a recycle took
-#: 1.3 s, where one captured after 4 s answered in 0.6 s (docs/performance.md)
+#: 1.3 s; with 2 s, captured 5 s after, 0.42 s (docs/performance.md)
 QUIET_WINDOWS = 8
 #: the longest a capture waits for its guest to settle (a guest that never idles is captured then)
 SETTLE_LIMIT_S = 30.0
@@ -55,12 +55,18 @@ def settle_limit() -> float:
     return value
 
 
+def can_wait(limit: float, vcpu_seconds: Callable[[], float | None]) -> bool:
+    """Whether a capture waits for its guest to settle: a limit above 0 and vCPUs the runtime sees."""
+    return limit > 0 and vcpu_seconds() is not None
+
+
 async def until_settled(vcpu_seconds: Callable[[], float | None], limit: float, wanted: list[asyncio.Event]) -> str:
     """Wait until the guest settled (``SETTLED``), one of ``wanted`` is set (``REQUESTED``) or
     ``limit`` seconds passed (``LIMIT``). ``vcpu_seconds``: the CPU time the guest's vCPUs used so
     far; None when it cannot be read (``AT_READY``: no wait)."""
-    if limit <= 0 or (last := vcpu_seconds()) is None:
+    if not can_wait(limit, vcpu_seconds):
         return AT_READY
+    last = vcpu_seconds() or 0.0
     loop = asyncio.get_running_loop()
     deadline, quiet = loop.time() + limit, 0
     waits = [asyncio.ensure_future(event.wait()) for event in wanted]
