@@ -31,7 +31,7 @@ from .machine import Machine, disk_io_error
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
 from .readiness import ReadinessWatch
-from .settle import AT_READY, can_wait, settle_limit, until_settled
+from .settle import settle_limit, until_settled
 from .snapshot_ops import SnapshotOps
 from .standby import Standby
 from .streams import GuestStreams
@@ -223,23 +223,27 @@ class Power:
                     self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)
 
     async def _settle(self, backend: Backend) -> bool:
-        """Ready now; return once the guest settled (``settle.py``), or something wants it, with the
-        power lock held all along (False: the guest went away meanwhile, nothing is captured).
-        Console input typed meanwhile reaches the guest after the capture."""
-        limit = settle_limit()
-        if not can_wait(limit, backend.vcpu_seconds):
-            self._snapshots.settled(AT_READY, 0.0)
-            return True
-        self._streams.hold_new_input()
-        self._set_ready(refill=False)  # the spare is made from the snapshot: once it is stored
+        """Return once the guest settled (``settle.py``), or something wants it, with the power lock
+        held all along; Ready as the wait begins, if there is one (False: the guest went away
+        meanwhile, nothing is captured). Console input typed meanwhile reaches the guest after the
+        capture."""
+        waited = False
+
+        def wait_begins() -> None:
+            nonlocal waited
+            waited = True
+            self._streams.hold_new_input()
+            self._set_ready(refill=False)  # the spare is made from the snapshot: once it is stored
+
         started = time.monotonic()
-        when = await until_settled(backend.vcpu_seconds, limit, [self._phases.lock.wanted, self._snapshots.wanted])
-        if (self._phases.phase != Phase.READY or self.machine.backend is not backend or not backend.alive
-                or self.machine.expect_exit):
+        when = await until_settled(backend.vcpu_seconds, settle_limit(),
+                                   [self._phases.lock.wanted, self._snapshots.wanted], waiting=wait_begins)
+        if waited and (self._phases.phase != Phase.READY or self.machine.backend is not backend
+                       or not backend.alive or self.machine.expect_exit):
             self._streams.release_input()
             self._snapshots.gone_while_settling()
             return False
-        self._snapshots.settled(when, time.monotonic() - started)
+        self._snapshots.settled(when, time.monotonic() - started if waited else 0.0)
         return True
 
     def _on_backend_event(self, event: BackendEvent, data: dict[str, Any]) -> None:

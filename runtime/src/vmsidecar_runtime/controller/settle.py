@@ -55,18 +55,16 @@ def settle_limit() -> float:
     return value
 
 
-def can_wait(limit: float, vcpu_seconds: Callable[[], float | None]) -> bool:
-    """Whether a capture waits for its guest to settle: a limit above 0 and vCPUs the runtime sees."""
-    return limit > 0 and vcpu_seconds() is not None
-
-
-async def until_settled(vcpu_seconds: Callable[[], float | None], limit: float, wanted: list[asyncio.Event]) -> str:
+async def until_settled(vcpu_seconds: Callable[[], float | None], limit: float, wanted: list[asyncio.Event], *,
+                        waiting: Callable[[], None] = lambda: None) -> str:
     """Wait until the guest settled (``SETTLED``), one of ``wanted`` is set (``REQUESTED``) or
     ``limit`` seconds passed (``LIMIT``). ``vcpu_seconds``: the CPU time the guest's vCPUs used so
-    far; None when it cannot be read (``AT_READY``: no wait)."""
-    if not can_wait(limit, vcpu_seconds):
+    far; None when it cannot be read (``AT_READY``: no wait, or none any longer). ``waiting`` is
+    called once, before the wait, when there is one."""
+    last = vcpu_seconds() if limit > 0 else None
+    if last is None:
         return AT_READY
-    last = vcpu_seconds() or 0.0
+    waiting()
     loop = asyncio.get_running_loop()
     deadline, quiet = loop.time() + limit, 0
     waits = [asyncio.ensure_future(event.wait()) for event in wanted]
