@@ -149,3 +149,36 @@ async def test_client_commands_against_a_runtime_import_nothing_heavy(start_runt
     result, imported = await asyncio.to_thread(runtime_cli, "shutdown", "--socket", sock)
     assert result.returncode == 0 and "runtime shutting down" in result.stdout and not _heavy(imported)
     assert await asyncio.to_thread(rt.proc.wait, 30) == 0
+
+
+def test_serve_pauses_the_collector_only_while_it_starts(tmp_path: Path) -> None:
+    # The runtime's start-up runs with the garbage collector paused (cli._pause_collector); a runtime
+    # serving for days with it still off would never free a reference cycle. The coroutine that
+    # stands in for serve() reports what the event loop runs with: the collector on, and the
+    # start-up's objects frozen (the proof that it was paused, then ended).
+    code = f"""
+import asyncio, gc, sys
+from vmsidecar_runtime import cli, serve
+
+async def report(*args, **kwargs):
+    print("enabled", gc.isenabled(), "frozen", gc.get_freeze_count())
+    return 0
+
+serve.serve = report
+sys.exit(cli.main(["serve", "--shared-dir", "{tmp_path / 'shared'}", "--state-dir", "{tmp_path / 'state'}",
+                   "--cache-dir", "{tmp_path / 'cache'}"]))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert words[:2] == ["enabled", "True"] and int(words[3]) > 10_000, result.stdout
+    # a start-up that fails (a spec that is not there) leaves the collector as it found it
+    code = f"""
+import gc, sys
+from vmsidecar_runtime import cli
+code = cli.main(["serve", "--spec", "{tmp_path / 'missing.yaml'}", "--shared-dir", "{tmp_path / 'shared'}"])
+print(code, gc.isenabled())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["2", "True"], (result.stdout, result.stderr)
+    assert "missing.yaml" in result.stderr, result.stderr
