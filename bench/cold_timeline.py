@@ -2,12 +2,13 @@
 
     uv run python bench/cold_timeline.py [--runs 5] [--guest tiny|debian]
 
-Each run boots the guest bare (as ``bench/snapshot.py``'s first leg) and then with ``serve`` on a
-fresh cache (its second leg), and prints for the latter: when its QEMU was spawned (from
+Each run boots the guest bare (as ``bench/snapshot.py``'s first leg) and with ``serve`` on a
+fresh cache (its second leg), in turn first, and prints for the latter: when its QEMU was spawned (from
 ``/proc``, after the process started), the pull, QEMU launch → marker (``timings.ready``), the
 guest's own uptime in its marker line (``VMSIDECAR-READY … uptime=``, which both boots print:
 equal uptimes put a difference before the guest's kernel, or outside the guest), the capture's
-pause (``snapshot.capture_seconds``) and start → Ready; then the medians and their ratio. The
+pause (``snapshot.capture_seconds``) and start → Ready; then the medians, their ratio and the median
+of each run's own ratio (its two boots back to back). The
 capture comes after Ready once the guest settled (or at a claim: it then waits for the pause), so
 the ratio "capture included" adds the pause to start → Ready: what a claim at Ready waits for.
 """
@@ -106,10 +107,13 @@ async def main(runs: int, name: str) -> None:
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
         for i in range(runs):
+            # which boot goes first alternates: neither always inherits the other's page cache
             os.sync()  # each boot starts with no earlier leg's files being written back
+            started = await cold(guest, Path(tmp) / f"cold-{i}") if i % 2 else None
+            os.sync()
             seconds, uptime = await bare(guest, accel, Path(tmp) / f"bare-{i}")
             os.sync()
-            row = {"bare": seconds, "bare_uptime": uptime, **await cold(guest, Path(tmp) / f"cold-{i}")}
+            row = {"bare": seconds, "bare_uptime": uptime, **(started or await cold(guest, Path(tmp) / f"cold-{i}"))}
             rows.append(row)
             print(f"run {i + 1}: bare {seconds:.2f} s (guest uptime {uptime:.2f}); cold: QEMU spawned at "
                   f"{row['spawn']:.2f} s, pull {row['pull']:.2f}, launch → marker {row['ready']:.2f} (guest uptime "
@@ -117,8 +121,13 @@ async def main(runs: int, name: str) -> None:
                   f"= {row['total'] / seconds:.2f}x ({(row['total'] + row['capture']) / seconds:.2f}x capture included)", flush=True)
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     included = statistics.median(r["total"] + r["capture"] for r in rows)
+    # each run's two boots are minutes apart at most: their ratio is blind to a slow quarter of an
+    # hour that moves both medians (the host's load), so it is printed beside the ratio of medians
+    paired = statistics.median(r["total"] / r["bare"] for r in rows)
+    paired_included = statistics.median((r["total"] + r["capture"]) / r["bare"] for r in rows)
     print(f"\nmedians of {runs}: bare {med['bare']:.2f} s, cold start → Ready {med['total']:.2f} s = "
-          f"{med['total'] / med['bare']:.2f}x ({included / med['bare']:.2f}x with the capture's pause); QEMU spawned {med['spawn']:.2f} s after the start, pull "
+          f"{med['total'] / med['bare']:.2f}x ({included / med['bare']:.2f}x with the capture's pause); median of the "
+          f"runs' own ratios {paired:.2f}x ({paired_included:.2f}x with the pause); QEMU spawned {med['spawn']:.2f} s after the start, pull "
           f"{med['pull']:.2f}, launch → marker {med['ready']:.2f} (bare {med['bare']:.2f}), guest uptime at the "
           f"marker {med['uptime']:.2f} (bare {med['bare_uptime']:.2f}), capture pause {med['capture']:.2f}")
 
