@@ -109,11 +109,11 @@ async def main(runs: int, name: str) -> None:
         for i in range(runs):
             # which boot goes first alternates: neither always inherits the other's page cache
             os.sync()  # each boot starts with no earlier leg's files being written back
-            started = await cold(guest, Path(tmp) / f"cold-{i}") if i % 2 else None
+            cold_first = await cold(guest, Path(tmp) / f"cold-{i}") if i % 2 else None
             os.sync()
             seconds, uptime = await bare(guest, accel, Path(tmp) / f"bare-{i}")
             os.sync()
-            row = {"bare": seconds, "bare_uptime": uptime, **(started or await cold(guest, Path(tmp) / f"cold-{i}"))}
+            row = {"bare": seconds, "bare_uptime": uptime, **(cold_first or await cold(guest, Path(tmp) / f"cold-{i}"))}
             rows.append(row)
             print(f"run {i + 1}: bare {seconds:.2f} s (guest uptime {uptime:.2f}); cold: QEMU spawned at "
                   f"{row['spawn']:.2f} s, pull {row['pull']:.2f}, launch → marker {row['ready']:.2f} (guest uptime "
