@@ -290,14 +290,17 @@ class SnapshotOps:
         waits for it)."""
         self._capturing = asyncio.Event()
         self.wanted.clear()
-        self.info = self.info.model_copy(update={"storing": True})
         try:
             yield
         finally:
             self._capturing.set()
             self._capturing = None
-            storing = self._storing is not None and not self._storing.done()
-            self.info = self.info.model_copy(update={"storing": storing})
+
+    @property
+    def storing(self) -> bool:
+        """``snapshot.storing``: this boot's capture is under way (its guest settling, or paused) or
+        being written into the store."""
+        return self._capturing is not None or (self._storing is not None and not self._storing.done())
 
     async def capture_finished(self) -> None:
         """Return once no capture is under way (a claim waits: the lease must not act during one);
@@ -493,7 +496,6 @@ class SnapshotOps:
     def store_in_background(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
         """Write the frozen capture into the store while the guest runs on (``snapshot.available``
         turns true when it is there); the next boot waits for it (:meth:`stored`)."""
-        self.info = self.info.model_copy(update={"storing": True})
         self._storing = asyncio.create_task(self._store_frozen(capture, frozen, consoles))
 
     async def _store_frozen(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
@@ -512,7 +514,6 @@ class SnapshotOps:
         finally:
             if frozen.ram is not None:
                 frozen.ram.close()
-            self.info = self.info.model_copy(update={"storing": False})
         log.info("memory snapshot %s captured in %.2f s with the guest paused, stored %.2f s later (%d MB)",
                  capture.key, capture.seconds, time.monotonic() - started, snap.size >> 20)
         self._unproven.add(capture.key)

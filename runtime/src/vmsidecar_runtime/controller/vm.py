@@ -94,7 +94,8 @@ class VmController:
     def snapshot_info(self) -> SnapshotInfo:
         """``snapshot`` of ``GET /v1/vm``: the snapshot's state and the spare restore's."""
         standby, reason = self._power.standby.status(self.spec)
-        return self._snapshots.info.model_copy(update={"standby": standby, "standby_reason": reason})
+        return self._snapshots.info.model_copy(update={"standby": standby, "standby_reason": reason,
+                                                       "storing": self._snapshots.storing})
 
     def state(self) -> VmState:
         """A snapshot for ``GET /v1/vm``."""
