@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trees import tree_pythonpath, with_pythonpath  # bench/ is no package
+from bytecode import compile_sources  # bench/ is no package
+from trees import tree_pythonpath, with_pythonpath
 
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
@@ -98,6 +99,7 @@ def _tree(arg: str) -> tuple[str, Path]:
 
 def main() -> None:
     """Entry point."""
+    compile_sources()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--image", help="default: the tiny guest built by vmsidecar-image")

@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from snapshot import MARKER, Guest, bare_argv, resolve_guest  # bench/ is no package
+from bytecode import compile_sources  # bench/ is no package
+from snapshot import MARKER, Guest, bare_argv, resolve_guest
 
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.client import RuntimeClient
@@ -116,6 +117,7 @@ async def cold(guest: Guest, work: Path) -> dict[str, float]:
 
 
 async def main(runs: int, name: str) -> None:
+    compile_sources()
     guest = resolve_guest(name)
     assert guest is not None
     accel = choose_accel("auto", host_arch())

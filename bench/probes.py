@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bytecode import compile_sources  # bench/ is no package
+
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
 
 GOAL_S = 0.020
@@ -107,6 +109,7 @@ def measure_exec(pid: int, socket_path: Path, runs: int) -> tuple[list[float], l
 
 
 def main() -> None:
+    compile_sources()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200, help="httpGet probes (in batches of 20)")
     parser.add_argument("--execs", type=int, default=10, help="exec probes (vmsidecar-runtime ready)")

@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from bytecode import compile_sources
 from snapshot import MARKER, Guest, loadavg, resolve_guest  # bench/snapshot.py: the guests
 from warm_start import COLUMNS, Tree, start
 
@@ -114,6 +115,7 @@ def bench_guest(guest: Guest, host: str, work: Path, runs: int) -> Tree:
 
 
 def main() -> int:
+    compile_sources()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--guest", action="append", choices=["tiny", "debian"], help="repeatable; default tiny")

@@ -39,6 +39,8 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bytecode import compile_sources  # bench/ is no package
+
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import RuntimeProcess
@@ -551,6 +553,7 @@ def _quiet_jumpstarter() -> Iterator[None]:
 
 def main() -> int:
     """Entry point."""
+    compile_sources()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--guest", action="append", choices=["tiny", "debian"],

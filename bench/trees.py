@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bytecode import compile_sources
+
 
 def tree_pythonpath(tree: Path) -> str:
-    """The PYTHONPATH entries that make ``tree``'s runtime and contract the ones imported."""
+    """The PYTHONPATH entries that make ``tree``'s runtime and contract the ones imported (their
+    bytecode compiled first, as this checkout's is)."""
+    compile_sources(tree)
     return os.pathsep.join(str(tree / d / "src") for d in ("runtime", "contract"))
 
 

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bytecode import compile_sources
 from snapshot import MARKER, Guest, loadavg, resolve_guest  # bench/snapshot.py: the guests and their spec
 from trees import tree_pythonpath, with_pythonpath
 
@@ -166,6 +167,7 @@ def print_table(trees: list[Tree], runs: int) -> None:
 
 
 def main() -> int:
+    compile_sources()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=9)
     p.add_argument("--guest", choices=["tiny", "debian"], default="tiny")
