@@ -1,4 +1,4 @@
-"""``Disks.freeze_live``: the lease's overlay frozen under a new one while its QEMU runs on, and
+"""``Disks.prepare_freeze`` and ``freeze_live``: the lease's overlay frozen under a new one while its QEMU runs on, and
 every way it can fail leaving the lease's disk as it was. Real qemu-img on the tiny guest's disk;
 the backend's switch is the one step played by the test (its QMP side runs on a real guest in
 ``test_snapshots.py::test_the_captured_boot_goes_on_in_its_process_and_its_lease_keeps_its_disk``).
@@ -46,7 +46,9 @@ async def test_a_frozen_overlay_is_the_backing_of_the_new_one_by_its_new_name(tm
         assert not paths.overlay_base.exists() and paths.overlay.stat().st_ino == booted  # nothing moved yet
         switched.append(top)
 
-    frozen = await disks.freeze_live(size, switch)
+    top = await disks.prepare_freeze(size)  # made while the guest runs: nothing moves
+    assert top.is_file() and paths.overlay.stat().st_ino == booted and not paths.overlay_base.exists()
+    frozen = await disks.freeze_live(top, switch)
     assert frozen == paths.overlay_base and frozen.stat().st_ino == booted
     assert switched and not switched[0].exists()  # renamed into place
     top = _info(paths.overlay)
@@ -54,7 +56,12 @@ async def test_a_frozen_overlay_is_the_backing_of_the_new_one_by_its_new_name(tm
     assert top["backing-filename-format"] == "qcow2"  # named, never probed
 
     with pytest.raises(HostError, match="in use by this lease's disk"):  # it would become its own backing
-        await disks.freeze_live(size, switch)
+        await disks.prepare_freeze(size)
+    stray = paths.state / "overlay.stray.qcow2"
+    stray.write_bytes(b"")
+    with pytest.raises(HostError, match="in use by this lease's disk"):
+        await disks.freeze_live(stray, switch)
+    assert not stray.exists()  # used up all the same
     assert len(switched) == 1 and _info(paths.overlay)["backing-filename"] == str(frozen)
 
     await disks.discard_lease()  # the recycle: both go
@@ -70,7 +77,8 @@ async def test_a_switch_the_backend_refuses_leaves_the_overlay_as_it_was(tmp_pat
         assert top.is_file()
         raise HostError("QEMU cannot move the guest's writes to a new overlay (test)")
 
+    top = await disks.prepare_freeze(_info(paths.overlay)["virtual-size"])
     with pytest.raises(HostError, match="cannot move the guest's writes"):
-        await disks.freeze_live(_info(paths.overlay)["virtual-size"], refuse)
+        await disks.freeze_live(top, refuse)
     assert paths.overlay.stat().st_ino == booted and not paths.overlay_base.exists()
     assert sorted(p.name for p in paths.state.iterdir()) == ["overlay.qcow2"]  # the new overlay is gone

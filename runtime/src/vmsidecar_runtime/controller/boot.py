@@ -150,12 +150,14 @@ class Boot:
         to boot cold again (False)."""
         assert self._machine.plan is not None
         await self._streams.hold_input()  # what a console client types meanwhile waits for the guest
+        top: Path | None = None
         try:
+            top = await self._new_top(backend) if backend.continues_after_save else None  # before the pause
             capture = await self._snapshots.save(key, backend)
             if capture is None:  # the backend cannot snapshot this guest: it runs on
                 return True
-            if backend.continues_after_save:
-                went_on = await self._continue_in_place(spec, capture, backend)
+            if top is not None:
+                went_on = await self._continue_in_place(spec, capture, backend, top)
                 if went_on is not None:
                     return went_on
             await self._machine.stop()  # its last output is read first: it belongs in the snapshot
@@ -167,27 +169,40 @@ class Boot:
             await self._cold(spec)
             return False
         finally:
+            if top is not None:
+                top.unlink(missing_ok=True)  # made for a guest that did not go on in its process
             self._streams.release_input()
 
-    async def _continue_in_place(self, spec: VmSpec, capture: Capture, backend: Backend) -> bool | None:
+    async def _new_top(self, backend: Backend) -> Path | None:
+        """The overlay the captured guest goes on with (``Disks.prepare_freeze``), made while it
+        runs; None when it cannot be (logged: the guest is restored from the snapshot instead)."""
+        try:
+            return await self._disks.prepare_freeze(await backend.disk_size())
+        except HostError as e:
+            _cannot_go_on(e)
+            return None
+
+    async def _continue_in_place(self, spec: VmSpec, capture: Capture, backend: Backend, top: Path) -> bool | None:
         """Copy the snapshot out of the captured guest's reach while it is paused (sealed), then let
-        it run on in its process, its writes going to a new overlay over the frozen disk (no new
-        process, no restore: 0.1 s less at a cold start's Ready, and the first lease's guest keeps
-        what TCG translated), the snapshot written into the store beside it.
+        it run on in its process, its writes going to ``top``, a new overlay over the frozen disk (no
+        new process, no restore: 0.1 s less at a cold start's Ready, and the first lease's guest
+        keeps what TCG translated), the snapshot written into the store beside it. Its RAM is
+        copied while its disk switches.
 
         The snapshot is first restored at the next recycle; a snapshot QEMU refuses then is
         discarded and that boot is cold (``Boot._restore``). Returns None when the backend cannot
         switch the disk (the caller stops it and restores instead), else as ``capture``.
         """
+        ram_copy = self._snapshots.copy_ram_out(capture)
         try:
-            frozen = await self._disks.freeze_live(await backend.disk_size(), backend.continue_on)
+            frozen = await self._disks.freeze_live(top, backend.continue_on)
         except HostError as e:
-            log.warning("the captured boot cannot go on in its process (%s); it is restored from the snapshot",
-                        e.message)
+            _cannot_go_on(e)
+            await self._snapshots.abandon_ram_copy(ram_copy)
             return None
         await self._streams.output_read()  # what the guest wrote before it paused belongs in the snapshot
         consoles = self._streams.boot_outputs()
-        copied = await self._snapshots.freeze(capture, frozen)
+        copied = await self._snapshots.freeze(capture, frozen, ram_copy)
         if copied is not None:  # stored whether the guest resumes or not: what it is made of is copied
             self._snapshots.store_in_background(capture, copied, consoles)
         try:
@@ -205,3 +220,7 @@ class Boot:
             # the guest's clock stood still while it was paused: set like a restored guest's
             await self._snapshots.went_on(capture, self._machine.plan.guest_agent_socket)
         return True
+
+
+def _cannot_go_on(error: HostError) -> None:
+    log.warning("the captured boot cannot go on in its process (%s); it is restored from the snapshot", error.message)

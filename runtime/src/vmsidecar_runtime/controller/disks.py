@@ -89,23 +89,37 @@ class Disks:
             await create_overlay(backing, self.paths.overlay)
         return self.paths.overlay
 
-    async def freeze_live(self, size: int, switch: Callable[[Path], Awaitable[None]]) -> Path:
-        """The running guest's overlay becomes ``overlay_base``, frozen, under a new overlay that
-        ``switch`` (``Backend.continue_on``) puts on top of it in the backend; returns the frozen file.
+    async def prepare_freeze(self, size: int) -> Path:
+        """The new overlay :meth:`freeze_live` puts on top of the running guest's, made before the
+        guest pauses (``qemu-img create`` took 8-25 ms of a 0.08 s capture pause): a qcow2 of the
+        disk's virtual ``size`` over ``overlay_base`` (not there yet: named, never opened).
 
-        The new overlay names the frozen file as its backing by the path it has from now on, so
-        the lease's disk chain (a power cycle, a dump) holds after the renames. QEMU holds both files
-        open: it is told of the new one before any rename, so nothing it opens by name is moved yet.
-
-        :raise HostError: the overlay cannot be made or the backend cannot switch; the lease's
-            overlay is as it was.
+        :raise HostError: the overlay cannot be made, or the lease's disk already stands on a frozen one.
         """
         assert self.current is not None
-        frozen, top = self.paths.overlay_base, self.paths.state / "overlay.next.qcow2"
-        if frozen.exists():  # the overlay stands on it: one more freeze would make it its own backing
-            raise HostError(f"{frozen} is in use by this lease's disk")
-        await create_overlay(DiskImage(frozen, "qcow2", self.current.digest, self.current.source), top, size=size)
+        if self.paths.overlay_base.exists():  # the overlay stands on it: one more freeze would make it its own backing
+            raise HostError(f"{self.paths.overlay_base} is in use by this lease's disk")
+        top = self.paths.state / "overlay.next.qcow2"
+        await create_overlay(DiskImage(self.paths.overlay_base, "qcow2", self.current.digest, self.current.source),
+                             top, size=size)
+        return top
+
+    async def freeze_live(self, top: Path, switch: Callable[[Path], Awaitable[None]]) -> Path:
+        """The running guest's overlay becomes ``overlay_base``, frozen, under ``top``
+        (:meth:`prepare_freeze`'s) that ``switch`` (``Backend.continue_on``) puts on top of it in
+        the backend; returns the frozen file. ``top`` is used up: renamed into place, or removed.
+
+        ``top`` names the frozen file as its backing by the path it has from now on, so the lease's
+        disk chain (a power cycle, a dump) holds after the renames. QEMU holds both files open: it
+        is told of the new one before any rename, so nothing it opens by name is moved yet.
+
+        :raise HostError: the backend cannot switch, or the files cannot be renamed; the lease's
+            overlay is as it was.
+        """
+        frozen = self.paths.overlay_base
         try:
+            if frozen.exists():
+                raise HostError(f"{frozen} is in use by this lease's disk")
             await switch(top)
         except BaseException:
             top.unlink(missing_ok=True)

@@ -463,21 +463,34 @@ class SnapshotOps:
         log.info("memory snapshot %s captured in %.2f s (%d MB)", capture.key, capture.seconds, snap.size >> 20)
         return snap
 
-    async def freeze(self, capture: Capture, frozen_disk: Path) -> FrozenCapture | None:
+    def copy_ram_out(self, capture: Capture) -> asyncio.Future[None] | None:
+        """Begin copying the paused guest's RAM out of its reach (``FrozenRam.freeze``, in a thread)
+        as soon as its state is written, beside the disk's switch to a new overlay; :meth:`freeze`
+        waits for it. None for a full-stream capture (its RAM is in the stream)."""
+        if capture.frozen is None:
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(capture.frozen.freeze))
+
+    async def freeze(self, capture: Capture, frozen_disk: Path,
+                     ram_copy: asyncio.Future[None] | None) -> FrozenCapture | None:
         """With the guest paused, for a boot that goes on in its process: what the snapshot is made
         of, copied where the guest cannot change it (the RAM into a memfd the kernel then keeps
-        read-only, hashed for the seal when it is stored: the seal is taken over exactly what the
-        capture wrote, before any lease); None when it cannot be (recorded, the guest goes on
-        uncaptured). :meth:`store_in_background` writes it into the store after Ready.
+        read-only, ``ram_copy`` of :meth:`copy_ram_out`, hashed for the seal when it is stored: the
+        seal is taken over exactly what the capture wrote, before any lease); None when it cannot be
+        (recorded, the guest goes on uncaptured). :meth:`store_in_background` writes it into the
+        store after Ready.
 
         The RAM goes into a second memfd, not the cache's file: writing a file's page cache while
         the kernel writes back the pull's image stalled the pause to 0.3-0.6 s (0.08 s into memory).
         """
         staged, frozen = capture.staged, capture.frozen
+        # both awaited whatever either does: the RAM's thread cannot be stopped, and holds ``frozen``
+        outcomes = await asyncio.gather(_copy_disk(frozen_disk, staged.disk),
+                                        *([ram_copy] if ram_copy is not None else []), return_exceptions=True)
         try:
-            await _copy_disk(frozen_disk, staged.disk)
-            if frozen is not None:
-                await asyncio.to_thread(frozen.freeze)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except HostError as e:
             if frozen is not None:
                 frozen.close()
@@ -492,6 +505,14 @@ class SnapshotOps:
         metrics.snapshot_capture.observe(capture.seconds)  # the pause is over: known at Ready, as the state says
         self.info = self.info.model_copy(update={"capture_seconds": capture.seconds})
         return FrozenCapture(frozen)
+
+    @staticmethod
+    async def abandon_ram_copy(ram_copy: asyncio.Future[None] | None) -> None:
+        """Wait for a :meth:`copy_ram_out` whose capture is committed from the stopped guest
+        instead (its disk could not be frozen live); what it copied is released with the capture."""
+        if ram_copy is not None:
+            with contextlib.suppress(HostError):
+                await ram_copy
 
     def store_in_background(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
         """Write the frozen capture into the store while the guest runs on (``snapshot.available``
