@@ -1,5 +1,5 @@
-"""``Disks.prepare_freeze`` and ``freeze_live``: the lease's overlay frozen under a new one while its QEMU runs on, and
-every way it can fail leaving the lease's disk as it was. Real qemu-img on the tiny guest's disk;
+"""``Disks.prepare_freeze`` and ``freeze_live``: the lease's overlay frozen under a new one while
+its QEMU runs on, and every way it can fail leaving the lease's disk as it was. Real qemu-img on the tiny guest's disk;
 the backend's switch is the one step played by the test (its QMP side runs on a real guest in
 ``test_snapshots.py::test_the_captured_boot_goes_on_in_its_process_and_its_lease_keeps_its_disk``).
 """
@@ -46,9 +46,9 @@ async def test_a_frozen_overlay_is_the_backing_of_the_new_one_by_its_new_name(tm
         assert not paths.overlay_base.exists() and paths.overlay.stat().st_ino == booted  # nothing moved yet
         switched.append(top)
 
-    top = await disks.prepare_freeze(size)  # made while the guest runs: nothing moves
-    assert top.is_file() and paths.overlay.stat().st_ino == booted and not paths.overlay_base.exists()
-    frozen = await disks.freeze_live(top, switch)
+    prepared = await disks.prepare_freeze(size)  # made while the guest runs: nothing moves
+    assert prepared.is_file() and paths.overlay.stat().st_ino == booted and not paths.overlay_base.exists()
+    frozen = await disks.freeze_live(prepared, switch)
     assert frozen == paths.overlay_base and frozen.stat().st_ino == booted
     assert switched and not switched[0].exists()  # renamed into place
     top = _info(paths.overlay)
@@ -77,8 +77,8 @@ async def test_a_switch_the_backend_refuses_leaves_the_overlay_as_it_was(tmp_pat
         assert top.is_file()
         raise HostError("QEMU cannot move the guest's writes to a new overlay (test)")
 
-    top = await disks.prepare_freeze(_info(paths.overlay)["virtual-size"])
+    prepared = await disks.prepare_freeze(_info(paths.overlay)["virtual-size"])
     with pytest.raises(HostError, match="cannot move the guest's writes"):
-        await disks.freeze_live(top, refuse)
+        await disks.freeze_live(prepared, refuse)
     assert paths.overlay.stat().st_ino == booted and not paths.overlay_base.exists()
     assert sorted(p.name for p in paths.state.iterdir()) == ["overlay.qcow2"]  # the new overlay is gone
