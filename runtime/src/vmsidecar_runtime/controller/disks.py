@@ -97,8 +97,7 @@ class Disks:
         :raise HostError: the overlay cannot be made, or the lease's disk already stands on a frozen one.
         """
         assert self.current is not None
-        if self.paths.overlay_base.exists():  # the overlay stands on it: one more freeze would make it its own backing
-            raise HostError(f"{self.paths.overlay_base} is in use by this lease's disk")
+        self._refuse_a_second_freeze()
         top = self.paths.state / "overlay.next.qcow2"
         await create_overlay(DiskImage(self.paths.overlay_base, "qcow2", self.current.digest, self.current.source),
                              top, size=size)
@@ -113,13 +112,12 @@ class Disks:
         disk chain (a power cycle, a dump) holds after the renames. QEMU holds both files open: it
         is told of the new one before any rename, so nothing it opens by name is moved yet.
 
-        :raise HostError: the backend cannot switch, or the files cannot be renamed; the lease's
-            overlay is as it was.
+        :raise HostError: the lease's disk already stands on a frozen one, the backend cannot switch,
+            or the files cannot be renamed; the lease's overlay is as it was.
         """
         frozen = self.paths.overlay_base
         try:
-            if frozen.exists():
-                raise HostError(f"{frozen} is in use by this lease's disk")
+            self._refuse_a_second_freeze()
             await switch(top)
         except BaseException:
             top.unlink(missing_ok=True)
@@ -133,6 +131,11 @@ class Disks:
             top.unlink(missing_ok=True)
             raise HostError(f"the lease's overlay could not be renamed in {self.paths.state} ({e.strerror or e})") from e
         return frozen
+
+    def _refuse_a_second_freeze(self) -> None:
+        """:raise HostError: the overlay stands on a frozen one: one more freeze would make that its own backing."""
+        if self.paths.overlay_base.exists():
+            raise HostError(f"{self.paths.overlay_base} is in use by this lease's disk")
 
     def drop_overlays(self) -> None:
         """The lease's overlay goes, and the frozen one under it if any: the next boot starts from the disk."""
