@@ -287,8 +287,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     started = time.monotonic()
     try:
         await vm.start()
-        api_modules = asyncio.ensure_future(_api_modules_once_booting(vm))
-        api, health_api = await api_modules
+        api, health_api = await _api_modules_once_booting(vm)
         runner = await api.serve_api(vm, paths.shared / "api.sock")
         log.info("serving %s (state %s, cache %s)", paths.shared / "api.sock", paths.state, paths.cache)
         if health_listen:
