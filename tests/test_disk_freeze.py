@@ -1,6 +1,7 @@
 """``Disks.prepare_freeze`` and ``freeze_live``: the lease's overlay frozen under a new one while
-its QEMU runs on, and every way it can fail leaving the lease's disk as it was. Real qemu-img on the tiny guest's disk;
-the backend's switch is the one step played by the test (its QMP side runs on a real guest in
+its QEMU runs on, and every way it can fail leaving the lease's disk as it was. Real qemu-img on
+the tiny guest's disk; the backend's switch is the one step played by the test (its QMP side runs
+on a real guest in
 ``test_snapshots.py::test_the_captured_boot_goes_on_in_its_process_and_its_lease_keeps_its_disk``).
 """
 
