@@ -1,0 +1,293 @@
+"""Pools at scale (issue 23): every leg of the issue's table in one run, tiny and Debian side by side.
+
+    uv run python bench/pool_scale.py [--runs 3] [--instances 10] [--guest tiny --guest debian] [--write-docs]
+
+The other benches each take one leg apart; this one runs them all in one sitting, with the code
+and the host as they are now, so that the legs compare (this host's TCG boots move by 10-20 %
+from one quarter of an hour to the next). Per guest, in this order:
+
+1. **cold start ÷ bare QEMU** (``cold_timeline.py``): ``--runs`` pairs, which boot goes first
+   alternating; the cold start is ``serve`` on a fresh cache until Ready (told by the event
+   stream), and "capture included" adds the capture's pause (what a claim at Ready waits for);
+2. **templated vs full stream** (``templating.py``, one run per form): the capture's pause,
+   recycle → Ready, recycle → the first shell command answered, and ``--instances`` runtimes
+   restored from the one snapshot at once: their QEMUs' PSS, summed;
+3. **recycle with a spare** (``recycle_trace.py --standby``): ``--runs`` recycles, each switching
+   to the spare restore made since the last; → Ready and → first command;
+4. **a 2 GiB guest with 1.5 GiB written** (``dirty_recycle.py``; the tiny guest only, as there):
+   recycle → Ready, templated, by restore and by spare, against the small guest's;
+5. **a pod on an empty node** (``registry_warm.py``): the snapshot pushed to a loopback
+   distribution 2.8 registry (no referrers API: the tag schema), then ``--runs`` starts on an
+   empty cache with ``snapshot_source`` set, spawn → Ready seen, pull included.
+
+Prints the issue's table (medians; each goal met or not, as measured), and with ``--write-docs``
+writes it into docs/performance.md (its own section, the rest kept) and docs/performance-scale.svg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cold_timeline  # bench/ is no package
+import dirty_recycle
+import recycle_trace
+import registry_warm
+import templating
+from bytecode import compile_sources
+from snapshot import ROOT, Guest, _esc, loadavg, markdown_table, resolve_guest
+
+from vmsidecar_contract.arch import host_arch
+from vmsidecar_runtime.accel import choose_accel
+from vmsidecar_runtime.snapshots import qemu_version
+
+DOC = ROOT / "docs" / "performance.md"
+SVG = ROOT / "docs" / "performance-scale.svg"
+SECTION = "Pools at scale: the issue's legs in one run (issue 23; `uv run python bench/pool_scale.py`, generated)"
+
+
+@dataclass
+class Scores:
+    """Every sample of one guest, by leg key."""
+
+    guest: Guest
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, *values: float) -> None:
+        self.samples.setdefault(key, []).extend(values)
+
+    def median(self, key: str) -> float | None:
+        values = self.samples.get(key)
+        return statistics.median(values) if values else None
+
+
+async def cold_vs_bare(scores: Scores, runs: int, work: Path) -> None:
+    accel = choose_accel("auto", host_arch())
+    for i in range(runs):
+        os.sync()  # no earlier leg's files being written back during a boot
+        cold_first = await cold_timeline.cold(scores.guest, work / f"cold-{i}") if i % 2 else None
+        os.sync()
+        bare, _ = await cold_timeline.bare(scores.guest, accel, work / f"bare-{i}")
+        os.sync()
+        cold = cold_first or await cold_timeline.cold(scores.guest, work / f"cold-{i}")
+        scores.add("bare", bare)
+        scores.add("cold", cold["total"])
+        scores.add("cold_ratio", (cold["total"] + cold["capture"]) / bare)
+        scores.add("capture", cold["capture"])
+        print(f"{scores.guest.name} pair {i + 1}: bare {bare:.2f} s, cold → Ready {cold['total']:.2f} s, capture "
+              f"pause {cold['capture']:.3f} s: {(cold['total'] + cold['capture']) / bare:.2f}x", flush=True)
+
+
+async def forms(scores: Scores, instances: int, work: Path) -> None:
+    for form in templating.FORMS:
+        result = await templating.one_run(scores.guest, form, instances, work / form, None)
+        for key in ("capture", "recycle", "first_cmd", "qemu_pss_mb"):
+            scores.add(f"{form}_{key}", result[key])
+        print(f"{scores.guest.name} {form}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
+
+
+async def spare(scores: Scores, recycles: int, work: Path) -> None:
+    samples = await recycle_trace.trace(scores.guest, recycles, "templated", work, False, standby=True)
+    scores.add("spare_recycle", *samples["recycle"])
+    scores.add("spare_first_cmd", *samples["first_cmd"])
+
+
+async def dirty(scores: Scores, recycles: int, work: Path) -> None:
+    for standby in (False, True):
+        tag = "spare" if standby else "templated"
+        for size, memory, dirty_mb in (("small", scores.guest.memory, 0), ("big", "2G", 1536)):
+            times = await dirty_recycle.one_run(scores.guest, "templated", memory, dirty_mb, recycles,
+                                                work / f"{tag}-{size}", standby)
+            scores.add(f"dirty_{tag}_{size}", *times)
+            print(f"{scores.guest.name} {size} guest ({memory}, {dirty_mb} MB written), {tag}: recycle → Ready "
+                  + ", ".join(f"{t:.3f}" for t in times), flush=True)
+
+
+def empty_node(all_scores: list[Scores], runs: int, work: Path) -> None:
+    os.environ["VMSIDECAR_INSECURE_REGISTRIES"] = "127.0.0.1"  # the loopback registry speaks plain HTTP
+    with registry_warm.loopback_registry(work / "registry") as host:
+        for scores in all_scores:
+            tree = registry_warm.bench_guest(scores.guest, host, work / scores.guest.name, runs)
+            scores.add("empty_node", *tree.samples["ready"])
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the issue's table: how to read it from a guest's scores, and its goal."""
+
+    label: str
+    value: Callable[[Scores], float | None]
+    unit: str  # "s", "x", "MB"
+    limit: float | None = None  # the goal: at most this
+    goal_text: str = "measured"
+    only: str | None = None  # the goal holds for this guest only
+    before: str = ""  # the issue's "today" (tiny / Debian), when it was filed
+
+    def met(self, guest: str, value: float) -> bool | None:
+        """Whether ``value`` meets the goal; None where there is none for ``guest``."""
+        if self.limit is None or (self.only is not None and guest != self.only):
+            return None
+        return value <= self.limit
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+ROWS = [
+    Row("recycle → Ready, templated restore", lambda s: s.median("templated_recycle"), "s", 0.10, "≤ 0.10 s for both",
+        before="0.14 / 0.18 s (full stream)"),
+    Row("recycle → Ready, with a spare (`standby: true`)", lambda s: s.median("spare_recycle"), "s", 0.10,
+        "≤ 0.10 s for both"),
+    Row("2 GiB guest, 1.5 GiB written: recycle → Ready, big ÷ small, templated",
+        lambda s: _ratio(s.median("dirty_templated_big"), s.median("dirty_templated_small")), "x", 1.20, "within 20 %"),
+    Row("the same with a spare", lambda s: _ratio(s.median("dirty_spare_big"), s.median("dirty_spare_small")), "x",
+        1.20, "within 20 %"),
+    Row("recycle → first shell command, templated", lambda s: s.median("templated_first_cmd"), "s",
+        before="not measured"),
+    Row("recycle → first shell command, full stream", lambda s: s.median("stream_first_cmd"), "s",
+        before="not measured"),
+    Row("recycle → first shell command, with a spare", lambda s: s.median("spare_first_cmd"), "s",
+        before="not measured"),
+    Row("capture's pause (templated)", lambda s: s.median("templated_capture"), "s", 0.3, "≤ 0.3 s for both",
+        before="0.73 + 3 s probe / 1.15 + 3 s"),
+    Row("bare QEMU boot → marker", lambda s: s.median("bare"), "s"),
+    Row("cold start → Ready", lambda s: s.median("cold"), "s"),
+    Row("cold start ÷ bare QEMU, capture included (median of the pairs)", lambda s: s.median("cold_ratio"), "x",
+        1.10, "≤ 1.10x", before="1.31 / 1.48 (another Debian disk)"),
+    Row("pod on an empty node → Ready, snapshot in the loopback registry", lambda s: s.median("empty_node"), "s",
+        3.0, "Debian ≤ 3 s", only="debian", before="9-33 s (boots)"),
+    Row("N restored instances: QEMU PSS, templated", lambda s: s.median("templated_qemu_pss_mb"), "MB"),
+    Row("N restored instances: QEMU PSS, full stream", lambda s: s.median("stream_qemu_pss_mb"), "MB"),
+    Row("N restored instances: templated ÷ full stream",
+        lambda s: _ratio(s.median("templated_qemu_pss_mb"), s.median("stream_qemu_pss_mb")), "x", 1 / 3, "≤ 1/3",
+        before="1 (full stream only; ≈ 3.2 GB)"),
+]
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "s":
+        return f"{value:.3f} s" if value < 1 else f"{value:.2f} s"
+    return f"{value:.2f}x" if unit == "x" else f"{value:.0f} MB"
+
+
+def table(all_scores: list[Scores]) -> list[list[str]]:
+    rows = []
+    for row in ROWS:
+        cells, verdicts = [], []
+        for scores in all_scores:
+            value = row.value(scores)
+            cells.append(_fmt(value, row.unit))
+            if value is not None and (met := row.met(scores.guest.name, value)) is not None:
+                verdicts.append(f"{scores.guest.name} {'met' if met else '**not met**'}")
+        goal = row.goal_text + (f": {', '.join(verdicts)}" if verdicts else "")
+        rows.append([row.label, row.before or "—", *cells, goal])
+    return rows
+
+
+def facts(runs: int, instances: int, load: tuple[str, str]) -> list[str]:
+    accel = choose_accel("auto", host_arch())
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "?")
+    return [
+        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; {runs} runs (pairs, recycles, "
+        f"empty-node starts) per leg, one run per snapshot form with N = {instances} instances",
+        f"- host: {os.cpu_count()} CPUs, {cpu}; Linux {platform.release()}; accel **{accel.accel}** ({accel.reason})",
+        f"- {qemu_version(host_arch())}; load average (1 min) at start {load[0]}, at end {load[1]}",
+    ]
+
+
+def svg_chart(all_scores: list[Scores]) -> str:
+    """The seconds legs as horizontal bars, one block per guest on its own log scale, each goal a red tick."""
+    bar_h, gap, label_w, bar_w, width = 16, 5, 330, 400, 820
+    legs = [r for r in ROWS if r.unit == "s"]
+    y, body = 30, ['<text x="10" y="20" font-weight="bold">Issue 23, one run: seconds (medians), log scale; '
+                   'red: the goal</text>']
+    for scores in all_scores:
+        shown = [(row, v) for row in legs if (v := row.value(scores)) is not None]
+        if not shown:
+            continue
+        low, high = math.log10(0.005), math.log10(max(v for _, v in shown) * 1.5)
+
+        def x(v: float, low: float = low, high: float = high) -> float:
+            return label_w + bar_w * (math.log10(max(v, 0.005)) - low) / (high - low)
+
+        y += 22
+        body.append(f'<text x="10" y="{y}" font-weight="bold">{_esc(scores.guest.name)} ({scores.guest.memory})</text>')
+        y += 8
+        for row, value in shown:
+            body.append(f'<text x="{label_w - 8}" y="{y + 12}" text-anchor="end">{_esc(row.label)}</text>')
+            body.append(f'<rect x="{label_w}" y="{y}" width="{x(value) - label_w:.1f}" height="{bar_h}" fill="#2b8cd9"/>')
+            body.append(f'<text x="{x(value) + 6:.1f}" y="{y + 12}">{_fmt(value, "s")}</text>')
+            if row.limit is not None and row.met(scores.guest.name, value) is not None:
+                body.append(f'<rect x="{x(row.limit) - 1:.1f}" y="{y - 2}" width="2" height="{bar_h + 4}" '
+                            'fill="#d62728"/>')
+            y += bar_h + gap
+    height = y + 10
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">\n'
+            f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
+
+
+def write_docs(text: str) -> None:
+    """Replace this script's section of docs/performance.md (else put it before "Registry warm start")."""
+    doc = DOC.read_text()
+    head, *sections = doc.split("\n## ")
+    sections = [s for s in sections if not s.startswith(SECTION)]
+    at = next((i for i, s in enumerate(sections) if s.startswith("Registry warm start")), len(sections))
+    sections.insert(at, text.removeprefix("## ").rstrip("\n") + "\n")
+    DOC.write_text(head + "".join("\n## " + s.rstrip("\n") + "\n" for s in sections))
+
+
+async def run_guest(scores: Scores, args: argparse.Namespace, work: Path) -> None:
+    await cold_vs_bare(scores, args.runs, work / "cold")
+    await forms(scores, args.instances, work / "forms")
+    await spare(scores, args.runs, work / "spare")
+    if scores.guest.name == "tiny":
+        await dirty(scores, args.runs, work / "dirty")
+
+
+def main(argv: list[str] | None = None) -> int:
+    compile_sources()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--instances", type=int, default=10)
+    p.add_argument("--guest", action="append", choices=["tiny", "debian"], help="repeatable; default both")
+    p.add_argument("--write-docs", action="store_true", help="write the table into docs/performance.md, and the chart")
+    args = p.parse_args(argv)
+    guests = [g for name in args.guest or ["tiny", "debian"] if (g := resolve_guest(name)) is not None]
+    all_scores = [Scores(g) for g in guests]
+    load_start = loadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-pool-scale-") as tmp:
+        for scores in all_scores:
+            asyncio.run(run_guest(scores, args, Path(tmp) / scores.guest.name))
+        empty_node(all_scores, args.runs, Path(tmp) / "registry")
+    rows = table(all_scores)
+    header = ["leg", "when the issue was filed", *(f"{s.guest.name} ({s.guest.memory})" for s in all_scores), "goal"]
+    text = "\n".join([f"## {SECTION}", "", *facts(args.runs, args.instances, (load_start, loadavg())), "",
+                      "![the seconds legs, log scale](performance-scale.svg)", "", markdown_table(header, rows), ""])
+    print("\n" + text)
+    if args.write_docs:
+        write_docs(text)
+        SVG.write_text(svg_chart(all_scores))
+        print(f"wrote {DOC.relative_to(ROOT)} and {SVG.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
