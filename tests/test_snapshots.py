@@ -133,12 +133,18 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
             spare = await client.wait_spare()
             assert spare.snapshot.standby == "ready", spare.snapshot
             assert len(qemu_pids(str(rt.state))) == 2
+        leases_qemus = set(qemu_pids(str(rt.state)))
         state, seconds = await _recycle(client)
         assert state.generation == lease - 1
         if backend == "qemu":
             assert state.snapshot.boot == "restored", state.snapshot
             assert state.snapshot.restored_ahead == standby, state.snapshot
             assert seconds < 10, f"a restore took {seconds:.1f} s"  # ~0.5 s unloaded: see bench/snapshot.py
+            # the lease's QEMU runs no guest once the recycle is over (it may still be in its exit,
+            # reaped beside the restore), and is gone soon after: reaped, no zombie
+            (ended,) = leases_qemus - set(qemu_pids(str(rt.state)))
+            await wait_until_async(lambda ended=ended: not Path(f"/proc/{ended}").exists(), 10,
+                                   "the lease's QEMU to be reaped", interval=0.05)
         replay, probe = await _probe(console)
         assert "VMSIDECAR-READY" in replay  # the pristine boot's scrollback: expect(marker) works
         assert "lease-one-secret" not in replay and "lease-two-secret" not in replay

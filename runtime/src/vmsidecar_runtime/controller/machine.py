@@ -248,7 +248,8 @@ class Machine:
         self.expect_exit = True
         await backend.quit(timeout=5 if backend.alive else 1)
         self.last_exit = backend.exit_info
-        await self._streams.detach()
+        # alive after quit: QEMU is in its exit, reaped beside what comes next (``QemuBackend.quit``)
+        await self._streams.detach(exiting=backend.alive)
         self.backend = None
 
     async def kill(self) -> None:

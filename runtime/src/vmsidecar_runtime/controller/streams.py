@@ -72,12 +72,16 @@ class GuestStreams:
             if hub is not None:
                 await hub.attach(backend.upstream(name))
 
-    async def detach(self) -> None:
+    async def detach(self, *, exiting: bool = False) -> None:
         """The backend is gone: read what it wrote to the end, stop draining; shared-dir clients stay
-        connected."""
+        connected. ``exiting``: its process is in its exit and writes nothing more, but its sockets
+        and pipes end only once the kernel has freed its memory: what it wrote is read from their
+        buffers instead of waiting for their end."""
         if self.gpio is not None:
             await self.gpio.stop_vhost()
-        await asyncio.gather(*(hub.detach(read_to_end=READ_TO_END) for hub in self.hubs.values()))
+        if exiting:
+            await self.output_read()
+        await asyncio.gather(*(hub.detach(read_to_end=0.0 if exiting else READ_TO_END) for hub in self.hubs.values()))
 
     def hold_new_input(self) -> None:
         """From now on the clients' input waits in the hubs (a capture is to come: ``hold_input``)."""
