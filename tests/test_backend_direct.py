@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.runtime import BACKENDS, _libvirt_problem
+from fixtures.runtime import BACKENDS, _libvirt_problem, qemu_pids
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.backend import Backend, BackendEvent, close_backends, create_backend
@@ -145,3 +145,25 @@ async def test_close_backends_stops_the_private_libvirtd(boot: Any) -> None:
     await close_backends()
     assert daemon_processes() == []
     await close_backends()  # nothing left: a no-op
+
+
+async def test_a_quit_that_leaves_the_reaping_to_a_task_returns_with_nothing_held_and_reports_nothing(
+    boot: Any,
+) -> None:
+    """``quit(reaped=False)``, a recycle's: it returns once QEMU is in its exit, which the runtime
+    reaps in a task while the kernel frees QEMU's memory; QEMU's disk is no longer locked then, and
+    nothing of that process is reported afterwards; ``close_backends`` waits for the reaping."""
+    vm, plan, recorder = await boot("qemu")
+    console = await Console.open(plan.console_socket(SERIAL))
+    await vm.resume()
+    await console.expect("VMSIDECAR-READY", 180)
+    await console.close()
+    (pid,) = qemu_pids(str(plan.run_dir))
+    await vm.quit(reaped=False)
+    assert qemu_pids(str(plan.run_dir)) == []  # in its exit (PF_EXITING) or gone: it runs nothing
+    # qemu-img takes the image's write lock: it would fail while QEMU still held the disk open
+    subprocess.run(["qemu-img", "info", "-f", "qcow2", str(plan.disk)], check=True, capture_output=True)
+    await close_backends()
+    assert not Path(f"/proc/{pid}").exists()  # reaped: no zombie
+    await asyncio.sleep(0.2)
+    assert BackendEvent.EXITED not in recorder.kinds()

@@ -123,8 +123,10 @@ class Backend(Protocol):
         :raise HostError: when the backend cannot switch (the guest stays on its disk, paused).
         """
 
-    async def quit(self, timeout: float = 5.0) -> None:
-        """End the process/domain, bounded, and release what the boot held."""
+    async def quit(self, timeout: float = 5.0, *, reaped: bool = True) -> None:
+        """End the process/domain, bounded, and release what the boot held. ``reaped`` False: return
+        once it runs no code of its own and holds nothing a next boot needs, though the kernel may
+        not have freed its memory yet (``QemuBackend.quit``); it then reports nothing more."""
 
     def vcpu_seconds(self) -> float | None:
         """The CPU time the guest's vCPUs have used so far (seconds); None when it cannot be read

@@ -424,21 +424,22 @@ class QemuBackend:
         except TimeoutError:
             return False
 
-    async def quit(self, timeout: float = 5.0) -> None:
+    async def quit(self, timeout: float = 5.0, *, reaped: bool = True) -> None:
         """Stop QEMU: ``quit`` over QMP, then SIGTERM, then SIGKILL, each bounded.
 
         After ``quit`` QEMU stops its vCPUs, closes its disks, its network (a forward's host port),
         its monitor, chardevs and objects, then exits; the kernel then frees its memory, which took
         0.12 s for a guest with 1.5 GiB written (every 4 KiB page unmapped), and as long after a
         lease that wrote as much. Once QEMU has entered its exit (``PF_EXITING``) it holds nothing
-        a next boot needs but that memory: it is reaped in a task (``close_backends`` waits for
-        it) and reports nothing more, so a recycle does not wait for the kernel. Not for a GPIO
+        a next boot needs but that memory: unless ``reaped``, it is reaped in a task
+        (``close_backends`` waits for it) and reports nothing more, so a recycle does not wait for
+        the kernel. Not for a GPIO
         device or a native CAN bus: the runtime's vhost-user backend and the host's interface are
         shared with the next QEMU, and their sockets may close only with the process."""
         if self.alive and self._qmp is not None:
             with contextlib.suppress(QMPError, OSError, EOFError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._qmp.execute("quit"), timeout)
-            if self._exit_may_go_on() and await self._entered_exit(timeout):
+            if not reaped and self._exit_may_go_on() and await self._entered_exit(timeout):
                 self._reap_beside()
                 await self.close()
                 return

@@ -246,9 +246,10 @@ class Machine:
         if backend is None:
             return
         self.expect_exit = True
-        await backend.quit(timeout=5 if backend.alive else 1)
+        # a next boot does not wait for the kernel to free the last one's memory (``QemuBackend.quit``)
+        await backend.quit(timeout=5 if backend.alive else 1, reaped=False)
         self.last_exit = backend.exit_info
-        # alive after quit: QEMU is in its exit, reaped beside what comes next (``QemuBackend.quit``)
+        # alive after quit: in its exit, reaped beside what comes next
         await self._streams.detach(exiting=backend.alive)
         self.backend = None
 

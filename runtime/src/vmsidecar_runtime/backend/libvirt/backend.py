@@ -298,8 +298,9 @@ class LibvirtBackend:
     async def continue_on(self, overlay: Path) -> None:
         raise HostError("the libvirt backend has no memory snapshots yet")
 
-    async def quit(self, timeout: float = 5.0) -> None:
-        """Destroy the domain (QEMU is ended; nothing of it is left in libvirt), bounded."""
+    async def quit(self, timeout: float = 5.0, *, reaped: bool = True) -> None:
+        """Destroy the domain (QEMU is ended; nothing of it is left in libvirt), bounded; libvirt
+        reports the domain's end once its QEMU is reaped, whatever ``reaped`` asks."""
         if self.alive:
             await self._destroy()
             await self.wait_exit(timeout)
