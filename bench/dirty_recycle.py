@@ -53,7 +53,8 @@ async def _dirty(console: Path, megabytes: int, timeout: float) -> None:
 
 
 async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles: int, work: Path,
-                  standby: bool = False) -> list[float]:
+                  standby: bool = False) -> tuple[list[float], float]:
+    """Each recycle's seconds to Ready, and the capture's pause."""
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
     spec: dict[str, object] = {"image": f"file:{guest.disk}", "memory": memory, "standby": standby}
     if dirty_mb:
@@ -66,7 +67,8 @@ async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles:
         async with RuntimeClient(rt.socket) as client:
             state = await client.wait_stored(300)  # the capture is stored just after Ready
         assert state.snapshot.form == form and state.snapshot.available, state.snapshot
-        print(f"  captured {form}: {state.snapshot.capture_seconds} s, {state.snapshot.size / 2**20:.0f} MB", flush=True)
+        paused = state.snapshot.capture_seconds or 0.0
+        print(f"  captured {form}: {paused} s, {state.snapshot.size / 2**20:.0f} MB", flush=True)
         times = []
         async with RuntimeClient(rt.socket) as client:
             for _ in range(recycles):
@@ -78,7 +80,7 @@ async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles:
                 state = await client.wait_ready(120, poll=0.005)
                 times.append(time.monotonic() - started)
                 assert state.snapshot.boot == "restored" and state.snapshot.restored_ahead == standby, state.snapshot
-        return times
+        return times, paused
     finally:
         rt.stop()
 
@@ -91,7 +93,7 @@ async def main_async(args: argparse.Namespace) -> int:
         for form in FORMS:
             for size, memory, dirty in (("small", tiny.memory, 0), ("big", args.memory, args.dirty_mb)):
                 with tempfile.TemporaryDirectory(prefix="dirty-recycle-") as work:
-                    times = await one_run(tiny, form, memory, dirty, args.recycles, Path(work), args.standby)
+                    times, _ = await one_run(tiny, form, memory, dirty, args.recycles, Path(work), args.standby)
                 print(f"run {run + 1} {form} {size}: " + ", ".join(f"{t:.3f}" for t in times), flush=True)
                 samples.setdefault((form, size), []).extend(times)
     print(f"\nrecycle → Ready, medians of {args.runs} x {args.recycles}; big = {args.memory}, {args.dirty_mb} MB "
