@@ -247,7 +247,8 @@ def svg_chart(all_scores: list[Scores]) -> str:
         body.append(f'<text x="10" y="{y}" font-weight="bold">{_esc(scores.guest.name)} ({scores.guest.memory})</text>')
         y += 8
         for row, value in shown:
-            body.append(f'<text x="{label_w - 8}" y="{y + 12}" text-anchor="end">{_esc(row.label)}</text>')
+            label = _esc(row.label.replace("`", ""))  # markdown's code marks, not the chart's
+            body.append(f'<text x="{label_w - 8}" y="{y + 12}" text-anchor="end">{label}</text>')
             body.append(f'<rect x="{label_w}" y="{y}" width="{x(value) - label_w:.1f}" height="{bar_h}" fill="#2b8cd9"/>')
             body.append(f'<text x="{x(value) + 6:.1f}" y="{y + 12}">{_fmt(value, "s")}</text>')
             if row.limit is not None and row.met(scores.guest.name, value) is not None:
