@@ -53,7 +53,7 @@ import recycle_trace
 import registry_warm
 import templating
 from bytecode import compile_sources
-from snapshot import ROOT, Guest, _esc, loadavg, markdown_table, resolve_guest
+from snapshot import ROOT, Guest, _esc, loadavg, markdown_table, resolve_guest, svg_document
 
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_runtime.accel import choose_accel
@@ -255,10 +255,7 @@ def svg_chart(all_scores: list[Scores]) -> str:
                 body.append(f'<rect x="{x(row.limit) - 1:.1f}" y="{y - 2}" width="2" height="{bar_h + 4}" '
                             'fill="#d62728"/>')
             y += bar_h + gap
-    height = y + 10
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">\n'
-            f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
+    return svg_document(width, y + 10, body, font_size=11)
 
 
 def write_docs(text: str) -> None:

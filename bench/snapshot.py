@@ -524,9 +524,13 @@ def svg_chart(res: Results, guests: list[Guest], runs: int) -> str:
             body.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colours[key]}"/>')
             body.append(f'<text x="{label_w + w + 6:.1f}" y="{y + 13}">{median:.2f} s</text>')
             y += bar_h + gap
-    height = y + 10
+    return svg_document(width, y + 10, body, font_size=12)
+
+
+def svg_document(width: int, height: int, body: list[str], *, font_size: int) -> str:
+    """An SVG document of ``body``'s elements on a white ground (bench/pool_scale.py draws one too)."""
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">\n'
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="{font_size}">\n'
             f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n")
 
 
