@@ -161,7 +161,7 @@ async def test_a_quit_that_leaves_the_reaping_to_a_task_returns_with_nothing_hel
     (pid,) = qemu_pids(str(plan.run_dir))
     await vm.quit(reaped=False)
     assert qemu_pids(str(plan.run_dir)) == []  # in its exit (PF_EXITING) or gone: it runs nothing
-    # qemu-img takes the image's write lock: it would fail while QEMU still held the disk open
+    # qemu-img refuses an image a running QEMU holds open for writing ("Failed to get shared 'write' lock")
     subprocess.run(["qemu-img", "info", "-f", "qcow2", str(plan.disk)], check=True, capture_output=True)
     await close_backends()
     assert not Path(f"/proc/{pid}").exists()  # reaped: no zombie

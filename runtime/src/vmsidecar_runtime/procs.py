@@ -108,6 +108,22 @@ def run(*argv: str) -> tuple[int, str, str]:
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
+#: the kernel's PF_EXITING (include/linux/sched.h), in /proc/PID/stat's flags: set as a process
+#: enters do_exit, before the kernel frees its memory
+PF_EXITING = 0x4
+
+
+def exiting_or_gone(pid: int) -> bool:
+    """Whether process ``pid`` has entered its exit in the kernel, or is gone: it runs no code of its
+    own any more (``QemuBackend.quit``; the tests' count of QEMUs running a guest)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    fields = stat.rsplit(")", 1)[1].split()  # after the command's name, which may hold anything
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)  # state (3), flags (9)
+
+
 def threads_cpu_seconds(pid: int, name_prefix: str) -> float | None:
     """The CPU time (user + system, seconds) used so far by the threads of ``pid`` whose name starts
     with ``name_prefix`` (QEMU names its vCPU threads "CPU <n>/TCG" or "CPU <n>/KVM" with

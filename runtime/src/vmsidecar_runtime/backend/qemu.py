@@ -25,7 +25,7 @@ from vmsidecar_contract.spec import PortForward
 from vmsidecar_contract.state import ExitInfo
 
 from ..plan import BootPlan
-from ..procs import spawn, threads_cpu_seconds
+from ..procs import exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink, register_shared
 from .common import emulator_path, hostfwd_rule
@@ -48,9 +48,6 @@ UNTHROTTLED = 1 << 40
 #: SHUTDOWN causes after which QEMU exits despite ``-no-shutdown`` (QMP ``quit`` and a host signal
 #: override it): the guest is not "powered off and waiting"; the EXITED that follows decides
 EXITING_CAUSES = frozenset({"host-qmp-quit", "host-signal"})
-#: the kernel's PF_EXITING (include/linux/sched.h), in /proc/PID/stat's flags: set as a process
-#: enters do_exit, before the kernel frees its memory; it runs no code of its own any more
-PF_EXITING = 0x4
 #: QEMUs that quit and are exiting while the runtime goes on (``QemuBackend.quit``): reaped by
 #: these tasks, which ``close_backends`` waits for at the runtime's exit
 _EXITING: set[asyncio.Task[None]] = set()
@@ -78,16 +75,6 @@ def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[s
     if name in _SIMPLE:
         return _SIMPLE[name], {}
     return None
-
-
-def _exiting_or_gone(pid: int) -> bool:
-    """Whether process ``pid`` has entered its exit in the kernel (or is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    fields = stat[stat.rfind(")") + 2:].split()
-    return fields[0] in "ZX" or bool(int(fields[6]) & PF_EXITING)
 
 
 async def _exits_done() -> None:
@@ -433,9 +420,9 @@ class QemuBackend:
         lease that wrote as much. Once QEMU has entered its exit (``PF_EXITING``) it holds nothing
         a next boot needs but that memory: unless ``reaped``, it is reaped in a task
         (``close_backends`` waits for it) and reports nothing more, so a recycle does not wait for
-        the kernel. Not for a GPIO
-        device or a native CAN bus: the runtime's vhost-user backend and the host's interface are
-        shared with the next QEMU, and their sockets may close only with the process."""
+        the kernel. Not for a GPIO device or a native CAN bus: the runtime's vhost-user backend and
+        the host's interface are shared with the next QEMU, and their sockets may close only with
+        the process."""
         if self.alive and self._qmp is not None:
             with contextlib.suppress(QMPError, OSError, EOFError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._qmp.execute("quit"), timeout)
@@ -460,7 +447,7 @@ class QemuBackend:
         assert self._proc is not None
         deadline = asyncio.get_running_loop().time() + timeout
         waits = _poll_waits()
-        while not (self._exited.is_set() or _exiting_or_gone(self._proc.pid)):
+        while not (self._exited.is_set() or exiting_or_gone(self._proc.pid)):
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(next(waits))
