@@ -53,7 +53,7 @@ import recycle_trace
 import registry_warm
 import templating
 from bytecode import compile_sources
-from snapshot import ROOT, Guest, _esc, loadavg, markdown_table, resolve_guest, svg_document
+from snapshot import ROOT, Guest, _esc, cpu_model, loadavg, markdown_table, resolve_guest, svg_document
 
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_runtime.accel import choose_accel
@@ -93,7 +93,6 @@ async def cold_vs_bare(scores: Scores, runs: int, work: Path) -> None:
         scores.add("cold", cold["total"])
         scores.add("cold_uptime", cold["uptime"])
         scores.add("cold_ratio", (cold["total"] + cold["capture"]) / bare)
-        scores.add("capture", cold["capture"])
         print(f"{scores.guest.name} pair {i + 1}: bare {bare:.2f} s, cold → Ready {cold['total']:.2f} s, capture "
               f"pause {cold['capture']:.3f} s: {(cold['total'] + cold['capture']) / bare:.2f}x; the guest's uptime at its "
               f"marker {bare_uptime:.2f} / {cold['uptime']:.2f} s", flush=True)
@@ -217,13 +216,11 @@ def table(all_scores: list[Scores]) -> list[list[str]]:
 
 def facts(args: argparse.Namespace, load: tuple[str, str]) -> list[str]:
     accel = choose_accel("auto", host_arch())
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
     return [
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}; {args.pairs} pairs of bare and "
         f"cold boots, {args.runs} recycles and empty-node starts per leg, one run per snapshot form with N = "
         f"{args.instances} instances",
-        f"- host: {os.cpu_count()} CPUs, {cpu}; Linux {platform.release()}; accel **{accel.accel}** ({accel.reason})",
+        f"- host: {os.cpu_count()} CPUs, {cpu_model()}; Linux {platform.release()}; accel **{accel.accel}** ({accel.reason})",
         f"- {qemu_version(host_arch())}; load average (1 min) at start {load[0]}, at end {load[1]}",
     ]
 

@@ -410,10 +410,15 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (bench/pool_scale.py says it too)."""
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor() or "?")
+
+
 def machine_facts(res: Results, runs: int, load: tuple[str, str], note: str | None) -> list[str]:
     """The lines that say where and how the numbers were taken."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
+    cpu = cpu_model()
     hidden = "hidden in a private mount namespace (upstream would pass `-accel kvm`)" \
         if needs_hidden_kvm(choose_accel("auto", host_arch())) else "left as is"
     facts = [

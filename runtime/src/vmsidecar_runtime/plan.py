@@ -104,6 +104,16 @@ class BootPlan:
         return stream_names(self.spec)
 
 
+def shared_with_another_qemu(spec: VmSpec) -> str | None:
+    """What a second QEMU of this runtime would share with the guest's (a spare restore, or the next
+    boot's QEMU while the last one exits), or None: the one vhost-user GPIO device, a native CAN bus."""
+    if spec.gpio:
+        return "GPIO lines: the runtime's one vhost-user GPIO device serves one QEMU"
+    if any(bus.mode == "native" for bus in spec.can):
+        return "a native CAN bus: both QEMUs would join the host's interface"
+    return None
+
+
 def stream_names(spec: VmSpec) -> list[str]:
     """Every byte stream a spec gives the guest, by name: ttyS0, hvc0, ``channel-*``, ``can-*``."""
     names = [SERIAL, *([VIRTIO_CONSOLE] if spec.virtio_console else [])]

@@ -24,7 +24,7 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward
 from vmsidecar_contract.state import ExitInfo
 
-from ..plan import BootPlan
+from ..plan import BootPlan, shared_with_another_qemu
 from ..procs import exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink, register_shared
@@ -426,7 +426,8 @@ class QemuBackend:
         if self.alive and self._qmp is not None:
             with contextlib.suppress(QMPError, OSError, EOFError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._qmp.execute("quit"), timeout)
-            if not reaped and self._exit_may_go_on() and await self._entered_exit(timeout):
+            alone = shared_with_another_qemu(self.plan.spec) is None
+            if not reaped and alone and await self._entered_exit(timeout):
                 self._reap_beside()
                 await self.close()
                 return
@@ -436,10 +437,6 @@ class QemuBackend:
             if not await self.wait_exit(timeout):
                 await self.kill()
         await self.close()
-
-    def _exit_may_go_on(self) -> bool:
-        spec = self.plan.spec
-        return not spec.gpio and not any(bus.mode == "native" for bus in spec.can)
 
     async def _entered_exit(self, timeout: float) -> bool:
         """Until QEMU is in its exit (or gone); False after ``timeout``. Its own clean-up after the

@@ -37,7 +37,7 @@ from vmsidecar_contract.spec import VmSpec
 
 from ..backend import Backend, BackendEvent, EventSink
 from ..disk import create_overlay
-from ..plan import BootPlan
+from ..plan import BootPlan, shared_with_another_qemu
 from ..snapshots import Snapshot
 from .guest_clock import correct_clock
 from .machine import Machine
@@ -57,11 +57,7 @@ def why_not(spec: VmSpec) -> str | None:
     """Why ``spec`` gets no spare restore (two QEMUs of one runtime would share what a lease reaches)."""
     if spec.backend != "qemu":
         return f"the {spec.backend} backend has no memory snapshots"
-    if spec.gpio:
-        return "GPIO lines: the runtime's one vhost-user GPIO device serves one QEMU"
-    if any(bus.mode == "native" for bus in spec.can):
-        return "a native CAN bus: both QEMUs would join the host's interface"
-    return None
+    return shared_with_another_qemu(spec)
 
 
 class _Relay:

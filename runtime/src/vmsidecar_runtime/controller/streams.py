@@ -81,7 +81,8 @@ class GuestStreams:
             await self.gpio.stop_vhost()
         if exiting:
             await self.output_read()
-        await asyncio.gather(*(hub.detach(read_to_end=0.0 if exiting else READ_TO_END) for hub in self.hubs.values()))
+        read_to_end = 0.0 if exiting else READ_TO_END
+        await asyncio.gather(*(hub.detach(read_to_end=read_to_end) for hub in self.hubs.values()))
 
     def hold_new_input(self) -> None:
         """From now on the clients' input waits in the hubs (a capture is to come: ``hold_input``)."""
