@@ -3,7 +3,8 @@
 The image is built once per cache (~40 s, from the machine's Debian mirror; a cache hit is well
 under a second). The boot test runs it through a runtime process (TCG: ~25 s to the marker),
 checks the system from its console shell, restores it from the snapshot that boot captured (its
-clock set to the host's through the guest agent) and powers it off through the ACPI power button.
+clock set to the host's through the guest agent, which waits on its port because the runtime
+holds the socket) and powers it off through the ACPI power button.
 """
 
 from __future__ import annotations
@@ -203,6 +204,28 @@ async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
     return before, float(m.group(1)), float(m.group(2)), after
 
 
+async def _agent_waits(console_sock: Path) -> list[str]:
+    """Where the guest's qemu-ga sleeps, sampled ten times over ~0.5 s (``/proc/PID/wchan``)."""
+    con = await Console.open(console_sock)
+    try:
+        await con.drain_replay()
+        await con.wake()
+        out = await con.run("p=$(pidof qemu-ga); for i in 0 1 2 3 4 5 6 7 8 9; do echo WCHAN $(cat /proc/$p/wchan); "
+                            "sleep 0.05; done")
+    finally:
+        await con.close()
+    waits = re.findall(r"WCHAN (\S+)", out)
+    assert len(waits) == 10, out
+    return waits
+
+
+def _agent_blocks_on_its_port(waits: list[str]) -> None:
+    """The runtime holds the agent's socket (backend/guest_agent.py): the agent waits in poll() for a
+    command (or for ``hwclock``, a clock set's child), never in the 100 ms sleep it spins on while
+    nobody holds the host side (qga/main.c: EOF, usleep, read again)."""
+    assert "hrtimer_nanosleep" not in waits and "do_sys_poll" in waits, waits
+
+
 async def test_debian_guest_boots_to_marker_is_restored_and_switched_to_a_spare_with_its_clock_set_and_powers_off(
     start_runtime: Any, debian_image: BuiltImage
 ) -> None:
@@ -231,6 +254,7 @@ async def test_debian_guest_boots_to_marker_is_restored_and_switched_to_a_spare_
     # the capture found the agent, and the captured boot going on in its process had its clock set
     assert first.snapshot.clock == "corrected", first.snapshot
     _, _, uptime_at_capture, captured_at = await _guest_clock(rt.shared / "console.sock")
+    _agent_blocks_on_its_port(await _agent_waits(rt.shared / "console.sock"))
     assert (await hvc0.expect(MARKER, 60)).group(2) == boot_id, "the same boot's marker on hvc0"
 
     # root is logged in on both consoles; the system came up whole
@@ -262,6 +286,7 @@ async def test_debian_guest_boots_to_marker_is_restored_and_switched_to_a_spare_
     print(f"guest lived {guest_lived:.1f} s, host {host_lived:.1f} s; recycle -> Ready {seconds:.2f} s; "
           f"guest clock - host clock {guest_now - (before + after) / 2:+.2f} s")
     assert host_lived - guest_lived >= BEHIND_S - CLOCK_SLACK_S, (guest_lived, host_lived)
+    _agent_blocks_on_its_port(await _agent_waits(rt.shared / "console.sock"))  # as the snapshot holds it
 
     # a spare restore (standby: the same snapshot, whose clock is over BEHIND_S behind): made after
     # a Ready, its clock set then, running on until the recycle switches to it, which sets nothing
@@ -276,6 +301,7 @@ async def test_debian_guest_boots_to_marker_is_restored_and_switched_to_a_spare_
     print(f"spare adopted: recycle -> Ready {seconds:.2f} s; guest clock - host clock "
           f"{guest_now - (before + after) / 2:+.2f} s")
     assert before - CLOCK_SLACK_S <= guest_now <= after + CLOCK_SLACK_S, (before, guest_now, after)
+    _agent_blocks_on_its_port(await _agent_waits(rt.shared / "console.sock"))
 
     # graceful off, the adopted spare: QMP system_powerdown -> ACPI power button -> logind -> poweroff
     async with collecting(client, ["guest.powerdown_requested", "guest.powered_off"]) as events:

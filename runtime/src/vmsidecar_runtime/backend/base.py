@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from ..plan import BootPlan
     from ..stream_pipes import StreamPipe
+    from .guest_agent import GuestAgent
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class Backend(Protocol):
     exit_info: ExitInfo | None
     #: the guest holds the guest agent's port open (an agent runs in it); a capture records it
     guest_agent_open: bool
+    #: the runtime's session on the agent's socket, held from before the guest runs until the
+    #: process ends (``guest_agent.hold``; the restored guest's clock is set through it), or None
+    guest_agent: GuestAgent | None
 
     async def launch(self) -> None:
         """Start the guest paused (consoles attach before ``resume``).

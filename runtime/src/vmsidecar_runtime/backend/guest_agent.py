@@ -3,11 +3,18 @@ seen from QMP's VSERPORT_CHANGE, ``backend/qemu.py``).
 
 QGA speaks QMP's JSON, one object per line, but with no greeting and no capabilities
 negotiation; qemu.qmp's ``QMPClient`` waits for a greeting first, so it does not fit and the
-lines are written and read here. The channel can hold stale replies (a previous client's, or one
-the guest wrote just before a snapshot was taken), so every session starts with
-``guest-sync-delimited`` and a random id: the agent answers with a 0xFF byte and the id, and
+lines are written and read here. The channel can hold stale replies (a previous command's, or one
+the guest wrote just before a snapshot was taken), so every command goes after a
+``guest-sync-delimited`` with a random id: the agent answers with a 0xFF byte and the id, and
 everything before that answer is dropped. The 0xFF the client sends first resets the agent's
-parser after a half-written request of an earlier client.
+parser after a half-written request.
+
+The backend holds one session for each QEMU's life, from before its guest runs (:func:`hold`): QGA
+on a virtio-serial port whose host side nobody holds reads EOF, sleeps 100 ms and reads again
+(``channel_event_cb`` in qga/main.c), which cost an idle Debian guest's QEMU 1.7-2.3 % of a core
+under TCG, 0.7 % with the session held (its agent then waits in ``poll()``). A snapshot taken so
+keeps its agent waiting that way, and a restore connects before the load, so QEMU never tells the
+restored guest that the host side closed (virtio-serial compares it after a load).
 
 Every call is bounded; a guest with no agent (nothing reads the port) is a ``NoGuestAgent``
 after the bound, never a hang.
@@ -48,11 +55,13 @@ class NoAnswer(GuestAgentError):
 
 
 class GuestAgent:
-    """One session on the agent's socket (QEMU serves one client at a time: close it soon)."""
+    """One session on the agent's socket (QEMU serves one client at a time: the backend's)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        #: a command whose answer is still being read after its caller went on (``set_time``)
+        self._late: asyncio.Task[Any] | None = None
 
     @classmethod
     async def connect(cls, path: Path, timeout: float = 1.0) -> GuestAgent:
@@ -67,7 +76,8 @@ class GuestAgent:
         return cls(reader, writer)
 
     async def close(self) -> None:
-        """End the session."""
+        """End the session (a late answer still read is given up)."""
+        await self._forget_late()
         self._writer.close()
         with contextlib.suppress(OSError, asyncio.TimeoutError):
             await asyncio.wait_for(self._writer.wait_closed(), 1)
@@ -77,6 +87,14 @@ class GuestAgent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _forget_late(self) -> None:
+        """Stop reading an earlier command's late answer: the next command's sync drops it."""
+        late, self._late = self._late, None
+        if late is not None and not late.done():
+            late.cancel()
+            with contextlib.suppress(asyncio.CancelledError, GuestAgentError, TimeoutError):
+                await late
 
     async def _reply(self, match: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
         """The next reply ``match`` accepts; stale and foreign replies are skipped."""
@@ -136,45 +154,43 @@ class GuestAgent:
             raise GuestAgentError(f"{command}: {desc}")
         return reply.get("return")
 
+    async def set_time(self, timeout: float) -> bool:
+        """Set the guest's clock to the host's (``guest-set-time``; the agent also writes the RTC).
 
-#: answers still being read after ``set_time`` returned (a reference keeps each task alive)
-_DRAINING: set[asyncio.Task[None]] = set()
+        QGA calls ``settimeofday`` as soon as it reads the command and only then runs
+        ``hwclock -w``, which waits for the RTC's next second (0.6-2.6 s measured under TCG); the
+        answer comes after both. So this returns once the agent has read the command
+        (:meth:`execute_read`), not at its answer, which is read in the background (the agent's
+        error is logged then; the session's next command or its end stops that). True when the
+        agent had answered by then.
+
+        :raise GuestAgentError: naming what failed (no sync within ``timeout``, the agent's error).
+        """
+        await self._forget_late()
+        read = asyncio.Event()
+        task = asyncio.create_task(self.execute_read("guest-set-time", {"time": time.time_ns()}, read,
+                                                     timeout=timeout))
+        waiter = asyncio.create_task(read.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()  # the agent's error, if any
+            return True
+        task.add_done_callback(_log_late_error)
+        self._late = task
+        return False
 
 
-async def _set_time(path: Path, timeout: float, read: asyncio.Event) -> None:
-    deadline = time.monotonic() + timeout
-    agent = await GuestAgent.connect(path, timeout=min(timeout, 1.0))
-    async with agent:
-        await agent.execute_read("guest-set-time", {"time": time.time_ns()}, read,
-                                 timeout=max(deadline - time.monotonic(), 0.0))
+async def hold(path: Path) -> GuestAgent | None:
+    """The session a backend holds on its QEMU's agent socket from before the guest runs (see the
+    module's docstring); None, logged, when the socket cannot be reached (the clock is then not set)."""
+    try:
+        return await GuestAgent.connect(path)
+    except GuestAgentError as e:
+        log.warning("no session on the guest agent's socket: %s", e.message)
+        return None
 
 
-async def set_time(path: Path, timeout: float) -> bool:
-    """Set the guest's clock to the host's (``guest-set-time``; the agent also writes the RTC).
-
-    QGA calls ``settimeofday`` as soon as it reads the command and only then runs
-    ``hwclock -w``, which waits for the RTC's next second (0.6-2.6 s measured under TCG); the
-    answer comes after both. So this returns once the agent has read the command
-    (``GuestAgent.execute_read``), not at its answer; the session stays open in the background
-    until the answer is read, because an agent whose answer nobody reads blocks writing it to the
-    port (and then holds up the guest's shutdown). True when the agent had answered by then.
-
-    :raise GuestAgentError: naming what failed (no sync within ``timeout``, the agent's error).
-    """
-    read = asyncio.Event()
-    task = asyncio.create_task(_set_time(path, timeout, read))
-    waiter = asyncio.create_task(read.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task.done():
-        task.result()  # the agent's error, if any
-        return True
-    _DRAINING.add(task)
-
-    def finished(t: asyncio.Task[None]) -> None:
-        _DRAINING.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.warning("guest-set-time's late answer: %s", t.exception())
-
-    task.add_done_callback(finished)
-    return False
+def _log_late_error(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("guest-set-time's late answer: %s", task.exception())

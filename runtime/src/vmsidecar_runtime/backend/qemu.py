@@ -29,6 +29,7 @@ from ..procs import exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink, register_shared
 from .common import emulator_path, hostfwd_rule
+from .guest_agent import GuestAgent, hold
 from .netguard import NetGuard, guarded
 from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, piped_streams
 
@@ -121,6 +122,7 @@ class QemuBackend:
         self._guard: NetGuard | None = None
         #: the guest holds the guest agent's port open (QMP VSERPORT_CHANGE): an agent runs
         self.guest_agent_open = False
+        self.guest_agent: GuestAgent | None = None
         #: this process's virtio console pipes, until the hubs take the runtime's ends
         self._pipes: StreamPipes | None = None
         #: the process's end is reported (EXITED); not once ``quit`` left it exiting on its own
@@ -158,6 +160,9 @@ class QemuBackend:
         ]
         await self._connect_qmp(qmp_timeout)
         self._pipes.remove_links()  # QEMU has opened its chardevs
+        # held before a restore's load, so QEMU accepts it while the load's commands run and the
+        # restored guest never hears the host side close (guest_agent's docstring)
+        self.guest_agent = await hold(self.plan.guest_agent_socket)
         if guarded(self.plan):
             self._guard = NetGuard(self.plan)
             await self._guard.attach()
@@ -483,6 +488,9 @@ class QemuBackend:
         if self._pipes is not None:
             self._pipes.close()
             self._pipes = None
+        if self.guest_agent is not None:
+            await self.guest_agent.close()
+            self.guest_agent = None
         if self._guard is not None:
             await self._guard.close()
             self._guard = None

@@ -108,8 +108,8 @@ class Boot:
                 if new_boot:
                     metrics.snapshot_lookup("refused")
             return False
-        assert self._machine.plan is not None
-        await self._snapshots.restored(snap, started, self._machine.plan.guest_agent_socket, new_boot=new_boot)
+        assert self._machine.backend is not None
+        await self._snapshots.restored(snap, started, self._machine.backend.guest_agent, new_boot=new_boot)
         return True
 
     async def _adopt(self, snap: Snapshot, spare: Spare) -> bool:
@@ -216,9 +216,9 @@ class Boot:
             await self._cold(spec)
             return False
         if copied is not None:
-            assert self._machine.plan is not None
+            assert self._machine.backend is not None
             # the guest's clock stood still while it was paused: set like a restored guest's
-            await self._snapshots.went_on(capture, self._machine.plan.guest_agent_socket)
+            await self._snapshots.went_on(capture, self._machine.backend.guest_agent)
         return True
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from ..backend import guest_agent
 
@@ -17,16 +16,19 @@ CLOCK_CORRECTED = "corrected"
 CLOCK_NO_AGENT = "no guest agent"
 
 
-async def correct_clock(has_agent: bool, agent_socket: Path) -> str:
+async def correct_clock(has_agent: bool, agent: guest_agent.GuestAgent | None) -> str:
     """Set the restored guest's clock to the host's when the capture found an agent
     (``has_agent``, as the snapshot's meta records it); what happened (``snapshot.clock`` of
     ``GET /v1/vm``). Returns once the agent has read ``guest-set-time`` (it sets the clock then),
-    not at its answer, which waits for ``hwclock -w`` (up to ~2.6 s)."""
+    not at its answer, which waits for ``hwclock -w`` (up to ~2.6 s). ``agent`` is the backend's
+    session on the agent's socket (``Backend.guest_agent``)."""
     if not has_agent:
         return CLOCK_NO_AGENT
+    if agent is None:
+        return "failed: the runtime holds no session on the guest agent's socket (see the log)"
     started = time.monotonic()
     try:
-        answered = await guest_agent.set_time(agent_socket, CLOCK_TIMEOUT_S)
+        answered = await agent.set_time(CLOCK_TIMEOUT_S)
     except guest_agent.GuestAgentError as e:
         log.warning("the restored guest's clock was not corrected: %s", e.message)
         return f"failed: {e.message}"

@@ -39,6 +39,7 @@ from vmsidecar_contract.state import SnapshotInfo
 from .. import metrics
 from ..backend import Backend
 from ..backend.factory import supports_snapshots
+from ..backend.guest_agent import GuestAgent
 from ..capture_ram import CaptureRam, FrozenRam, copy_ram
 from ..disk import DiskImage
 from ..plan import RamFile
@@ -370,10 +371,10 @@ class SnapshotOps:
                                  form=self.info.form, form_reason=self.info.form_reason)
         self._capture_key = self._planned_key
 
-    async def restored(self, snap: Snapshot, started: float, agent_socket: Path, *, new_boot: bool) -> None:
-        """The guest runs from ``snap``: correct its clock, record the restore."""
+    async def restored(self, snap: Snapshot, started: float, agent: GuestAgent | None, *, new_boot: bool) -> None:
+        """The guest runs from ``snap``: correct its clock (through the backend's ``agent``), record the restore."""
         seconds, meta = time.monotonic() - started, snap.meta()
-        clock = await correct_clock(meta is not None and meta.guest_agent, agent_socket)
+        clock = await correct_clock(meta is not None and meta.guest_agent, agent)
         self._record_restore(snap, seconds, clock, new_boot=new_boot)
 
     def adopted(self, snap: Snapshot, started: float, clock: str) -> None:
@@ -563,10 +564,10 @@ class SnapshotOps:
         meta = snap.meta()
         return RamFile(snap.ram, share=False) if meta is not None and meta.form == TEMPLATED else None
 
-    async def went_on(self, capture: Capture, agent_socket: Path) -> None:
+    async def went_on(self, capture: Capture, agent: GuestAgent | None) -> None:
         """The captured boot goes on in its own process: correct its clock (the snapshot's first
         load is the next restore's)."""
-        clock = await correct_clock(capture.guest_agent, agent_socket)
+        clock = await correct_clock(capture.guest_agent, agent)
         self.info = self.info.model_copy(update={"clock": clock})
 
     def captured(self, capture: Capture, snap: Snapshot) -> None:

@@ -138,7 +138,7 @@ class Standby:
                                                parts.check, spare=True), relay)
             try:
                 await backend.resume()
-                clock = await correct_clock(parts.guest_agent, plan.guest_agent_socket)
+                clock = await correct_clock(parts.guest_agent, backend.guest_agent)
             except BaseException:
                 await backend.quit(timeout=1)
                 raise

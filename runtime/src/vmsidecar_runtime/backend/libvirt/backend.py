@@ -77,6 +77,7 @@ class LibvirtBackend:
         self.exit_info: ExitInfo | None = None
         #: never asked: this backend has no memory snapshots (``supports_snapshots``)
         self.guest_agent_open = False
+        self.guest_agent = None  # the domain has no agent channel: no snapshot's clock to set
         self._exited = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: connection.Connection | None = None
