@@ -5,7 +5,8 @@ and a real distribution 2.8 registry (no referrers API: the tag schema is what i
 One runtime captures the tiny guest (module fixture); the CLI publishes its snapshot. A runtime
 on an empty cache whose spec names the repository as ``snapshot_source`` is then Ready from it
 (boot kind ``registry_warm``) and as isolated as a recycled guest; one of another key, one given
-a tampered artifact and one whose source is another repository boot cold and say why.
+a tampered artifact and one whose source is another repository boot cold and say why. A disk
+published as podman-machine-os publishes its own (an index of disktypes) gets its snapshot too.
 tests/test_attack_registry_snapshots.py covers each refusal in detail without a guest.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 from test_snapshots import _lease_leaves_traces, _probe, _recycle
 
 from fixtures.faults import wait_phase
@@ -266,3 +268,44 @@ async def test_a_push_during_the_boot_waits_for_its_capture(start_runtime: Any, 
     state = await client.state()
     assert state.snapshot.boot == "cold" and state.snapshot.available, state.snapshot
     assert out.strip().startswith(f"{published.registry.host}/regsnap/push-wait@sha256:"), out
+
+
+async def test_a_disk_published_like_podman_machine_os_gets_its_snapshot_from_the_registry(
+    start_runtime: Any, registry: RunningRegistry, tiny_image: Any, tmp_path: Path
+) -> None:
+    """The disk as podman-machine-os publishes its own: an index with one platform manifest per
+    ``disktype``, each a zstd blob titled ``*.qcow2.zst``. The snapshot's subject is the manifest
+    the runtime booted (``disktype: qemu``), and a runtime on an empty cache finds it there."""
+    repo = "regsnap/machine-os"
+    craft = Crafter(registry=registry, repo=repo)
+    data = zstandard.ZstdCompressor().compress(tiny_image.disk.read_bytes())
+    manifests = {}
+    for disktype in ("applehv", "qemu", "hyperv"):
+        layer = craft.blob(data, "application/zstd", {TITLE: f"disk-{disktype}.qcow2.zst"})
+        manifests[disktype] = craft.manifest([layer], artifact_type="application/vnd.unknown.artifact.v1")
+    amd64 = {"os": "linux", "architecture": "amd64"}
+    image = craft.tag(craft.index([(m, amd64, {"disktype": d}) for d, m in manifests.items()]), "5.5")
+    spec = {"image": image, "memory": "256M", "channels": [{"name": "machine-os"}],
+            "readiness": {"pattern": "VMSIDECAR-READY image=tiny"}}
+    cache = tmp_path / "capture-cache"
+    rt = await start_runtime(spec, cache=cache, name="capture")
+    await rt.client().wait_ready(240)
+    assert (await rt.client().wait_stored()).snapshot.available
+    rt.stop()
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, "-m", "vmsidecar_runtime.oci.cli", "snapshot", "push",
+                           f"{registry.host}/{repo}", "--cache", str(cache), "--spec", str(spec_file)],
+                          capture_output=True, text=True, timeout=300, env=clean_environ(keep=ENV_KEEP))
+    assert done.returncode == 0, done.stderr
+    client = RegistryClient(parse_reference(f"{registry.host}/{repo}"))
+    try:
+        doc = client.get_manifest(done.stdout.strip().rsplit("@", 1)[1]).json()
+    finally:
+        client.close()
+    assert doc["subject"]["digest"] == manifests["qemu"]["digest"], (doc["subject"], manifests)
+
+    warm = await start_runtime({**spec, "snapshotSource": f"{registry.host}/{repo}"}, cache=tmp_path / "empty",
+                               name="warm")
+    state = await warm.client().wait_ready(240)
+    assert state.snapshot.boot == "registry_warm" and state.image == image, state.snapshot
