@@ -7,6 +7,7 @@ real processes here, a parent with busy threads SIGKILLed, its child checked in 
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
 import signal
 import subprocess
@@ -17,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from fixtures.source import parse_python
-from fixtures.waiting import wait_until
+from fixtures.waiting import wait_until, wait_until_async
 from vmsidecar_runtime import procs
+from vmsidecar_runtime.disk import run_tool
 
 ROOT = Path(__file__).parents[1]
 
@@ -104,3 +106,17 @@ def test_no_preexec_fn_anywhere() -> None:
                         and node.slice.value == "preexec_fn" and isinstance(node.ctx, ast.Store):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+async def test_a_cancelled_tool_leaves_no_process_behind() -> None:
+    """A helper program whose caller gives up (a boot cancelled during ``qemu-img create``, a dump
+    during its ``convert``) is killed and reaped: nothing goes on writing a file the runtime
+    abandoned, and its pipes close while the event loop still runs."""
+    before = set(procs.OWN)
+    task = asyncio.create_task(run_tool("sleep", "30"))
+    pid = await wait_until_async(lambda: next(iter(procs.OWN - before), None), 10, "the tool to start")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not Path(f"/proc/{pid}").exists(), Path(f"/proc/{pid}/stat").read_text()
+    assert pid not in procs.OWN

@@ -48,7 +48,9 @@ class DiskImage:
 
 
 async def run_tool(*argv: str) -> tuple[int, str, str]:
-    """Run a helper program (list exec) and return (rc, stdout, stderr).
+    """Run a helper program (list exec) and return (rc, stdout, stderr). A caller that gives up
+    (cancelled) takes the program down with it: killed and reaped before the cancellation goes on,
+    so nothing keeps writing a file the runtime abandoned.
 
     :raise HostError: when the program is not installed.
     """
@@ -58,7 +60,13 @@ async def run_tool(*argv: str) -> tuple[int, str, str]:
         )
     except FileNotFoundError:
         raise HostError(f"{argv[0]} is not installed; install qemu-utils") from None
-    out, err = await proc.communicate()
+    try:
+        out, err = await proc.communicate()
+    except asyncio.CancelledError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.communicate()  # to its end: the pipes close and the child is reaped
+        raise
     await proc.wait()
     assert proc.returncode is not None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
