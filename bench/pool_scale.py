@@ -20,7 +20,7 @@ Then per guest, in this order:
    the runtime adds, so both are shown;
 2. **templated vs full stream** (``templating.py``, one run per form): the capture's pause,
    recycle → Ready, recycle → the first shell command answered, and ``--instances`` runtimes
-   restored from the one snapshot at once: their QEMUs' PSS, summed;
+   restored from the one snapshot at once: their QEMUs' PSS, summed, and their CPU while idle;
 3. **recycles** (``recycle_trace.py``, templated): ``--runs`` recycles restoring the snapshot, then
    ``--runs`` with a spare (``--standby``: each switches to the spare restore made since the last);
    → Ready and → the first command (the full stream's first command comes from step 2);
@@ -101,7 +101,7 @@ async def cold_vs_bare(scores: Scores, runs: int, work: Path) -> None:
 async def forms(scores: Scores, instances: int, work: Path) -> None:
     for form in templating.FORMS:
         result = await templating.one_run(scores.guest, form, instances, work / form, None)
-        for key in ("capture", "recycle", "first_cmd", "qemu_pss_mb"):
+        for key in ("capture", "recycle", "first_cmd", "qemu_pss_mb", "idle_cpu_pct"):
             scores.add(f"{form}_{key}", result[key])
         print(f"{scores.guest.name} {form}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
 
@@ -141,7 +141,7 @@ class Row:
 
     label: str
     value: Callable[[Scores], float | None]
-    unit: str  # "s", "x", "MB"
+    unit: str  # "s", "x", "MB", "%" (of one core)
     limit: float | None = None  # the goal: at most this
     goal_text: str = "measured"
     only: str | None = None  # the goal holds for this guest only
@@ -189,6 +189,7 @@ ROWS = [
     Row("N restored instances: templated ÷ full stream",
         lambda s: _ratio(s.median("templated_qemu_pss_mb"), s.median("stream_qemu_pss_mb")), "x", 1 / 3, "≤ 1/3",
         before="1 (full stream only; ≈ 3.2 GB)"),
+    Row("N restored instances, idle: their QEMUs' CPU, templated", lambda s: s.median("templated_idle_cpu_pct"), "%"),
 ]
 
 
@@ -197,6 +198,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return "—"
     if unit == "s":
         return f"{value:.3f} s" if value < 1 else f"{value:.2f} s"
+    if unit == "%":
+        return f"{value:.1f} % of a core"
     return f"{value:.2f}x" if unit == "x" else f"{value:.0f} MB"
 
 

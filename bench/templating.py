@@ -15,7 +15,9 @@ cache of its own:
    files, the RAM file included, before QEMU sees them);
 4. ``--instances`` runtimes on that cache at once (the first plus warm starts, all restored from
    the one snapshot): RSS and PSS of their QEMU processes, summed (PSS shares the pages several
-   processes map: a template's unwritten pages count once over all instances).
+   processes map: a template's unwritten pages count once over all instances), then the CPU
+   their QEMU processes use over ``IDLE_S`` seconds while nobody uses the guests (% of one core,
+   summed: what idle instances cost a node).
 
 Prints medians per leg and the ratios templated ÷ stream.
 """
@@ -50,15 +52,33 @@ LEGS = [
     ("first_cmd", "recycle → first shell command answered (s)"),
     ("qemu_rss_mb", "N instances: QEMU RSS, total (MB)"),
     ("qemu_pss_mb", "N instances: QEMU PSS, total (MB)"),
+    ("idle_cpu_pct", "N instances, idle: QEMU CPU, total (% of a core)"),
 ]
+#: how long the idle instances' CPU is counted
+IDLE_S = 10.0
+
+
+def _qemu_pids(runtime_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "--ppid", str(runtime_pid), "-o", "pid=,comm="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "qemu" in line]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def _idle_cpu_pct(runtimes: list[RuntimeProcess]) -> float:
+    pids = [pid for rt in runtimes for pid in _qemu_pids(rt.proc.pid)]
+    before, started = sum(_cpu_seconds(pid) for pid in pids), time.monotonic()
+    await asyncio.sleep(IDLE_S)
+    return (sum(_cpu_seconds(pid) for pid in pids) - before) / (time.monotonic() - started) * 100
 
 
 def _qemu_mem(runtime_pid: int) -> tuple[float, float]:
     """(RSS, PSS) in MB of the runtime's QEMU child, from smaps_rollup."""
-    out = subprocess.run(["ps", "--ppid", str(runtime_pid), "-o", "pid=,comm="], capture_output=True, text=True).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if "qemu" in line]
     rss = pss = 0
-    for pid in pids:
+    for pid in _qemu_pids(runtime_pid):
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
             key, _, rest = line.partition(":")
             if key == "Rss":
@@ -124,6 +144,7 @@ async def one_run(guest: Guest, form: str, instances: int, work: Path, tb_size: 
         mem = [_qemu_mem(rt.proc.pid) for rt in runtimes]
         result["qemu_rss_mb"] = sum(r for r, _ in mem)
         result["qemu_pss_mb"] = sum(p for _, p in mem)
+        result["idle_cpu_pct"] = await _idle_cpu_pct(runtimes)
         return result
     finally:
         for rt in runtimes:
