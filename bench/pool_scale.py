@@ -189,7 +189,8 @@ ROWS = [
     Row("N restored instances: templated ÷ full stream",
         lambda s: _ratio(s.median("templated_qemu_pss_mb"), s.median("stream_qemu_pss_mb")), "x", 1 / 3, "≤ 1/3",
         before="1 (full stream only; ≈ 3.2 GB)"),
-    Row("N restored instances, idle: their QEMUs' CPU, templated", lambda s: s.median("templated_idle_cpu_pct"), "%"),
+    Row("N restored instances, idle: their QEMUs' CPU, templated",
+        lambda s: s.median("templated_idle_cpu_pct"), "%"),
 ]
 
 

@@ -59,7 +59,8 @@ IDLE_S = 10.0
 
 
 def _qemu_pids(runtime_pid: int) -> list[int]:
-    out = subprocess.run(["ps", "--ppid", str(runtime_pid), "-o", "pid=,comm="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "--ppid", str(runtime_pid), "-o", "pid=,comm="], capture_output=True,
+                         text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if "qemu" in line]
 
 

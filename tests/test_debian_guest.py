@@ -210,8 +210,8 @@ async def _agent_waits(console_sock: Path) -> list[str]:
     try:
         await con.drain_replay()
         await con.wake()
-        out = await con.run("p=$(pidof qemu-ga); for i in 0 1 2 3 4 5 6 7 8 9; do echo WCHAN $(cat /proc/$p/wchan); "
-                            "sleep 0.05; done")
+        out = await con.run("p=$(pidof qemu-ga); for i in 0 1 2 3 4 5 6 7 8 9; do "
+                            "echo WCHAN $(cat /proc/$p/wchan); sleep 0.05; done")
     finally:
         await con.close()
     waits = re.findall(r"WCHAN (\S+)", out)

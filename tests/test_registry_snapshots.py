@@ -305,7 +305,7 @@ async def test_a_disk_published_like_podman_machine_os_gets_its_snapshot_from_th
         client.close()
     assert doc["subject"]["digest"] == manifests["qemu"]["digest"], (doc["subject"], manifests)
 
-    warm = await start_runtime({**spec, "snapshotSource": f"{registry.host}/{repo}"}, cache=tmp_path / "empty",
-                               name="warm")
+    warm = await start_runtime({**spec, "snapshotSource": f"{registry.host}/{repo}"},
+                               cache=tmp_path / "empty", name="warm")
     state = await warm.client().wait_ready(240)
     assert state.snapshot.boot == "registry_warm" and state.image == image, state.snapshot

@@ -371,8 +371,10 @@ class SnapshotOps:
                                  form=self.info.form, form_reason=self.info.form_reason)
         self._capture_key = self._planned_key
 
-    async def restored(self, snap: Snapshot, started: float, agent: GuestAgent | None, *, new_boot: bool) -> None:
-        """The guest runs from ``snap``: correct its clock (through the backend's ``agent``), record the restore."""
+    async def restored(self, snap: Snapshot, started: float, agent: GuestAgent | None, *,
+                       new_boot: bool) -> None:
+        """The guest runs from ``snap``: correct its clock (through the backend's ``agent``), record
+        the restore."""
         seconds, meta = time.monotonic() - started, snap.meta()
         clock = await correct_clock(meta is not None and meta.guest_agent, agent)
         self._record_restore(snap, seconds, clock, new_boot=new_boot)
