@@ -31,14 +31,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from snapshot import MARKER, loadavg, resolve_guest  # bench/snapshot.py: the guests
+from snapshot import MARKER, cpu_seconds, loadavg, resolve_guest  # bench/snapshot.py: the guests
 
 from vmsidecar_contract.blocking import BlockingRuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
 
 GOAL = 1.02
 ROOT = Path(__file__).resolve().parents[1]
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -71,11 +70,6 @@ def _get(port: int, path: str) -> bytes:
         return body
     finally:
         conn.close()
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 @contextlib.contextmanager
@@ -128,10 +122,10 @@ def scrape_cpu(side: Side, batches: int = 5) -> tuple[float, int]:
     assert side.proc is not None
     per_scrape, size = [], 0
     for _ in range(batches):
-        before = _cpu_s(side.proc.proc.pid)
+        before = cpu_seconds(side.proc.proc.pid)
         for _ in range(10):
             size = len(_get(side.port, "/metrics"))
-        per_scrape.append((_cpu_s(side.proc.proc.pid) - before) / 10)
+        per_scrape.append((cpu_seconds(side.proc.proc.pid) - before) / 10)
     return statistics.median(per_scrape), size
 
 

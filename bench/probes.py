@@ -29,18 +29,12 @@ import time
 from pathlib import Path
 
 from bytecode import compile_sources  # bench/ is no package
+from snapshot import cpu_seconds  # the runtime's own CPU (its children, QEMU, not counted)
 
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
 
 GOAL_S = 0.020
-TICK = os.sysconf("SC_CLK_TCK")
 BATCH = 20
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of one process, in seconds (its children, QEMU, are not counted)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def free_port() -> int:
@@ -87,10 +81,10 @@ def start_runtime(root: Path, port: int) -> RuntimeProcess:
 def measure_http(pid: int, port: int, requests: int) -> list[float]:
     per_probe = []
     for _ in range(max(1, requests // BATCH)):
-        before = cpu_s(pid)
+        before = cpu_seconds(pid)
         for i in range(BATCH):
             http_get(port, "/readyz" if i % 2 else "/healthz")
-        per_probe.append((cpu_s(pid) - before) / BATCH)
+        per_probe.append((cpu_seconds(pid) - before) / BATCH)
     return per_probe
 
 
@@ -98,13 +92,13 @@ def measure_exec(pid: int, socket_path: Path, runs: int) -> tuple[list[float], l
     exe = shutil.which("vmsidecar-runtime") or str(Path(sys.executable).parent / "vmsidecar-runtime")
     cpu, rss, runtime_side = [], [], []
     for _ in range(runs):
-        before = cpu_s(pid)
+        before = cpu_seconds(pid)
         child = subprocess.Popen([exe, "ready", "--quiet", "--socket", str(socket_path)])
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         cpu.append(usage.ru_utime + usage.ru_stime)
         rss.append(usage.ru_maxrss / 1024)
-        runtime_side.append(cpu_s(pid) - before)
+        runtime_side.append(cpu_seconds(pid) - before)
     return cpu, rss, runtime_side
 
 
@@ -120,9 +114,9 @@ def main() -> None:
     proc = rt.proc
     try:
         time.sleep(1.0)  # start-up work done
-        idle_before = cpu_s(proc.pid)
+        idle_before = cpu_seconds(proc.pid)
         time.sleep(2.0)
-        idle = (cpu_s(proc.pid) - idle_before) / 2.0
+        idle = (cpu_seconds(proc.pid) - idle_before) / 2.0
         http = measure_http(proc.pid, port, args.requests)
         cpu, rss, runtime_side = measure_exec(proc.pid, root / "shared" / "api.sock", args.execs)
     finally:

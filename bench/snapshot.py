@@ -410,6 +410,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process so far, in seconds, from /proc/PID/stat (its children not counted)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_model() -> str:
     """The host CPU's model name (bench/pool_scale.py says it too)."""
     return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -40,7 +40,7 @@ from vmsidecar_contract.process import RuntimeProcess, clean_environ
 from vmsidecar_images.console import PROMPT, Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from snapshot import Guest, resolve_guest  # bench/ is no package
+from snapshot import Guest, cpu_seconds, resolve_guest  # bench/ is no package
 
 FORMS = ("templated", "stream")
 LEGS = [
@@ -64,16 +64,11 @@ def _qemu_pids(runtime_pid: int) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "qemu" in line]
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 async def _idle_cpu_pct(runtimes: list[RuntimeProcess]) -> float:
     pids = [pid for rt in runtimes for pid in _qemu_pids(rt.proc.pid)]
-    before, started = sum(_cpu_seconds(pid) for pid in pids), time.monotonic()
+    before, started = sum(cpu_seconds(pid) for pid in pids), time.monotonic()
     await asyncio.sleep(IDLE_S)
-    return (sum(_cpu_seconds(pid) for pid in pids) - before) / (time.monotonic() - started) * 100
+    return (sum(cpu_seconds(pid) for pid in pids) - before) / (time.monotonic() - started) * 100
 
 
 def _qemu_mem(runtime_pid: int) -> tuple[float, float]:

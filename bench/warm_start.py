@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bytecode import compile_sources
-from snapshot import MARKER, Guest, loadavg, resolve_guest  # bench/snapshot.py: the guests and their spec
+from snapshot import MARKER, Guest, cpu_seconds, loadavg, resolve_guest  # the guests, their spec
 from trees import tree_pythonpath, with_pythonpath
 
 from vmsidecar_contract.blocking import BlockingRuntimeClient, RuntimeUnavailableError
@@ -103,7 +103,7 @@ def start(tree: Tree, guest: Guest, work: Path, spec_doc: dict | None = None) ->
             except RuntimeUnavailableError:  # the socket may exist a moment before it answers
                 state = None
             if state is not None and state.get("phase") == "Ready":
-                result["cpu"] = _cpu_seconds(proc.pid)
+                result["cpu"] = cpu_seconds(proc.pid)
                 break
             if time.time() > deadline:
                 raise RuntimeError(f"{tree.name}: not Ready within {guest.timeout:.0f} s; log {log}")
@@ -132,12 +132,6 @@ def start(tree: Tree, guest: Guest, work: Path, spec_doc: dict | None = None) ->
         elif message.endswith("-> Ready") and "ready_rt" not in result:
             result["ready_rt"] = at
     return result
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a running process, all threads (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def capture(tree: Tree, guest: Guest, work: Path) -> None:
