@@ -188,17 +188,22 @@ BEHIND_S = 20.0
 CLOCK_SLACK_S = 5.0
 
 
-async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
-    """Host time before, the guest's wall clock and uptime, host time after."""
+async def _shell(console_sock: Path, command: str) -> tuple[float, str, float]:
+    """Host time before, what ``command`` printed on the guest's console shell, host time after."""
     con = await Console.open(console_sock)
     try:
         await con.drain_replay()
         await con.wake()
         before = time.time()
-        out = await con.run("echo CLOCK $(date +%s.%N) $(cut -d' ' -f1 /proc/uptime)")
-        after = time.time()
+        out = await con.run(command)
+        return before, out, time.time()
     finally:
         await con.close()
+
+
+async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
+    """Host time before, the guest's wall clock and uptime, host time after."""
+    before, out, after = await _shell(console_sock, "echo CLOCK $(date +%s.%N) $(cut -d' ' -f1 /proc/uptime)")
     m = re.search(r"CLOCK ([0-9.]+) ([0-9.]+)", out)
     assert m, out
     return before, float(m.group(1)), float(m.group(2)), after
@@ -206,14 +211,8 @@ async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
 
 async def _agent_waits(console_sock: Path) -> list[str]:
     """Where the guest's qemu-ga sleeps, sampled ten times over ~0.5 s (``/proc/PID/wchan``)."""
-    con = await Console.open(console_sock)
-    try:
-        await con.drain_replay()
-        await con.wake()
-        out = await con.run("p=$(pidof qemu-ga); for i in 0 1 2 3 4 5 6 7 8 9; do "
-                            "echo WCHAN $(cat /proc/$p/wchan); sleep 0.05; done")
-    finally:
-        await con.close()
+    _, out, _ = await _shell(console_sock, "p=$(pidof qemu-ga); for i in 0 1 2 3 4 5 6 7 8 9; do "
+                             "echo WCHAN $(cat /proc/$p/wchan); sleep 0.05; done")
     waits = re.findall(r"WCHAN (\S+)", out)
     assert len(waits) == 10, out
     return waits

@@ -82,12 +82,6 @@ class GuestAgent:
         with contextlib.suppress(OSError, asyncio.TimeoutError):
             await asyncio.wait_for(self._writer.wait_closed(), 1)
 
-    async def __aenter__(self) -> GuestAgent:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def _forget_late(self) -> None:
         """Stop reading an earlier command's late answer: the next command's sync drops it."""
         late, self._late = self._late, None

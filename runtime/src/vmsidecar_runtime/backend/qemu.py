@@ -431,8 +431,8 @@ class QemuBackend:
         if self.alive and self._qmp is not None:
             with contextlib.suppress(QMPError, OSError, EOFError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._qmp.execute("quit"), timeout)
-            alone = shared_with_another_qemu(self.plan.spec) is None
-            if not reaped and alone and await self._entered_exit(timeout):
+            if (not reaped and shared_with_another_qemu(self.plan.spec) is None
+                    and await self._entered_exit(timeout)):
                 self._reap_beside()
                 await self.close()
                 return
