@@ -22,7 +22,9 @@ from vmsidecar_contract.errors import SpecError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_images.console import Console
 
-pytestmark = pytest.mark.timeout(300)
+# one xdist worker runs the module (scripts/test: --dist loadgroup), so its module-scoped `can_vm`
+# is made once, not once on each worker that gets one of its tests
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("can")]
 
 
 def _spec(image: Any) -> dict[str, Any]:

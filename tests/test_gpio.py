@@ -26,7 +26,9 @@ from vmsidecar_runtime.devices import virtio_gpio as vg
 from vmsidecar_runtime.devices import virtqueue as vq
 from vmsidecar_runtime.devices.gpio import GpioDevice
 
-pytestmark = pytest.mark.timeout(300)
+# one xdist worker runs the module (scripts/test: --dist loadgroup), so its module-scoped `gpio_vm`
+# is made once, not once on each worker that gets one of its tests
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("gpio")]
 
 LINES = [
     {"name": "reset-button", "direction": "in"},

@@ -40,7 +40,9 @@ from vmsidecar_runtime.oci.reference import parse_reference
 from vmsidecar_runtime.oci.registry import RegistryClient
 from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
 
-pytestmark = pytest.mark.timeout(900)
+# one xdist worker runs the module (scripts/test: --dist loadgroup), so its module-scoped `published`
+# is made once, not once on each worker that gets one of its tests
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("registry-snapshots")]
 
 TITLE = "org.opencontainers.image.title"
 ENV_KEEP = ["VMSIDECAR_INSECURE_REGISTRIES"]
