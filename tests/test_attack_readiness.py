@@ -23,8 +23,8 @@ from vmsidecar_contract.spec import (
     load_spec,
 )
 from vmsidecar_images.console import Console
-from vmsidecar_runtime.controller.readiness import effective_readiness
 from vmsidecar_runtime.disk import DiskImage
+from vmsidecar_runtime.readiness_rules import effective_readiness
 
 pytestmark = pytest.mark.timeout(300)
 

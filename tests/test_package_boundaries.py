@@ -99,3 +99,39 @@ def test_no_import_cycles() -> None:
 def test_contract_imports_no_runtime() -> None:
     for name, path in _modules("vmsidecar_contract").items():
         assert "vmsidecar_runtime" not in path.read_text(), f"{name} refers to the runtime"
+
+
+#: the runtime's floors, top first (docs/architecture.md draws them): a module imports only from its
+#: own floor and the floors below; a module belongs to the floor of its longest prefix listed here
+RUNTIME_FLOORS = [
+    ["__init__", "cli", "serve", "oci.cli"],
+    ["api"],
+    ["controller"],
+    ["backend", "devices", "console", "stream_pipes", "firmware", "snapshots", "snapshot_identity",
+     "capture_ram", "readiness_rules", "disk", "oci.snapshot_push", "oci.snapshot_fetch"],
+    ["oci", "image", "plan", "accel", "procs", "perms", "hostpaths", "ports", "metrics", "events", "audit"],
+]
+
+
+def _floor(module: str) -> int:
+    """How high ``module`` (of the runtime, without the package name) sits: 0 is the bottom."""
+    best = None
+    for height, floor in enumerate(reversed(RUNTIME_FLOORS)):
+        for prefix in floor:
+            mine = module == prefix or module.startswith(prefix + ".")
+            if mine and (best is None or len(prefix) > len(best[0])):
+                best = (prefix, height)
+    assert best is not None, f"vmsidecar_runtime.{module} is on no floor: add it to RUNTIME_FLOORS"
+    return best[1]
+
+
+def test_the_runtimes_floors_import_only_downwards() -> None:
+    prefix = "vmsidecar_runtime."
+    upwards = []
+    for name, deps in import_graph().items():
+        if not name.startswith(prefix):
+            continue
+        for dep in deps:
+            if dep.startswith(prefix) and _floor(dep[len(prefix):]) > _floor(name[len(prefix):]):
+                upwards.append(f"{name} -> {dep}")
+    assert not upwards, "imports from a higher floor:\n" + "\n".join(sorted(upwards))

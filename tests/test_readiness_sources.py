@@ -25,8 +25,8 @@ from vmsidecar_contract.spec import (
     load_spec,
     spec_from_sources,
 )
-from vmsidecar_runtime.controller.readiness import effective_readiness
 from vmsidecar_runtime.disk import DiskImage
+from vmsidecar_runtime.readiness_rules import effective_readiness
 from vmsidecar_runtime.snapshots import snapshot_key
 
 ROOT = Path(__file__).parents[1]

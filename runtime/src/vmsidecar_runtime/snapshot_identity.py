@@ -19,6 +19,7 @@ from vmsidecar_contract.spec import VmSpec
 
 from .backend.common import MACHINE, effective_cpu
 from .disk import DiskImage
+from .readiness_rules import effective_readiness
 from .snapshots import FORMAT, qemu_version, snapshot_form, snapshot_key
 
 #: annotation prefix of the fields; ``…key`` is the snapshot key itself (the spec hash)
@@ -109,9 +110,6 @@ def identify(spec: VmSpec, base: DiskImage, accel: str) -> SnapshotIdentity:
     :raise ImageError: the image's readiness annotations are invalid (the boot fails on them too).
     :raise HostError: the spec's CPU model cannot run under ``accel`` (``cpu: host`` under TCG).
     """
-    # here: the controller package's __init__ loads the controller, whose snapshot_ops imports this module
-    from .controller.readiness import effective_readiness
-
     known = identify_before_pull(spec, accel)
     # the image's annotations may set the readiness, i.e. the instant a snapshot is taken
     readiness = effective_readiness(spec, base).readiness

@@ -1,84 +1,21 @@
-"""Readiness of one boot: a regex seen on the chosen console, or a timeout with the tail.
-
-Which regex, console and timeout (the *effective* readiness) is decided per field: what the spec
-sets, else what the image's ``io.vmsidecar.readiness.*`` annotations say, else the defaults of
-:class:`~vmsidecar_contract.spec.Readiness` (our marker, a login prompt or a shell prompt). So a
-guest built without vmsidecar in mind still becomes Ready, and a pool needs no per-image YAML.
-"""
+"""Readiness of one boot: the effective readiness's regex (``readiness_rules.py``) seen on the
+chosen console, or a timeout with the tail."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import ValidationError
+from collections.abc import Callable
 
 from vmsidecar_contract.errors import GuestError, ImageError, SpecError, VmsidecarError
-from vmsidecar_contract.spec import READINESS_ANNOTATIONS, Readiness, VmSpec, compile_readiness_pattern
+from vmsidecar_contract.spec import VmSpec, compile_readiness_pattern
 
 from ..console import ConsoleHub
 from ..disk import DiskImage
+from ..readiness_rules import EffectiveReadiness, effective_readiness
 
 #: bytes of console output kept to match a pattern split across chunks: the regex (RE2, linear) runs
 #: on this tail plus the new chunk, however long the guest has been printing
 WINDOW = 4096
-
-Source = Literal["spec", "image", "default"]
-
-
-@dataclass(frozen=True)
-class EffectiveReadiness:
-    """The readiness a boot is held to, and where its pattern came from."""
-
-    readiness: Readiness
-    source: Source
-
-
-def _from_annotations(annotations: Mapping[str, str], where: str, skip: set[str]) -> dict[str, Any]:
-    """The readiness fields an image's annotations set, but those in ``skip`` (validated as a
-    spec's would be; an annotation the spec overrides cannot break a boot).
-
-    :raise ImageError: (``bad_readiness``) an annotation that is not a valid value.
-    """
-    fields = {name: annotations[key] for name, key in READINESS_ANNOTATIONS.items()
-              if key in annotations and name not in skip}
-    try:
-        Readiness.model_validate(fields)
-    except ValidationError as e:
-        problems = "; ".join(f"{READINESS_ANNOTATIONS.get(str(err['loc'][0]), err['loc'][0])}: "
-                             f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
-        raise ImageError(f"image {where} has invalid readiness annotations ({problems}); fix them and push "
-                         "the image again, or set readiness in the spec", code="bad_readiness") from None
-    return fields
-
-
-def effective_readiness(spec: VmSpec, disk: DiskImage | None) -> EffectiveReadiness:
-    """The spec's readiness fields, else the image's annotations, else the defaults.
-
-    :raise ImageError: (``bad_readiness``) the image's annotations are invalid and the spec does
-        not override every field they set.
-    """
-    own = spec.readiness.model_fields_set
-    image: dict[str, Any] = {}
-    if disk is not None and disk.annotations:
-        image = _from_annotations(disk.annotations, disk.source, own)
-    merged = Readiness.model_validate({**image, **spec.readiness.model_dump(include=own)})
-    source: Source = "spec" if "pattern" in own else "image" if "pattern" in image else "default"
-    return EffectiveReadiness(merged, source)
-
-
-def readiness_state(spec: VmSpec | None, disk: DiskImage | None) -> dict[str, Any]:
-    """``readiness`` and ``readiness_source`` of ``GET /v1/vm``: unknown (None) while the image
-    that could still set the pattern is not pulled, or when its annotations are invalid."""
-    if spec is None or (disk is None and "pattern" not in spec.readiness.model_fields_set):
-        return {}
-    try:
-        eff = effective_readiness(spec, disk)
-    except ImageError:
-        return {}
-    return {"readiness": eff.readiness, "readiness_source": eff.source}
 
 
 class ReadinessWatch:
@@ -143,7 +80,8 @@ class ReadinessWatch:
                 tail = hub.tail(800).strip().replace("\r", "")
                 self._on_error(GuestError(
                     f"the guest did not print {readiness.pattern!r} on {readiness.console} within "
-                    f"{readiness.timeout:.0f} s (readiness from the {eff.source}; console tail: {tail[-400:]!r}); "
+                    f"{readiness.timeout:.0f} s (readiness from the {eff.source}; "
+                    f"console tail: {tail[-400:]!r}); "
                     "check the image boots, or set readiness.pattern/timeout (spec, --ready-pattern, or the "
                     "image's io.vmsidecar.readiness.* annotations)"))
                 return

@@ -28,6 +28,7 @@ from ..backend import BackendFactory, create_backend
 from ..disk import DiskImage
 from ..events import EventBus
 from ..hostpaths import HostPathPolicy
+from ..readiness_rules import readiness_state
 from .admission import admit_api_spec
 from .disk_ops import DiskOps
 from .disks import Disks, Progress
@@ -36,7 +37,6 @@ from .ledger import LeaseLedger
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
 from .power import Power
-from .readiness import readiness_state
 from .snapshot_ops import SnapshotOps
 from .streams import GuestStreams
 from .transfers import DEFAULT_PULL_TIMEOUT_S, Transfer, Transfers
