@@ -42,7 +42,7 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 
 BootKind = Literal["cold", "restored", "registry_warm"]
 #: cold: from the disk; restored: from the local cache's memory snapshot; registry_warm: from a
-#: snapshot pulled from a registry (issue 23: declared so that its series exists, at 0, meanwhile)
+#: snapshot fetched from the spec's ``snapshot_source`` (the cache had none)
 BOOT_KINDS: tuple[BootKind, ...] = ("cold", "restored", "registry_warm")
 Source = Literal["oci", "http", "upload", "file"]
 #: oci: a registry; file: file: and oci-layout: on the runtime's host; upload: PUT /v1/vm/disk;
