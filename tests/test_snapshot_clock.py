@@ -11,8 +11,12 @@ from typing import Any
 import pytest
 
 from fixtures.runtime import recycle_until_ready
+from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(900)
+
+AGENT_PORT = "org.qemu.guest_agent.0"
+
 
 @pytest.fixture
 def image_cache(tmp_path: Path) -> Path:
@@ -46,3 +50,35 @@ async def test_a_guest_without_agent_restores_as_fast_and_says_so(start_runtime:
     assert newest.is_file(), "the cold boot captured the snapshot again"
     state, _ = await recycle_until_ready(client)
     assert state.snapshot.boot == "restored" and state.snapshot.clock == "no guest agent", state.snapshot
+
+
+async def test_a_guest_agent_answering_with_json_nested_past_the_parser_is_no_clock_and_still_ready(
+        start_runtime: Any, tiny_image: Any, image_cache: Path) -> None:
+    """A hostile image's "agent": a program in the guest holding the agent's port and writing lines of a
+    million ``[`` (under the session's 1 MiB line bound), which Python's JSON parser cannot nest and
+    answers with a ``RecursionError``, not a ``ValueError``. The restore sets no clock, says why, and
+    the guest is Ready all the same, restore after restore."""
+    marker = "HOSTILE-AGENT-UP"
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "clock-hostile"}],
+            "readiness": {"pattern": marker}}
+    rt = await start_runtime(spec)
+    con = await Console.open_when_served(rt.shared / "console.sock")
+    await con.wake()
+    port = (await con.run(f"grep -l '^{AGENT_PORT}$' /sys/class/virtio-ports/*/name")).strip()
+    assert port, "the tiny guest has no guest-agent port"
+    # the port held open (the capture records an agent), a line of nesting written to it again and again
+    con.writer.write(f"head -c 1000000 /dev/zero | tr '\\0' '[' > /tmp/nest; echo >> /tmp/nest; "
+                     f"exec 3<>/dev/$(basename $(dirname {port})); "
+                     f"(while :; do cat /tmp/nest >&3; done) & echo {marker[:7]}''{marker[7:]}\n".encode())
+    await con.writer.drain()
+    await con.close()
+    client = rt.client()
+    await client.wait_ready(240)
+    first = await client.wait_stored()
+    assert first.snapshot.available and first.snapshot.boot == "cold", first.snapshot
+    for _ in range(2):
+        state, _ = await recycle_until_ready(client)
+        assert state.snapshot.boot == "restored", state.snapshot
+        assert (state.snapshot.clock or "").startswith("failed:"), state.snapshot
+        assert "agent" in state.snapshot.clock, state.snapshot.clock
+    assert (await client.state()).phase.value == "Ready"

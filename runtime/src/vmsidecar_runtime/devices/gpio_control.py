@@ -165,7 +165,7 @@ def _parse(raw: bytes) -> dict[str, Any]:
 
     :raise RequestError: (``bad_request``) when it is not one.
     """
-    with contextlib.suppress(ValueError):
+    with contextlib.suppress(ValueError, RecursionError):  # RecursionError: nested past the parser
         req = json.loads(raw)
         if isinstance(req, dict):
             return req
