@@ -105,6 +105,26 @@ async def _standby_is(client: Any, status: str) -> Any:
     return state if state.snapshot.standby == status else None
 
 
+async def test_snapshot_off_makes_no_spare_even_where_the_cache_holds_the_specs_snapshot(
+        start_runtime: Any, tiny_image: Any) -> None:
+    """``snapshot: off`` means no restore; the snapshot's key leaves the field out (the same guest
+    whether or not a spec looks for snapshots), so another runtime's capture of the same spec is in
+    the shared cache: ``standby`` must not restore a spare from it all the same."""
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "standby-off"}]}
+    capturing = await start_runtime(spec)
+    await capturing.client().wait_ready(240)
+    assert (await capturing.client().wait_stored(120)).snapshot.available
+    capturing.stop()
+    rt = await start_runtime({**spec, "snapshot": "off", "standby": True})
+    client = rt.client()
+    await client.wait_ready(240)
+    state = await client.wait_spare()
+    assert state.snapshot.standby == "none" and "snapshot: off" in (state.snapshot.standby_reason or ""), \
+        state.snapshot
+    assert state.snapshot.boot == "cold", state.snapshot
+    assert len(qemu_pids(str(rt.state))) == 1 and not qemu_pids(str(rt.state / "spare"))
+
+
 @pytest.mark.parametrize(("extra", "shared"), [
     ({"gpio": [{"name": "led", "direction": "out"}]}, "vhost-user GPIO device"),
     ({"can": [{"name": "can0", "mode": "native", "host_interface": "vcan0"}]}, "native CAN bus"),

@@ -36,6 +36,7 @@ from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 
 from ..backend import Backend, BackendEvent, EventSink
+from ..backend.factory import supports_snapshots
 from ..disk import create_overlay
 from ..plan import BootPlan, shared_with_another_qemu
 from ..snapshots import Snapshot
@@ -43,6 +44,7 @@ from .guest_clock import correct_clock
 from .machine import Machine
 from .paths import RuntimePaths
 from .snapshot_ops import SnapshotOps
+from .snapshot_rules import never_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +56,11 @@ StandbyStatus = Literal["off", "preparing", "ready", "none"]
 
 
 def why_not(spec: VmSpec) -> str | None:
-    """Why ``spec`` gets no spare restore (two QEMUs of one runtime would share what a lease reaches)."""
-    if spec.backend != "qemu":
-        return f"the {spec.backend} backend has no memory snapshots"
+    """Why ``spec`` gets no spare restore: none of its boots restores (``snapshot: off``, a backend
+    or an architecture without snapshots), or two QEMUs of one runtime would share what a lease
+    reaches."""
+    if (rule := never_snapshots(spec, supports_snapshots)) is not None:
+        return rule[0]
     return shared_with_another_qemu(spec)
 
 
