@@ -193,6 +193,8 @@ class RegistryError(ImageError):
         "registry_unauthorized": "the registry refused the credentials, or needs some",
         "registry_tls": "TLS to the registry failed (certificate)",
         "repository_not_found": "no such repository",
+        "bad_answer": "the registry's answer is malformed: JSON of the wrong shape, nesting past the parser, "
+                      "headers or URLs that do not parse (a broken or hostile registry)",
     }
 
 

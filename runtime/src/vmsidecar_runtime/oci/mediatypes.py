@@ -7,13 +7,17 @@ Magic numbers and sniffing are :mod:`vmsidecar_runtime.image.sniff`, the disk ch
 from __future__ import annotations
 
 import json
+import logging
 import re
+import struct
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Literal
 
-from vmsidecar_contract.errors import ImageError
+from vmsidecar_contract.errors import ImageError, RegistryError
 from vmsidecar_runtime.image.sniff import Compression, DiskFormat
+
+log = logging.getLogger(__name__)
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -88,6 +92,20 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENS = frozenset(b"[{")
 
 
+#: what reading a hostile registry's or layout's answers may raise besides this project's errors: JSON
+#: of the wrong shape (a string where an object goes: AttributeError, TypeError, KeyError), numbers,
+#: URLs and headers that do not parse (ValueError), nesting past the parser (RecursionError)
+MALFORMED = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError, struct.error)
+
+
+def malformed_answer(where: str, error: BaseException) -> RegistryError:
+    """The refusal of what ``where``'s registry (or layout) answered, when it raised ``error`` (one of
+    :data:`MALFORMED`) instead of one of this project's errors."""
+    log.warning("the answer for %s is malformed", where, exc_info=error)
+    return RegistryError(f"{where}: the registry's answer is malformed ({type(error).__name__}: {error}); it is "
+                         "broken or hostile: push the image again, or use another registry", code="bad_answer")
+
+
 class JsonTooDeepError(ValueError):
     """A document nested deeper than :data:`MAX_JSON_DEPTH` (a ``ValueError``, like invalid JSON)."""
 
@@ -97,16 +115,19 @@ def load_document(data: bytes | str) -> Any:
 
     The nesting is measured first, without recursion (strings removed, then brackets counted),
     so ``[[[…]]]`` 100000 deep is refused in milliseconds instead of exhausting the parser's stack.
+    The parser is given the text the guard measured: bytes are UTF-8 (OCI's JSON is), never the
+    UTF-16 or UTF-32 that ``json.loads`` detects in bytes, where a ``"`` of the guard's is half of
+    another character and the brackets it then skips are real.
 
     :raise JsonTooDeepError: nested more than :data:`MAX_JSON_DEPTH` levels.
-    :raise ValueError: not JSON (``json.JSONDecodeError``).
+    :raise ValueError: not UTF-8 JSON (``UnicodeDecodeError``, ``json.JSONDecodeError``).
     """
-    raw = data.encode() if isinstance(data, str) else data
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    text = data if isinstance(data, str) else data.decode("utf-8-sig")  # a BOM, as json.loads allows
+    brackets = _JSON_STRING.sub(b"", text.encode()).translate(None, _NOT_BRACKETS)
     depth = max(accumulate(1 if b in _OPENS else -1 for b in brackets), default=0)
     if depth > MAX_JSON_DEPTH:
         raise JsonTooDeepError(f"nested more than {MAX_JSON_DEPTH} levels deep")
-    return json.loads(raw)
+    return json.loads(text)
 
 
 def disk_media_type(fmt: DiskFormat, compression: Compression | None) -> str:

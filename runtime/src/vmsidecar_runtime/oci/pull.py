@@ -15,7 +15,7 @@ from vmsidecar_runtime.image.sniff import DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk
 
 from .cache import CacheEntry, DiskCache
-from .mediatypes import DISK_SUFFIXES, title_format
+from .mediatypes import DISK_SUFFIXES, MALFORMED, malformed_answer, title_format
 from .reference import Reference, parse_reference
 from .resolve import (
     DiskLayer,
@@ -124,6 +124,8 @@ def pull(
     source = open_source(reference, plain_http=plain_http, credentials=credentials)
     try:
         return _pull_oci(source, reference, cache, wanted, progress, limits, on_download)
+    except MALFORMED as e:
+        raise malformed_answer(str(reference), e) from None
     finally:
         source.close()
 
@@ -376,6 +378,8 @@ def inspect(
     source = open_source(reference, plain_http=plain_http, credentials=credentials)
     try:
         return _inspect(source, reference, wanted)
+    except MALFORMED as e:
+        raise malformed_answer(str(reference), e) from None
     finally:
         source.close()
 

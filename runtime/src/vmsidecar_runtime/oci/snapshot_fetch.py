@@ -44,11 +44,13 @@ from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal
 from .cache import remove_tree, stat_seal
 from .mediatypes import (
     ANNOTATION_TITLE,
+    MALFORMED,
     SNAPSHOT_ARTIFACT_TYPE,
     SNAPSHOT_FILE,
     SNAPSHOT_FILE_ZSTD,
     check_title,
     load_document,
+    malformed_answer,
 )
 from .reference import parse_reference
 from .registry import RegistryClient
@@ -166,11 +168,14 @@ def _registry(source: str) -> Iterator[RegistryClient]:
 
 @contextlib.contextmanager
 def _refusals() -> Iterator[None]:
-    """Registry and cache failures as :class:`SourceRefused`."""
+    """Registry and cache failures as :class:`SourceRefused`; so is an answer that raised anything
+    else than this project's errors (:data:`MALFORMED`): the pod boots cold."""
     try:
         yield
     except RegistryError as e:
-        raise SourceRefused("unreachable", e.message) from None
+        raise SourceRefused("bad_artifact" if e.code == "bad_answer" else "unreachable", e.message) from None
+    except MALFORMED as e:
+        raise SourceRefused("bad_artifact", malformed_answer("the snapshot source", e).message) from None
     except VmsidecarError as e:  # the cache cannot be written (HostError)
         raise SourceRefused("host_error", e.message) from None
     except OSError as e:

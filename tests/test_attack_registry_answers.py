@@ -1,0 +1,187 @@
+"""A hostile registry's answers: well-formed HTTP whose JSON has the wrong shapes, headers no client
+expects, or nesting hidden from the depth guard. Each is a refusal naming the image (``ImageError``),
+and for a snapshot source a refusal the pod boots cold after (``SourceRefused``), never another
+exception type: one of those was a 500 from the API, a pull stream cut without its error line, or a
+power-on left in Starting with no QEMU.
+
+A stand-in registry serves the crafted answers: distribution 2.8 validates what it is pushed and
+would store none of them, and a hostile registry is exactly a server that answers so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vmsidecar_contract.errors import ImageError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_runtime.disk import DiskImage
+from vmsidecar_runtime.oci.mediatypes import OCI_INDEX, OCI_MANIFEST, load_document
+from vmsidecar_runtime.oci.pull import pull
+from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
+from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, fetch_snapshot
+from vmsidecar_runtime.snapshot_identity import identify
+from vmsidecar_runtime.snapshots import SnapshotStore
+
+pytestmark = pytest.mark.timeout(120)
+
+#: nesting 100000 deep hidden from a guard that reads the bytes as UTF-8: in UTF-16-LE the code unit
+#: U+2200 is the bytes 00 22, a '"' to a bytes regex, which then swallows the real brackets
+NESTED_UTF16 = ('{"a":"\u2200","b":' + "[" * 100_000 + '"').encode("utf-16-le")
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class StandIn:
+    """Answers ``(status, headers, body)`` by path; ``/v2/`` is 200."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        answers = self.answers
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                status, headers, body = answers.get(path, (200, {}, b"{}") if path == "/v2/" else
+                                                    (404, {"Content-Type": "application/json"},
+                                                     b'{"errors":[{"code":"NOT_FOUND"}]}'))
+                self.send_response(status)
+                headers = {"Content-Length": str(len(body)), **headers}
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_HEAD = do_GET
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def manifest(self, repo: str, ref: str, doc: dict | bytes, media_type: str = OCI_MANIFEST,
+                 headers: dict[str, str] | None = None, status: int = 200) -> str:
+        body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        digest = _digest(body)
+        for name in (ref, digest):
+            self.answers[f"/v2/{repo}/manifests/{name}"] = (
+                status, {"Content-Type": media_type, "Docker-Content-Digest": digest, **(headers or {})}, body)
+        return digest
+
+    def blob(self, repo: str, data: bytes, headers: dict[str, str] | None = None) -> dict:
+        digest = _digest(data)
+        self.answers[f"/v2/{repo}/blobs/{digest}"] = (200, {"Content-Type": "application/octet-stream",
+                                                            **(headers or {})}, data)
+        return {"mediaType": "application/vnd.diskimage.qcow2", "digest": digest, "size": len(data),
+                "annotations": {"org.opencontainers.image.title": "disk.qcow2"}}
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    registry = StandIn()
+    thread = threading.Thread(target=registry.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield registry
+    finally:
+        registry.server.shutdown()
+        registry.server.server_close()
+
+
+EMPTY = {"mediaType": "application/vnd.oci.empty.v1+json",
+         "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a", "size": 2}
+
+
+def _image(layers: list[dict], **extra: Any) -> dict:
+    return {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": "application/vnd.vmsidecar.disk.v1",
+            "config": EMPTY, "layers": layers, **extra}
+
+
+def _index(manifests: Any, **extra: Any) -> dict:
+    return {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests, **extra}
+
+
+def _entry(digest: str, **extra: Any) -> dict:
+    return {"mediaType": OCI_MANIFEST, "digest": digest, "size": 10, **extra}
+
+
+def _serve(case: str, reg: StandIn) -> None:
+    """Put the crafted answer of ``case`` at ``repo:t``."""
+    repo = "hostile"
+    disk = reg.blob(repo, b"QFI\xfb" + bytes(508))
+    good = reg.manifest(repo, "good", _image([disk]))
+    if case == "platform-a-string":
+        reg.manifest(repo, "t", _index([_entry(good, platform="linux/amd64")]), OCI_INDEX)
+    elif case == "entry-annotations-a-list":
+        reg.manifest(repo, "t", _index([_entry(good, annotations=["x"])]), OCI_INDEX)
+    elif case == "manifests-a-number":
+        reg.manifest(repo, "t", _index(5), OCI_INDEX)
+    elif case == "layer-title-a-number":
+        reg.manifest(repo, "t", _image([{**disk, "mediaType": "application/octet-stream",
+                                          "annotations": {"org.opencontainers.image.title": 5}}]))
+    elif case == "config-a-string":
+        reg.manifest(repo, "t", _image([disk], config="x"))
+    elif case == "disk-size-superscript":
+        reg.manifest(repo, "t", _image([{**disk, "annotations": {**disk["annotations"],
+                                                                 "io.vmsidecar.disk.size": "\u00b2"}}]))
+    elif case == "nested-utf16":
+        reg.manifest(repo, "t", NESTED_UTF16)
+    elif case == "blob-length-superscript":
+        reg.blob(repo, b"QFI\xfb" + bytes(508), {"Content-Length": "\u00b2"})
+        reg.manifest(repo, "t", _image([disk]))
+    elif case == "auth-realm-bad-url":
+        reg.answers[f"/v2/{repo}/manifests/t"] = (401, {"Www-Authenticate": 'Bearer realm="http://[x/token"'}, b"")
+    elif case == "errors-a-number":
+        reg.answers[f"/v2/{repo}/manifests/t"] = (404, {"Content-Type": "application/json"}, b'{"errors":5}')
+    else:
+        raise AssertionError(case)
+
+
+CASES = ["platform-a-string", "entry-annotations-a-list", "manifests-a-number", "layer-title-a-number",
+         "config-a-string", "disk-size-superscript", "nested-utf16", "blob-length-superscript",
+         "auth-realm-bad-url", "errors-a-number"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_hostile_registrys_answer_is_an_image_error_naming_what_it_read(stand_in: StandIn, case: str,
+                                                                         tmp_path: Path) -> None:
+    _serve(case, stand_in)
+    with pytest.raises(ImageError) as refused:
+        pull(f"{stand_in.host}/hostile:t", tmp_path / "cache", arch="x86_64", plain_http=True)
+    assert "hostile" in refused.value.message or "manifest sha256:" in refused.value.message, refused.value.message
+    assert not list((tmp_path / "cache").rglob("*.qcow2")), "nothing of it is kept"
+
+
+def test_the_depth_guard_reads_a_document_as_the_parser_does() -> None:
+    with pytest.raises(ValueError):
+        load_document(NESTED_UTF16)
+    assert load_document('{"a": ["\u00e9"]}'.encode()) == {"a": ["\u00e9"]}
+
+
+@pytest.mark.parametrize("case", ["nested-utf16", "manifests-a-number", "auth-realm-bad-url"])
+def test_a_snapshot_source_answering_so_is_refused_and_the_boot_goes_cold(stand_in: StandIn, case: str,
+                                                                           tmp_path: Path) -> None:
+    """The snapshot source's referrers (the tag schema: distribution 2.8 has no referrers API) answer
+    with the same junk: a refusal with its reason, which the controller follows with a cold boot."""
+    subject = _digest(b"the image's manifest")
+    base = DiskImage(tmp_path / "d.qcow2", "qcow2", "sha256:" + "0" * 64, f"{stand_in.host}/hostile:1",
+                     manifest_digest=subject)
+    identity = identify(VmSpec.model_validate({"image": f"{stand_in.host}/hostile:1"}), base, "tcg")
+    _serve(case, stand_in)
+    stand_in.answers[f"/v2/snaps/manifests/{referrers_tag(subject)}"] = stand_in.answers["/v2/hostile/manifests/t"]
+    with pytest.raises(SourceRefused) as refused:
+        fetch_snapshot(f"{stand_in.host}/snaps", identity, base, SnapshotStore(tmp_path / "cache"),
+                       deadline=time.monotonic() + 60)
+    assert refused.value.message, refused.value
