@@ -94,6 +94,16 @@ async def test_no_host_path_through_the_api(live: Any, secret: Path, image_cache
         status, answer = await raw.call("PUT", "/v1/vm/spec", json=body)
         assert status == 400 and answer["error"] == "host_path_not_allowed", (body, answer)
         assert "--allow-host-paths" in answer["message"] and "j vm storage flash FILE" in answer["message"]
+    # paths no file system call should see: another user's home, a NUL byte, a name past NAME_MAX
+    for body in ({"image": "file:~nosuchuser/d.qcow2"}, {"image": "~nosuchuser/d.qcow2"},
+                 {"image": "file:/x\u0000y"}, {"image": spec["image"], "kernel": "/boot/vm\u0000linuz"},
+                 {"image": "file:/" + "a" * 300}, {"image": spec["image"], "kernel": "/" + "a" * 300}):
+        status, answer = await raw.call("PUT", "/v1/vm/spec", json=body)
+        assert status == 400 and answer["error"] in ("host_path_not_allowed", "bad_reference", "invalid_spec"), \
+            (body, answer)
+    for ref in ("file:~nosuchuser/d", "file:/x\u0000y", "file:/" + "a" * 300):
+        status, answer = await raw.call("POST", "/v1/vm/disk/pull", json={"reference": ref, "power_off": True})
+        assert status == 400, (ref, answer)
 
     # the lease holder's `flash oci://file:/…` (the driver forwards the reference): refused before any pull
     for ref in (f"file:{secret}", f"file:{'../' * 12}{str(secret).lstrip('/')}", f"oci-layout:{secret.parent}"):
@@ -136,6 +146,8 @@ async def test_malformed_bodies_are_400_and_change_nothing(live: Any, path: str)
         ({"data": b"\xff\xfe{}", "headers": json_type}, "not UTF-8"),
         ({"data": b"{}", "headers": {"Content-Type": "application/json; charset=klingon"}}, "charset"),
         ({"data": b"[" * 100_000, "headers": json_type}, "nests too deeply"),
+        # more digits than Python converts: a ValueError of its own, not a JSONDecodeError
+        ({"data": b'{"timeout": ' + b"1" * 4301 + b"}", "headers": json_type}, "not a request"),
     ]
     for kw, words in cases:
         status, answer = await raw.call(method, path, **kw)
@@ -190,6 +202,14 @@ async def test_bodies_must_be_declared_json_and_small(live: Any) -> None:
     assert status == 413 and answer["error"] == "http_error" and str(MAX_JSON_BODY) in answer["message"], answer
     status, answer = await raw.call("PUT", "/v1/vm/disk", params={"power_off": "true"}, data=b"{}", headers=JSON)
     assert status == 415 and "application/octet-stream" in answer["message"], answer
+    # a body said to be compressed (aiohttp would inflate it as it reads, and fail mid-read on one
+    # that does not inflate), JSON or a disk image alike
+    gzip = {"Content-Encoding": "gzip"}
+    for method, path, kw in (("POST", "/v1/vm/power", {"data": b'{"action": "off"}', "headers": {**JSON, **gzip}}),
+                             ("PUT", "/v1/vm/disk", {"params": {"power_off": "true"}, "data": b"QFI\xfb" + bytes(60),
+                                                     "headers": {"Content-Type": "application/octet-stream", **gzip}})):
+        status, answer = await raw.call(method, path, **kw)
+        assert status == 415 and "Content-Encoding" in answer["message"], (path, answer)
     await _unchanged(rt, raw, spec)
 
 

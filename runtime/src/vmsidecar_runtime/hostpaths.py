@@ -44,6 +44,8 @@ class HostPathPolicy:
 
         :raise HostPathError: naming the field and the ways out.
         """
+        if "\0" in str(path):  # os.path.realpath raises ValueError on it
+            raise HostPathError(f"{what} names a path with a NUL byte, which no file has; {_FIX}")
         real = Path(os.path.realpath(path))
         if any(real.is_relative_to(root) for root in self.roots):
             return

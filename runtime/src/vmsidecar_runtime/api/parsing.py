@@ -49,8 +49,19 @@ def check_query(request: web.Request) -> None:
             raise RequestError(f"query parameter {name!r} is given {len(request.query.getall(name))} times; give it once")
 
 
+def _require_no_encoding(request: web.Request) -> None:
+    """A body sent compressed (``Content-Encoding``) is a 415: aiohttp would inflate it on the fly, and a
+    body that does not inflate fails mid-read with an error of its own. Disk images are sent as they
+    are (the runtime decompresses zstd, gzip and xz disks itself, checked)."""
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise HttpRefusal(415, f"the request body is sent with Content-Encoding {encoding!r}; send it without one "
+                               "(a compressed disk image as it is: the runtime reads zstd, gzip and xz disks)")
+
+
 def require_disk_image_type(request: web.Request) -> None:
     """A disk image declared as anything but ``application/octet-stream`` is a 415 (none declared is fine)."""
+    _require_no_encoding(request)
     ctype = request.headers.get("Content-Type")
     if ctype is not None and request.content_type != "application/octet-stream":
         raise HttpRefusal(415, f"the disk image was sent with Content-Type {ctype!r}; send it as application/octet-stream "
@@ -61,6 +72,7 @@ def _require_json_type(request: web.Request) -> None:
     """A non-empty JSON body must say so: a form or a file sent by mistake is a 415, not parsed."""
     if not request.body_exists:
         return
+    _require_no_encoding(request)
     ctype = request.headers.get("Content-Type")
     if ctype is None or request.content_type != "application/json":
         sent = f"Content-Type {ctype!r}" if ctype else "no Content-Type"
@@ -92,6 +104,8 @@ async def json_body(request: web.Request) -> Any:
                            "send a JSON object") from e
     except RecursionError as e:
         raise RequestError("request body nests too deeply to be a request; send a flat JSON object") from e
+    except ValueError as e:  # a number of more digits than Python converts (4300)
+        raise RequestError(f"request body is not a request ({e}); send a JSON object of the documented fields") from e
 
 
 def _not_json(name: str) -> Any:

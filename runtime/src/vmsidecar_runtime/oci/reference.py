@@ -113,7 +113,7 @@ def parse_reference(text: str | Reference) -> Reference:
             path = path[2:]
         if not path:
             raise BadReferenceError(f"reference {ref!r} names no file; write file:/path/to/disk.qcow2")
-        return Reference(kind="file", path=Path(path).expanduser())
+        return Reference(kind="file", path=_host_path(ref, path))
     for prefix in _STRIPPED_SCHEMES:
         if ref.startswith(prefix):
             return _parse_registry(text, ref[len(prefix) :])
@@ -128,11 +128,28 @@ def parse_reference(text: str | Reference) -> Reference:
             "(optionally oci:// or docker://), oci-layout:DIR[:TAG] or file:PATH"
         )
     if _looks_like_path(ref):
-        path = Path(ref).expanduser()
-        if path.is_dir() and (path / "oci-layout").is_file():
-            return Reference(kind="layout", path=path)
+        path = _host_path(ref, ref)
+        try:
+            if path.is_dir() and (path / "oci-layout").is_file():
+                return Reference(kind="layout", path=path)
+        except OSError:  # a name past NAME_MAX, a directory that cannot be read: not a layout here
+            pass
         return Reference(kind="file", path=path)
     return _parse_registry(text, ref)
+
+
+def _host_path(ref: str, path: str) -> Path:
+    """``path`` of the reference ``ref``, ``~`` expanded.
+
+    :raise BadReferenceError: a NUL byte (no file has one), or ``~user`` of a user this host does not have.
+    """
+    if "\0" in path:
+        raise BadReferenceError(f"reference {ref!r} names a path with a NUL byte, which no file has; name the file")
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~user of an unknown user
+        raise BadReferenceError(f"reference {ref!r} names the home of a user this host does not have; write the "
+                                "absolute path") from None
 
 
 def _looks_like_path(ref: str) -> bool:
