@@ -164,10 +164,21 @@ async def test_control_socket_errors(gpio_vm: tuple[Any, Any]) -> None:
         writer.write(req)
         await writer.drain()
         replies.append(json.loads(await reader.readline()))
-    writer.close()
     assert [r.get("error") for r in replies[:5]] == ["bad_request", "bad_request", "not_host_driven", "no_line",
                                                      "bad_wait"]
     assert [x["name"] for x in replies[5]["lines"]] == ["reset-button", "led", "boot-mode"]
+    # a line past the reader's limit: said, and that connection ends; the socket serves the next
+    writer.write(b"x" * 100_000 + b"\n")
+    await writer.drain()
+    answer = json.loads(await reader.readline())
+    assert answer["error"] == "bad_request" and "longer than" in answer["message"], answer
+    assert await reader.read() == b""
+    writer.close()
+    reader, writer = await asyncio.open_unix_connection(str(rt.shared / "gpio.sock"))
+    writer.write(b'{"op": "list"}\n')
+    await writer.drain()
+    assert "lines" in json.loads(await reader.readline())
+    writer.close()
 
 
 # ---- malformed virtqueue requests, crafted by speaking vhost-user to the backend directly ------------

@@ -31,6 +31,8 @@ from ..perms import share
 from .virtio_gpio import DIR_IN, DIR_NONE, DIR_OUT, Line, VirtioGpio
 
 log = logging.getLogger(__name__)
+#: the longest request line (asyncio's default; a request is a few dozen bytes)
+LINE_LIMIT = 1 << 16
 
 #: what a ``wait`` waits for: (old, new) -> done
 CONDITIONS: dict[str, Callable[[int, int], bool]] = {
@@ -66,7 +68,7 @@ class GpioControlServer:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         # never world-connectable, not even between bind and chmod: the process umask (perms.restrict_umask)
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+        self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=LINE_LIMIT)
         share(path, 0o660)
         self._path = path
 
@@ -128,6 +130,11 @@ class GpioControlServer:
             while line := await reader.readline():
                 reply = await self._reply(line)
                 writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+        except ValueError:  # a line past the reader's limit: said, then the connection ends (its framing is lost)
+            error = RequestError(f"a request line is longer than {LINE_LIMIT} bytes; send one JSON object per line")
+            writer.write(json.dumps({"ok": False, "error": error.code, "message": error.message}).encode() + b"\n")
+            with contextlib.suppress(ConnectionError, OSError):
                 await writer.drain()
         except (ConnectionError, OSError):
             pass  # the client went away; its waits end with it
