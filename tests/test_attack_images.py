@@ -508,3 +508,45 @@ async def test_manifests_indexes_and_configs_nested_deep_are_bad_manifests(
     assert not failures, "\n".join(failures)
     assert (await client.state()).image_digest == digest
     assert "Traceback" not in rt.log_text() and "RecursionError" not in rt.log_text()
+
+
+#: what a containerDisk layer's tar header may claim for a GNU long name that tarfile would read whole
+#: into memory: 512 MiB of it, zstd-compressed to a few KB (the decompressed size limit is 64 GiB)
+LONG_NAME_BYTES = 512 << 20
+
+_PULL_AND_PEAK = """
+import sys
+from vmsidecar_contract.errors import ImageError
+from vmsidecar_runtime.oci.pull import pull
+try:
+    pull(sys.argv[1], sys.argv[2], arch="x86_64")
+    print("pulled")
+except ImageError as e:
+    print("refused", e.code, e.message.replace("\\n", " "))
+# VmHWM: this program's own peak (ru_maxrss would count the forking pytest worker's, kept across exec)
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+"""
+
+
+def test_a_tar_header_claiming_a_huge_long_name_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """tarfile reads a GNU long name (or a pax header) whole into memory, as long as its header says:
+    a containerDisk layer of a few KB made the runtime allocate what the header claimed."""
+    import zstandard
+
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = tarfile.GNUTYPE_LONGNAME, LONG_NAME_BYTES
+    compressor = zstandard.ZstdCompressor().compressobj()
+    layer = bytearray(compressor.compress(header.tobuf(tarfile.USTAR_FORMAT)))
+    chunk = b"a" * (1 << 20)
+    for _ in range(LONG_NAME_BYTES // len(chunk)):
+        layer += compressor.compress(chunk)
+    layer += compressor.flush()
+    c = Crafter(layout=tmp_path / "layout")
+    ref = c.tag(c.manifest([c.blob(bytes(layer), "application/vnd.oci.image.layer.v1.tar+zstd")]), "v1")
+    out = subprocess.run([sys.executable, "-c", _PULL_AND_PEAK, ref, str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2, out
+    peak_mib = int(lines[1]) // 1024
+    assert peak_mib < 256, f"the pull's process peaked at {peak_mib} MiB for a {len(layer)}-byte layer"
+    assert lines[0].startswith("refused") and "extended tar header" in lines[0], lines[0]

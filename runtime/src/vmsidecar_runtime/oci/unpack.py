@@ -28,6 +28,11 @@ from vmsidecar_runtime.image.write import WrittenDisk, write_disk
 from .mediatypes import DISK_SUFFIXES, title_format
 
 CHUNK = 1 << 20
+#: the longest GNU long name, long link or pax header a containerDisk layer may carry: tarfile reads
+#: one whole into memory, as long as its header claims (a few KB of zstd make gigabytes of it)
+MAX_TAR_HEADER = 1 << 20
+_EXTENDED_HEADERS = frozenset({tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+                               tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE})
 Progress = Callable[[int, int | None], None]
 
 
@@ -163,7 +168,7 @@ def unpack_blob(
         _drain_quietly(reader)
         reader.verify()
         raise
-    except (tarfile.TarError, EOFError) as exc:
+    except (tarfile.TarError, EOFError, ValueError) as exc:  # ValueError: a pax record that does not parse
         _drain_quietly(reader)
         reader.verify()
         raise ImageError(
@@ -205,7 +210,7 @@ def _extract_tar(
     where = origin.what
     found: tuple[Origin, WrittenDisk] | None = None
     found_name = ""
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
+    with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
         for member in tar:
             name = disk_member_name(member.name, where)
             if name is None:
@@ -230,6 +235,19 @@ def _extract_tar(
             found, found_name = (member_origin, disk), name
         # tarfile stops at the end-of-archive marker; the rest (padding) is drained by the caller
     return found
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A member header whose extended header (a long name, a pax record) is refused past
+    :data:`MAX_TAR_HEADER` before tarfile reads it. ``_proc_member`` is where tarfile turns a header
+    into its member, reading an extended one's data first (the hook its own GNU and pax handling
+    uses); the class is passed as ``tarinfo=``, tarfile's public way to read headers differently."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED_HEADERS and self.size > MAX_TAR_HEADER:
+            raise tarfile.HeaderError(f"an extended tar header (a long name or pax record) of {self.size} bytes, "
+                                      f"past the {MAX_TAR_HEADER} a path or a few attributes need")
+        return super()._proc_member(tar)  # type: ignore[misc]
 
 
 def disk_member_name(member: str, where: str) -> str | None:
