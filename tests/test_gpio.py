@@ -164,8 +164,8 @@ async def test_control_socket_errors(gpio_vm: tuple[Any, Any]) -> None:
         writer.write(req)
         await writer.drain()
         replies.append(json.loads(await reader.readline()))
-    assert [r.get("error") for r in replies[:5]] == ["bad_request", "bad_request", "not_host_driven", "no_line",
-                                                     "bad_wait"]
+    assert [r.get("error") for r in replies[:5]] == ["bad_request", "bad_request", "not_host_driven",
+                                                     "no_line", "bad_wait"]
     assert [x["name"] for x in replies[5]["lines"]] == ["reset-button", "led", "boot-mode"]
     # a line past the reader's limit: said, and that connection ends; the socket serves the next
     writer.write(b"x" * 100_000 + b"\n")

@@ -305,9 +305,9 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="a registry spoken to in plain HTTP (repeatable; also VMSIDECAR_INSECURE_REGISTRIES); "
                         "none by default, not even loopback")
     s.add_argument(HEALTH_LISTEN_FLAG, metavar="HOST:PORT", default=os.environ.get(HEALTH_LISTEN_ENV) or None,
-                   help="also serve GET /healthz, /readyz and /metrics, and nothing else, on this TCP address "
-                        f"for httpGet probes and scrapes (e.g. 0.0.0.0:8081 in a pod; default: none; also "
-                        f"{HEALTH_LISTEN_ENV})")
+                   help="also serve GET /healthz, /readyz and /metrics, and nothing else, on this TCP "
+                        "address for httpGet probes and scrapes (e.g. 0.0.0.0:8081 in a pod; default: none; "
+                        f"also {HEALTH_LISTEN_ENV})")
 
 
 def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:

@@ -55,8 +55,9 @@ def _require_no_encoding(request: web.Request) -> None:
     are (the runtime decompresses zstd, gzip and xz disks itself, checked)."""
     encoding = request.headers.get("Content-Encoding")
     if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-        raise HttpRefusal(415, f"the request body is sent with Content-Encoding {encoding!r}; send it without one "
-                               "(a compressed disk image as it is: the runtime reads zstd, gzip and xz disks)")
+        raise HttpRefusal(415, f"the request body is sent with Content-Encoding {encoding!r}; send it "
+                               "without one (a compressed disk image as it is: the runtime reads zstd, gzip "
+                               "and xz disks)")
 
 
 def require_disk_image_type(request: web.Request) -> None:
@@ -105,7 +106,8 @@ async def json_body(request: web.Request) -> Any:
     except RecursionError as e:
         raise RequestError("request body nests too deeply to be a request; send a flat JSON object") from e
     except ValueError as e:  # a number of more digits than Python converts (4300)
-        raise RequestError(f"request body is not a request ({e}); send a JSON object of the documented fields") from e
+        raise RequestError(f"request body is not a request ({e}); send a JSON object of the documented "
+                           "fields") from e
 
 
 def _not_json(name: str) -> Any:

@@ -131,9 +131,11 @@ class GpioControlServer:
                 reply = await self._reply(line)
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
-        except ValueError:  # a line past the reader's limit: said, then the connection ends (its framing is lost)
-            error = RequestError(f"a request line is longer than {LINE_LIMIT} bytes; send one JSON object per line")
-            writer.write(json.dumps({"ok": False, "error": error.code, "message": error.message}).encode() + b"\n")
+        except ValueError:  # a line past the reader's limit: said, then the connection ends (framing lost)
+            error = RequestError(f"a request line is longer than {LINE_LIMIT} bytes; send one JSON object "
+                                 "per line")
+            reply = {"ok": False, "error": error.code, "message": error.message}
+            writer.write(json.dumps(reply).encode() + b"\n")
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.drain()
         except (ConnectionError, OSError):

@@ -102,8 +102,9 @@ def malformed_answer(where: str, error: BaseException) -> RegistryError:
     """The refusal of what ``where``'s registry (or layout) answered, when it raised ``error`` (one of
     :data:`MALFORMED`) instead of one of this project's errors."""
     log.warning("the answer for %s is malformed", where, exc_info=error)
-    return RegistryError(f"{where}: the registry's answer is malformed ({type(error).__name__}: {error}); it is "
-                         "broken or hostile: push the image again, or use another registry", code="bad_answer")
+    return RegistryError(f"{where}: the registry's answer is malformed ({type(error).__name__}: {error}); "
+                         "it is broken or hostile: push the image again, or use another registry",
+                         code="bad_answer")
 
 
 class JsonTooDeepError(ValueError):

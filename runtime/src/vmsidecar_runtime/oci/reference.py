@@ -144,12 +144,13 @@ def _host_path(ref: str, path: str) -> Path:
     :raise BadReferenceError: a NUL byte (no file has one), or ``~user`` of a user this host does not have.
     """
     if "\0" in path:
-        raise BadReferenceError(f"reference {ref!r} names a path with a NUL byte, which no file has; name the file")
+        raise BadReferenceError(f"reference {ref!r} names a path with a NUL byte, which no file has; name "
+                                "the file")
     try:
         return Path(path).expanduser()
     except RuntimeError:  # ~user of an unknown user
-        raise BadReferenceError(f"reference {ref!r} names the home of a user this host does not have; write the "
-                                "absolute path") from None
+        raise BadReferenceError(f"reference {ref!r} names the home of a user this host does not have; write "
+                                "the absolute path") from None
 
 
 def _looks_like_path(ref: str) -> bool:

@@ -245,8 +245,8 @@ class _BoundedTarInfo(tarfile.TarInfo):
 
     def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
         if self.type in _EXTENDED_HEADERS and self.size > MAX_TAR_HEADER:
-            raise tarfile.HeaderError(f"an extended tar header (a long name or pax record) of {self.size} bytes, "
-                                      f"past the {MAX_TAR_HEADER} a path or a few attributes need")
+            raise tarfile.HeaderError(f"an extended tar header (a long name or pax record) of {self.size} "
+                                      f"bytes, past the {MAX_TAR_HEADER} a path or a few attributes need")
         return super()._proc_member(tar)  # type: ignore[misc]
 
 
