@@ -21,12 +21,12 @@ import pytest
 from fixtures.attack import max_state_latency, memory_kib
 from fixtures.vmdev import vm_client
 from vmsidecar_images.console import Console
+from vmsidecar_runtime.plan import GUEST_AGENT_PORT
 
 pytestmark = pytest.mark.timeout(300)
 
 FLOOD_SECONDS = 5
 LINES = [{"name": "button", "direction": "in"}, {"name": "led", "direction": "out"}]
-AGENT_PORT = "org.qemu.guest_agent.0"
 #: each channel flooded by a background job of the guest's shell
 FLOODS = {
     "ttyS0": "yes VMSIDECAR-FLOOD-S0 > /dev/ttyS0 &",
@@ -66,7 +66,7 @@ async def test_a_guest_flooding_every_channel(
         con = await Console.open(rt.shared / "console.sock")
         await con.wake()
         await con.run("echo lease-one > /data/mark; sync")
-        agent = (await con.run(f"grep -l '^{AGENT_PORT}$' /sys/class/virtio-ports/*/name")).strip()
+        agent = (await con.run(f"grep -l '^{GUEST_AGENT_PORT}$' /sys/class/virtio-ports/*/name")).strip()
         assert agent, "the tiny guest has no guest-agent port"
         await con.run("b=$(cat /sys/class/gpio/gpiochip*/base); echo $b > /sys/class/gpio/export; "
                       "echo $((b + 1)) > /sys/class/gpio/export; echo low > /sys/class/gpio/led/direction")

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_attack_credentials import FakeRegistry
 
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_contract.spec import VmSpec
@@ -43,33 +43,25 @@ def _digest(data: bytes) -> str:
 
 
 class StandIn:
-    """Answers ``(status, headers, body)`` by path; ``/v2/`` is 200."""
+    """Answers ``(status, headers, body)`` by path (``/v2/`` is 200, anything else 404), served by
+    ``test_attack_credentials.FakeRegistry``: a real HTTP server whose answers are this function."""
 
     def __init__(self) -> None:
         self.answers: dict[str, tuple[int, dict[str, str], bytes]] = {}
-        answers = self.answers
+        self.registry = FakeRegistry(answer=self._answer)
+        self.host = self.registry.host
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                path = self.path.split("?")[0]
-                status, headers, body = answers.get(path, (200, {}, b"{}") if path == "/v2/" else
-                                                    (404, {"Content-Type": "application/json"},
-                                                     b'{"errors":[{"code":"NOT_FOUND"}]}'))
-                self.send_response(status)
-                headers = {"Content-Length": str(len(body)), **headers}
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
-            do_HEAD = do_GET
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+    def _answer(self, handler: BaseHTTPRequestHandler) -> None:
+        path = handler.path.split("?")[0]
+        status, headers, body = self.answers.get(path, (200, {}, b"{}") if path == "/v2/" else
+                                                 (404, {"Content-Type": "application/json"},
+                                                  b'{"errors":[{"code":"NOT_FOUND"}]}'))
+        handler.send_response(status)
+        for name, value in {"Content-Length": str(len(body)), **headers}.items():
+            handler.send_header(name, value)
+        handler.end_headers()
+        if handler.command != "HEAD":
+            handler.wfile.write(body)
 
     def manifest(self, repo: str, ref: str, doc: dict | bytes, media_type: str = OCI_MANIFEST,
                  headers: dict[str, str] | None = None, status: int = 200) -> str:
@@ -91,13 +83,8 @@ class StandIn:
 @pytest.fixture
 def stand_in() -> Iterator[StandIn]:
     registry = StandIn()
-    thread = threading.Thread(target=registry.server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with registry.registry:
         yield registry
-    finally:
-        registry.server.shutdown()
-        registry.server.server_close()
 
 
 EMPTY = {"mediaType": "application/vnd.oci.empty.v1+json",

@@ -104,8 +104,9 @@ paths = RuntimePaths(shared=root / "shared", cache=root / "cache", state=root / 
 ops = SnapshotOps(paths, Disks(paths))
 assert asyncio.run(ops.from_source(VmSpec(image=sys.argv[1]))) is None  # no snapshot_source
 if sys.argv[3] == "registry":
-    from vmsidecar_runtime.oci.pull import open_source, parse_reference
-    open_source(parse_reference("registry.invalid/vm/x:1")).close()
+    from vmsidecar_runtime.oci.pull import parse_reference, reading
+    with reading(parse_reference("registry.invalid/vm/x:1")):
+        pass
 print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("oras", "requests", "libvirt"))))
 """
     for case in ("file", "registry"):

@@ -12,10 +12,9 @@ import pytest
 
 from fixtures.runtime import recycle_until_ready
 from vmsidecar_images.console import Console
+from vmsidecar_runtime.plan import GUEST_AGENT_PORT
 
 pytestmark = pytest.mark.timeout(900)
-
-AGENT_PORT = "org.qemu.guest_agent.0"
 
 
 @pytest.fixture
@@ -64,7 +63,7 @@ async def test_a_guest_agent_answering_with_json_nested_past_the_parser_is_no_cl
     rt = await start_runtime(spec)
     con = await Console.open_when_served(rt.shared / "console.sock")
     await con.wake()
-    port = (await con.run(f"grep -l '^{AGENT_PORT}$' /sys/class/virtio-ports/*/name")).strip()
+    port = (await con.run(f"grep -l '^{GUEST_AGENT_PORT}$' /sys/class/virtio-ports/*/name")).strip()
     assert port, "the tiny guest has no guest-agent port"
     # the port held open (the capture records an agent), a line of nesting written to it again and again
     con.writer.write(f"head -c 1000000 /dev/zero | tr '\\0' '[' > /tmp/nest; echo >> /tmp/nest; "

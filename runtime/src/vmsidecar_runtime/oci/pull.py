@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -72,10 +73,27 @@ def resolve_arch(arch: str | None) -> str:
         raise PlatformError(str(exc)) from None
 
 
-def open_source(
+@contextlib.contextmanager
+def reading(
+    ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None
+) -> Iterator[Source]:
+    """The :class:`.resolve.Source` for a registry or layout reference, closed after the block.
+    Whatever reading its answers raised besides this project's errors (:data:`.mediatypes.MALFORMED`:
+    JSON of the wrong shape, headers that do not parse) leaves as ``RegistryError`` ``bad_answer``
+    naming ``ref``.
+    """
+    source = _open_source(ref, plain_http=plain_http, credentials=credentials)
+    try:
+        yield source
+    except MALFORMED as e:
+        raise malformed_answer(str(ref), e) from None
+    finally:
+        source.close()
+
+
+def _open_source(
     ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None
 ) -> Source:
-    """The :class:`.resolve.Source` for a registry or layout reference."""
     # imported here: a file: pull (a warm start's cache hit) needs neither, and the registry's
     # requests and oras cost more to import than the whole rest of a warm start's pull
     if ref.kind == "layout":
@@ -121,13 +139,8 @@ def pull(
     cache.clean_stale()
     if reference.kind == "file":
         return _pull_file(reference, cache, progress, limits)
-    source = open_source(reference, plain_http=plain_http, credentials=credentials)
-    try:
+    with reading(reference, plain_http=plain_http, credentials=credentials) as source:
         return _pull_oci(source, reference, cache, wanted, progress, limits, on_download)
-    except MALFORMED as e:
-        raise malformed_answer(str(reference), e) from None
-    finally:
-        source.close()
 
 
 def _cached(entry: CacheEntry, cache: DiskCache, reference: Reference, downloaded: int = 0) -> PulledDisk:
@@ -375,13 +388,8 @@ def inspect(
     if reference.kind == "file":
         path = _find_file(reference)
         return {"reference": str(reference), "kind": "file", "path": str(path), "size": path.stat().st_size}
-    source = open_source(reference, plain_http=plain_http, credentials=credentials)
-    try:
+    with reading(reference, plain_http=plain_http, credentials=credentials) as source:
         return _inspect(source, reference, wanted)
-    except MALFORMED as e:
-        raise malformed_answer(str(reference), e) from None
-    finally:
-        source.close()
 
 
 def _inspect(source: Source, reference: Reference, wanted: str) -> dict:

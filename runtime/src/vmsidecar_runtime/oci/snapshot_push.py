@@ -37,7 +37,7 @@ from .mediatypes import (
     SNAPSHOT_FILE_ZSTD,
 )
 from .pack import compress_file
-from .pull import open_source, pull
+from .pull import pull, reading
 from .reference import parse_reference
 from .registry import RegistryClient
 from .snapshot_artifact import COMPRESS_FROM, META_FILE, referrers_tag
@@ -131,12 +131,9 @@ def push_snapshot(ref: str, cache: Path, spec: VmSpec, *, plain_http: bool | Non
 
 def _subject(image: str, manifest_digest: str) -> dict[str, Any]:
     """The descriptor of the image's manifest (digest, size, media type as served)."""
-    source = open_source(parse_reference(image))
-    try:
+    with reading(parse_reference(image)) as source:
         raw = source.manifest({"digest": manifest_digest})
-    finally:
-        source.close()
-    media_type = raw.json().get("mediaType") or raw.media_type or OCI_MANIFEST
+        media_type = raw.json().get("mediaType") or raw.media_type or OCI_MANIFEST
     return {"mediaType": media_type, "digest": raw.digest, "size": len(raw.data)}
 
 
