@@ -2,7 +2,8 @@
 expects, or nesting hidden from the depth guard. Each is a refusal naming the image (``ImageError``),
 and for a snapshot source a refusal the pod boots cold after (``SourceRefused``), never another
 exception type: one of those was a 500 from the API, a pull stream cut without its error line, or a
-power-on left in Starting with no QEMU.
+power-on left in Starting with no QEMU. A push reads one answer too, the index under the tag it
+merges its entry into: the same refusal, naming the tag.
 
 A stand-in registry serves the crafted answers: distribution 2.8 validates what it is pushed and
 would store none of them, and a hostile registry is exactly a server that answers so.
@@ -10,6 +11,7 @@ would store none of them, and a hostile registry is exactly a server that answer
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -26,8 +28,11 @@ from vmsidecar_contract.spec import VmSpec
 from vmsidecar_runtime.disk import DiskImage
 from vmsidecar_runtime.oci.mediatypes import OCI_INDEX, OCI_MANIFEST, load_document
 from vmsidecar_runtime.oci.pull import pull
+from vmsidecar_runtime.oci.reference import parse_reference
+from vmsidecar_runtime.oci.registry import RegistryClient
 from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
 from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, fetch_snapshot
+from vmsidecar_runtime.oci.snapshot_push import _add_referrer
 from vmsidecar_runtime.snapshot_identity import identify
 from vmsidecar_runtime.snapshots import SnapshotStore
 
@@ -175,3 +180,83 @@ def test_a_snapshot_source_answering_so_is_a_refusal_not_another_exception(stand
         fetch_snapshot(f"{stand_in.host}/snaps", identity, base, SnapshotStore(tmp_path / "cache"),
                        deadline=time.monotonic() + 60)
     assert refused.value.message, refused.value
+
+
+class _Accepting(StandIn):
+    """The stand-in as a registry one pushes to: it has every blob (``HEAD`` 200: nothing is
+    uploaded) and takes every manifest (kept in ``put`` by path); the tag's own answer is the crafted one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put: dict[str, bytes] = {}
+
+    def _answer(self, handler: BaseHTTPRequestHandler) -> None:
+        path = handler.path.split("?")[0]
+        if handler.command == "HEAD" and "/blobs/" in path:
+            handler.send_response(200)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+        elif handler.command == "PUT" and "/manifests/" in path:
+            self.put[path] = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+            handler.send_response(201)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+        else:
+            super()._answer(handler)
+
+
+@pytest.mark.parametrize("case", ["platform-a-string", "manifests-a-number", "nested-utf16"])
+def test_a_push_to_a_tag_whose_index_is_hostile_is_a_refusal_naming_the_tag(
+        case: str, oci_qcow2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``vmsidecar-oci push`` merges its entry into the index already under the tag (the other
+    architectures' entries are kept): that index is the registry's answer, read like a pull's."""
+    from vmsidecar_runtime.oci.cli import main
+
+    registry = _Accepting()
+    with registry.registry:
+        _serve(case, registry)
+        status = main(["push", str(oci_qcow2), f"{registry.host}/hostile:t", "--plain-http"])
+    error = capsys.readouterr().err
+    assert status == 2, error
+    assert "unexpected" not in error and f"{registry.host}/hostile:t: the registry's answer is malformed" in error, error
+    assert "delete the tag" in error, error
+    assert "/v2/hostile/manifests/t" not in registry.put, "the tag is not overwritten"
+
+
+@pytest.mark.parametrize("case", ["manifests-a-number", "nested-utf16", "a-json-string"])
+def test_a_snapshot_push_whose_referrers_tag_is_hostile_is_a_refusal_naming_the_tag(case: str) -> None:
+    """``vmsidecar-oci snapshot push`` on a registry without the referrers API (distribution 2.8)
+    keeps the referrers tag schema's index of the image: the index already there is read first."""
+    subject = _digest(b"the image's manifest")
+    tag = referrers_tag(subject)
+    crafted = {"manifests-a-number": json.dumps(_index(5)).encode(), "nested-utf16": NESTED_UTF16,
+               "a-json-string": b'"x"'}[case]
+    registry = _Accepting()
+    with registry.registry, _client(registry.host) as client:
+        registry.manifest("snaps", tag, crafted, OCI_INDEX)
+        with pytest.raises(ImageError) as refused:
+            _add_referrer(client, subject, _entry(_digest(b"the snapshot")))
+    assert refused.value.code == "bad_answer", refused.value
+    assert f"snaps:{tag}" in refused.value.message, refused.value.message
+    assert not registry.put, "the referrers tag is not overwritten"
+
+
+def test_a_snapshot_push_keeps_the_referrers_of_others_and_drops_junk_entries() -> None:
+    subject = _digest(b"the image's manifest")
+    tag = referrers_tag(subject)
+    other = _entry(_digest(b"another snapshot"))
+    registry = _Accepting()
+    with registry.registry, _client(registry.host) as client:
+        registry.manifest("snaps", tag, _index(["x", 5, other]), OCI_INDEX)
+        _add_referrer(client, subject, _entry(_digest(b"the snapshot")))
+    written = json.loads(registry.put[f"/v2/snaps/manifests/{tag}"])
+    assert [d["digest"] for d in written["manifests"]] == [other["digest"], _digest(b"the snapshot")]
+
+
+@contextlib.contextmanager
+def _client(host: str) -> Iterator[RegistryClient]:
+    client = RegistryClient(parse_reference(f"{host}/snaps"), plain_http=True)
+    try:
+        yield client
+    finally:
+        client.close()

@@ -6,10 +6,12 @@ Magic numbers and sniffing are :mod:`vmsidecar_runtime.image.sniff`, the disk ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Literal
@@ -98,13 +100,26 @@ _OPENS = frozenset(b"[{")
 MALFORMED = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError, struct.error)
 
 
-def malformed_answer(where: str, error: BaseException) -> RegistryError:
+#: the fix :func:`malformed_answer` names for what a pull read
+PULL_FIX = "push the image again, or use another registry"
+
+
+def malformed_answer(where: str, error: BaseException, fix: str = PULL_FIX) -> RegistryError:
     """The refusal of what ``where``'s registry (or layout) answered, when it raised ``error`` (one of
     :data:`MALFORMED`) instead of one of this project's errors."""
     log.warning("the answer for %s is malformed", where, exc_info=error)
     return RegistryError(f"{where}: the registry's answer is malformed ({type(error).__name__}: {error}); "
-                         "it is broken or hostile: push the image again, or use another registry",
-                         code="bad_answer")
+                         f"it is broken or hostile: {fix}", code="bad_answer")
+
+
+@contextlib.contextmanager
+def answers_of(where: str, fix: str = PULL_FIX) -> Iterator[None]:
+    """The block reads ``where``'s answers: what it raises of :data:`MALFORMED` leaves as
+    :func:`malformed_answer`."""
+    try:
+        yield
+    except MALFORMED as e:
+        raise malformed_answer(where, e, fix) from None
 
 
 class JsonTooDeepError(ValueError):

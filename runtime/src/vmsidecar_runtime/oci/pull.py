@@ -16,7 +16,7 @@ from vmsidecar_runtime.image.sniff import DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk
 
 from .cache import CacheEntry, DiskCache
-from .mediatypes import DISK_SUFFIXES, MALFORMED, malformed_answer, title_format
+from .mediatypes import DISK_SUFFIXES, answers_of, title_format
 from .reference import Reference, parse_reference
 from .resolve import (
     DiskLayer,
@@ -84,9 +84,8 @@ def reading(
     """
     source = _open_source(ref, plain_http=plain_http, credentials=credentials)
     try:
-        yield source
-    except MALFORMED as e:
-        raise malformed_answer(str(ref), e) from None
+        with answers_of(str(ref)):
+            yield source
     finally:
         source.close()
 

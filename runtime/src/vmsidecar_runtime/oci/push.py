@@ -8,7 +8,7 @@ from pathlib import Path
 from vmsidecar_contract.errors import BadReferenceError
 from vmsidecar_runtime.image.sniff import Compression
 
-from .mediatypes import OCI_INDEX, OCI_MANIFEST
+from .mediatypes import OCI_INDEX, OCI_MANIFEST, answers_of, load_document
 from .pack import Form, merged_index, pack
 from .pull import resolve_arch
 from .reference import parse_reference
@@ -74,14 +74,27 @@ def _push(
                 client.push_blob_file(blob.path, blob.digest, blob.size, blob.media_type)
     client.put_manifest(packed.manifest_digest, packed.manifest, OCI_MANIFEST)
     existing = client.get_manifest_or_none(tag)
-    client.put_manifest(tag, merged_index(_index_doc(existing), packed.index_entry), OCI_INDEX)
+    with answers_of(f"{client.ref.name}:{tag}", TAG_FIX):
+        index = merged_index(index_doc(existing), packed.index_entry)
+    client.put_manifest(tag, index, OCI_INDEX)
     return packed.manifest_digest
 
 
-def _index_doc(raw: RawManifest | None) -> dict | None:
+#: the fix for a tag whose index a push cannot read, to merge its entry into
+TAG_FIX = "delete the tag in the registry, or push to another tag"
+
+
+def index_doc(raw: RawManifest | None) -> dict | None:
+    """The index ``raw`` is, to be merged into (``None``: no tag, or a manifest one may replace).
+
+    :raise ValueError: not UTF-8 JSON, or nested too deep.
+    :raise TypeError: JSON that is no object.
+    """
     if raw is None:
         return None
-    doc = raw.json()
+    doc = load_document(raw.data)
+    if not isinstance(doc, dict):
+        raise TypeError(f"a JSON {type(doc).__name__} where a manifest or index goes")
     return doc if is_index(raw, doc) else None
 
 

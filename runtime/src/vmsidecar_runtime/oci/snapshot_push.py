@@ -35,9 +35,11 @@ from .mediatypes import (
     SNAPSHOT_ARTIFACT_TYPE,
     SNAPSHOT_FILE,
     SNAPSHOT_FILE_ZSTD,
+    answers_of,
 )
 from .pack import compress_file
 from .pull import pull, reading
+from .push import TAG_FIX, index_doc
 from .reference import parse_reference
 from .registry import RegistryClient
 from .snapshot_artifact import COMPRESS_FROM, META_FILE, referrers_tag
@@ -162,10 +164,8 @@ def _add_referrer(client: RegistryClient, subject: str, entry: dict) -> None:
     """Write the referrers tag schema's index of ``subject`` with ``entry`` (its other entries kept)."""
     tag = referrers_tag(subject)
     existing = client.get_manifest_or_none(tag)
-    manifests: list = []
-    if existing is not None:
-        doc = existing.json()
-        if doc.get("mediaType") == OCI_INDEX or "manifests" in doc:
-            manifests = [d for d in doc.get("manifests") or [] if isinstance(d, dict) and d.get("digest") != entry["digest"]]
+    with answers_of(f"{client.ref.name}:{tag}", TAG_FIX):
+        doc = index_doc(existing) or {}
+        manifests = [d for d in doc.get("manifests") or [] if isinstance(d, dict) and d.get("digest") != entry["digest"]]
     index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*manifests, entry]}
     client.put_manifest(tag, json.dumps(index, separators=(",", ":")).encode(), OCI_INDEX)
