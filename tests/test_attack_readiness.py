@@ -8,6 +8,9 @@ refuses what RE2 cannot run (backreferences, lookarounds) when the spec or the a
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +37,53 @@ pytestmark = pytest.mark.timeout(300)
 EVIL = "(q|qq)+z"
 
 
-async def test_backtracking_pattern_on_a_flooding_console_keeps_the_api_answering(
-    start_runtime: Any, tiny_image: Any, record_property: Any
+def _many_counted_repeats() -> str:
+    """A pattern within the spec's 1024 characters that RE2 runs in linear time, but slowly: counted
+    repeats in 100+ alternatives (``0.{899}|1.{899}|…|00.{898}|…``) before a NUL the guest never
+    prints. Their states overflow RE2's DFA cache, which falls back to its NFA: ~18 µs a byte of
+    varied text on this host, a second per 64 KiB console chunk (the default pattern: 0.002 µs)."""
+    alts: list[str] = []
+    for prefix in ("".join(p) for k in range(3) for p in itertools.product("0123456789abcdef", repeat=k)):
+        pattern = "(?s)(" + "|".join([*alts, f"{prefix}.{{{900 - len(prefix)}}}"]) + r")\x00"
+        if len(pattern) > 1024:
+            break
+        alts.append(f"{prefix}.{{{900 - len(prefix)}}}")
+    return "(?s)(" + "|".join(alts) + r")\x00"
+
+
+#: the guest's flood for each pattern, on ttyS0 (the readiness console), and what proves it is real. The
+#: command lines carry neither their flood's run (its echo would be the attack already) nor a NUL
+FLOODS = {
+    # an endless run of "q", never a "z"
+    "backtracking": (EVIL, b"x=q; while :; do printf $x$x$x$x$x$x$x$x$x$x$x$x$x$x$x$x; done &\n", b"q{4000}"),
+    # random hex: varied text is what keeps the DFA's states from repeating
+    "dfa-cache-overflow": (_many_counted_repeats(), b"while :; do od -An -tx1 -N4096 /dev/urandom; done &\n",
+                           b"( [0-9a-f]{2}){16}\r\n"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(FLOODS))
+async def test_a_slow_pattern_on_a_flooding_console_keeps_the_api_answering(
+    start_runtime: Any, tiny_image: Any, record_property: Any, attack: str
 ) -> None:
+    pattern, flood, proof = FLOODS[attack]
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
-                              "readiness": {"pattern": EVIL, "timeout": 240}})
+                              "readiness": {"pattern": pattern, "timeout": 240}})
     client = rt.client()
     con = await Console.open_when_served(rt.shared / "console.sock")
     await con.wake()
-    # the guest's shell prints an endless run of "q" (never a "z") on ttyS0, the readiness console;
-    # the command line itself has no run of "q" (its echo would already be the attack)
-    con.writer.write(b"x=q; while :; do printf $x$x$x$x$x$x$x$x$x$x$x$x$x$x$x$x; done &\n")
+    con.writer.write(flood)
     await con.writer.drain()
-    await con.expect(b"q{4000}", 30)  # the flood is real: thousands of "q" went through the watcher
+    await con.expect(proof, 30)  # the flood is real: it goes through the watcher
     try:
         worst = await max_state_latency(client, 4)
     except AssertionError:
         rt.proc.kill()  # its loop is stuck: SIGTERM would wait for the fixture's whole grace
         raise
     record_property("api_latency_max_s", round(worst, 3))
-    print(f"readiness {EVIL!r} on a console printing 'q' without end: API latency max {worst:.3f} s")
+    print(f"readiness {attack} on a flooding console: API latency max {worst:.3f} s")
     state = await client.state()
-    assert state.phase.value == "Running", state  # still waiting for a "b", not broken
+    assert state.phase.value == "Running", state  # still waiting for its marker, not broken
     await con.close()
 
 
@@ -78,3 +106,45 @@ def test_a_pattern_re2_cannot_run_is_refused_in_an_image_annotation() -> None:
 
 def test_the_default_pattern_is_re2() -> None:
     assert compile_readiness_pattern(DEFAULT_READY_PATTERN).search(b"debian login: ")
+
+
+async def test_a_slow_pattern_does_not_hold_the_runtimes_loop_behind_the_console(tmp_path: Path) -> None:
+    """The watch itself, on a real hub draining a socket that stands in for QEMU's serial chardev:
+    the guest's varied text in 64 KiB writes, the pattern of counted repeats. The loop's longest gap
+    (a ticker) is what the API, recycle and signals would wait."""
+    from vmsidecar_runtime.console import ConsoleHub
+    from vmsidecar_runtime.controller.readiness import ReadinessWatch
+
+    text = b"".join(b" " + os.urandom(16).hex(" ").encode() + b"\r\n" for _ in range(6000))[:4 * 65536]
+    sent = asyncio.Event()
+
+    async def guest(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for at in range(0, len(text), 65536):
+            writer.write(text[at:at + 65536])
+            await writer.drain()
+        sent.set()
+        await asyncio.sleep(30)
+
+    chardev = tmp_path / "serial.sock"
+    server = await asyncio.start_unix_server(guest, path=str(chardev))
+    hub = ConsoleHub("ttyS0", tmp_path / "console.sock")
+    errors: list[object] = []
+    watch = ReadinessWatch(lambda: errors.append("ready"), errors.append)
+    spec = VmSpec.model_validate({"readiness": {"pattern": FLOODS["dfa-cache-overflow"][0], "timeout": 60}})
+    watch.arm(spec, {"ttyS0": hub})
+    loop = asyncio.get_running_loop()
+    worst, last = 0.0, loop.time()
+    try:
+        await hub.attach(chardev)
+        t0 = loop.time()
+        while not sent.is_set() or loop.time() < t0 + 1:
+            await asyncio.sleep(0.005)
+            worst, last = max(worst, loop.time() - last), loop.time()
+            assert loop.time() < t0 + 30, "the stand-in could not write its text"
+    finally:
+        watch.disarm()
+        await hub.detach()
+        server.close()
+    print(f"a slow readiness pattern on 256 KiB of console text: the loop's longest gap {worst:.3f} s")
+    assert worst < 0.3, f"the loop was held {worst:.2f} s at once by the readiness search"
+    assert errors == [], errors

@@ -4,6 +4,7 @@ chosen console, or a timeout with the tail."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 
 from vmsidecar_contract.errors import GuestError, ImageError, SpecError, VmsidecarError
@@ -14,8 +15,17 @@ from ..disk import DiskImage
 from ..readiness_rules import EffectiveReadiness, effective_readiness
 
 #: bytes of console output kept to match a pattern split across chunks: the regex (RE2, linear) runs
-#: on this tail plus the new chunk, however long the guest has been printing
+#: on this tail plus the bytes that came since the last search, however long the guest has been printing
 WINDOW = 4096
+#: console bytes waiting for a search, at most: the oldest go only when more came during one search
+#: (a pattern built to be slow takes ~20-60 µs a byte; the default 0.002 µs), so the memory and one
+#: search's time (≤ 15 s) stay bounded
+PENDING = 256 * 1024
+#: one thread for every watch's searches: RE2 releases the GIL, so a pattern that is linear yet slow
+#: (counted repeats that overflow RE2's DFA cache) does not hold the loop (the API, recycle, signals)
+#: behind each console chunk, and the searches of watches a reset storm left behind queue here
+#: instead of taking the default executor's threads from the disk operations
+_SEARCHES = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness")
 
 
 class ReadinessWatch:
@@ -60,22 +70,28 @@ class ReadinessWatch:
         except ValueError as e:  # checked when the spec was read; a spec from before RE2 lands here
             self._on_error(SpecError(f"{e}; set readiness.pattern in RE2 syntax"))
             return
-        seen = asyncio.Event()
-        window = bytearray()
+        arrived = asyncio.Event()
+        pending = bytearray()
 
         def on_data(data: bytes) -> None:
-            if seen.is_set():
-                return
-            # the tail of earlier output plus this chunk (the hub reads at most 64 KiB): a match split
-            # across chunks is found, and each byte is searched at most WINDOW / chunk times over
-            window.extend(data)
-            if pattern.search(window):
-                seen.set()
-            del window[:-WINDOW]
+            pending.extend(data)
+            del pending[:-PENDING]
+            arrived.set()
+
+        async def search() -> None:
+            tail = b""
+            while True:
+                await arrived.wait()
+                arrived.clear()
+                text = tail + bytes(pending)
+                pending.clear()
+                if await asyncio.get_running_loop().run_in_executor(_SEARCHES, pattern.search, text) is not None:
+                    return
+                tail = text[-WINDOW:]
 
         with hub.watch(on_data):
             try:
-                await asyncio.wait_for(seen.wait(), readiness.timeout)
+                await asyncio.wait_for(search(), readiness.timeout)
             except TimeoutError:
                 tail = hub.tail(800).strip().replace("\r", "")
                 self._on_error(GuestError(
