@@ -51,39 +51,33 @@ def _many_counted_repeats() -> str:
     return "(?s)(" + "|".join(alts) + r")\x00"
 
 
-#: the guest's flood for each pattern, on ttyS0 (the readiness console), and what proves it is real. The
-#: command lines carry neither their flood's run (its echo would be the attack already) nor a NUL
-FLOODS = {
-    # an endless run of "q", never a "z"
-    "backtracking": (EVIL, b"x=q; while :; do printf $x$x$x$x$x$x$x$x$x$x$x$x$x$x$x$x; done &\n", b"q{4000}"),
-    # random hex: varied text is what keeps the DFA's states from repeating
-    "dfa-cache-overflow": (_many_counted_repeats(), b"while :; do od -An -tx1 -N4096 /dev/urandom; done &\n",
-                           b"( [0-9a-f]{2}){16}\r\n"),
-}
+#: linear for RE2, slow all the same (the watch's own test below; a guest under TCG prints too slowly
+#: for it to show through the API)
+SLOW = _many_counted_repeats()
 
 
-@pytest.mark.parametrize("attack", sorted(FLOODS))
-async def test_a_slow_pattern_on_a_flooding_console_keeps_the_api_answering(
-    start_runtime: Any, tiny_image: Any, record_property: Any, attack: str
+async def test_backtracking_pattern_on_a_flooding_console_keeps_the_api_answering(
+    start_runtime: Any, tiny_image: Any, record_property: Any
 ) -> None:
-    pattern, flood, proof = FLOODS[attack]
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
-                              "readiness": {"pattern": pattern, "timeout": 240}})
+                              "readiness": {"pattern": EVIL, "timeout": 240}})
     client = rt.client()
     con = await Console.open_when_served(rt.shared / "console.sock")
     await con.wake()
-    con.writer.write(flood)
+    # the guest's shell prints an endless run of "q" (never a "z") on ttyS0, the readiness console;
+    # the command line itself has no run of "q" (its echo would already be the attack)
+    con.writer.write(b"x=q; while :; do printf $x$x$x$x$x$x$x$x$x$x$x$x$x$x$x$x; done &\n")
     await con.writer.drain()
-    await con.expect(proof, 30)  # the flood is real: it goes through the watcher
+    await con.expect(b"q{4000}", 30)  # the flood is real: thousands of "q" went through the watcher
     try:
         worst = await max_state_latency(client, 4)
     except AssertionError:
         rt.proc.kill()  # its loop is stuck: SIGTERM would wait for the fixture's whole grace
         raise
     record_property("api_latency_max_s", round(worst, 3))
-    print(f"readiness {attack} on a flooding console: API latency max {worst:.3f} s")
+    print(f"readiness {EVIL!r} on a console printing 'q' without end: API latency max {worst:.3f} s")
     state = await client.state()
-    assert state.phase.value == "Running", state  # still waiting for its marker, not broken
+    assert state.phase.value == "Running", state  # still waiting for a "z", not broken
     await con.close()
 
 
@@ -130,7 +124,7 @@ async def test_a_slow_pattern_does_not_hold_the_runtimes_loop_behind_the_console
     hub = ConsoleHub("ttyS0", tmp_path / "console.sock")
     errors: list[object] = []
     watch = ReadinessWatch(lambda: errors.append("ready"), errors.append)
-    spec = VmSpec.model_validate({"readiness": {"pattern": FLOODS["dfa-cache-overflow"][0], "timeout": 60}})
+    spec = VmSpec.model_validate({"readiness": {"pattern": SLOW, "timeout": 60}})
     watch.arm(spec, {"ttyS0": hub})
     loop = asyncio.get_running_loop()
     worst, last = 0.0, loop.time()
