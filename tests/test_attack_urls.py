@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import http.server
+import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from backports import zstd
 
 from fixtures.jmp import exporter_config, run_shell
 
@@ -72,3 +76,157 @@ async def test_a_flash_url_naming_the_pod_or_the_metadata_service_is_never_fetch
         await asyncio.to_thread(run_shell, exp.shell_args, f"j vm storage flash http://127.0.0.1:{port}/disk.qcow2",
                                 cwd=tmp_path)
         assert seen == ["GET /disk.qcow2 HTTP/1.1"], seen
+
+
+def _routable_address() -> str:
+    """This machine's address on its default route (no packet is sent): a host that is not the
+    pod's loopback, for a server that stands for the lease holder's own web server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+        address = probe.getsockname()[0]
+    assert not address.startswith("127."), f"this machine has no address besides its loopback ({address})"
+    return address
+
+
+@contextlib.contextmanager
+def redirecting_to(target: str) -> Iterator[str]:
+    """A plain HTTP server on this machine's routable address whose every GET is ``302`` to ``target``;
+    yields its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    address = _routable_address()
+    server = http.server.ThreadingHTTPServer((address, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{address}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_flash_url_that_redirects_into_the_pod_is_never_followed_there(
+    start_runtime: Any, standalone_exporter: Any, tmp_path: Path
+) -> None:
+    """The URL's own host is fine; its answer, a redirect to the pod's loopback (or the metadata
+    service), is the lease holder's too: each hop is checked as the first was."""
+    rt = await start_runtime(None)
+    with pod_local_service() as (port, seen):
+        cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket)})
+        exp = await asyncio.to_thread(standalone_exporter, cfg)
+        for target in (f"http://127.0.0.1:{port}/latest/meta-data/iam/security-credentials/role",
+                       f"http://localhost:{port}/computeMetadata/v1/token"):
+            with redirecting_to(target) as url:
+                result = await asyncio.to_thread(run_shell, exp.shell_args, f"j vm storage flash {url}/disk.img",
+                                                 cwd=tmp_path)
+            assert result.returncode != 0, result.stdout
+            message = " ".join(result.stderr.split())
+            assert "which a lease may not reach" in message and "redirect" in message, message[-2000:]
+        assert seen == [], f"the exporter followed a redirect into the pod for the lease holder: {seen}"
+        assert exp.proc.poll() is None
+
+
+#: a lease holder's upload that says it is zstd: 512 MiB of zeros in ~16 KB. Upstream's client stream
+#: decompresses each chunk it receives in one call, with no bound on what comes out
+BOMB = """python - <<'EOF'
+import anyio
+from backports import zstd
+from jumpstarter.utils.env import env
+
+compressor = zstd.ZstdCompressor()
+bomb = b"".join(compressor.compress(bytes(1 << 20)) for _ in range(512)) + compressor.flush()
+print("bomb bytes", len(bomb))
+
+async def upload(storage):
+    send, receive = anyio.create_memory_object_stream(16)
+    async with storage.resource_async(receive, content_encoding="zstd") as handle:
+        async with send:
+            await send.send(bomb)
+        try:
+            await storage.call_async("flash", handle, None)
+        except Exception as e:
+            print("flash refused:", e)
+
+with env() as client:
+    client.vm.storage.portal.call(upload, client.vm.storage)
+EOF
+"""
+
+
+def _peak_rss_mib(pid: int) -> float:
+    """The highest resident size (VmHWM) of ``pid`` and its descendants, in MiB."""
+    peak = 0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        with contextlib.suppress(FileNotFoundError):
+            status = Path(f"/proc/{current}/status").read_text()
+            peak = max(peak, int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))))
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+    return peak / 1024
+
+
+async def test_an_upload_that_says_it_is_compressed_is_not_inflated_by_the_exporter(
+    start_runtime: Any, standalone_exporter: Any, tmp_path: Path
+) -> None:
+    """The exporter holds the pool's credentials: a 16 KB upload must not have it allocate 512 MiB
+    (or, at a few hundred KB, be OOM-killed). The runtime decompresses under its image limits."""
+    rt = await start_runtime(None)
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket)})
+    exp = await asyncio.to_thread(standalone_exporter, cfg)
+    before = _peak_rss_mib(exp.proc.pid)
+    result = await asyncio.to_thread(run_shell, exp.shell_args, BOMB, cwd=tmp_path)
+    assert "bomb bytes" in result.stdout, result.stderr[-3000:]
+    peak = _peak_rss_mib(exp.proc.pid)
+    print(f"\nthe exporter's peak resident size: {before:.0f} MiB before, {peak:.0f} MiB after the upload")
+    assert exp.proc.poll() is None, exp.log_text()[-3000:]
+    assert peak < before + 200, f"the exporter inflated the upload: peak {peak:.0f} MiB (was {before:.0f})"
+
+    # the control: a real compressed disk sent the same way (`--compression zstd`) is flashed
+    disk = tmp_path / "d.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "64M"], check=True)
+    (tmp_path / "d.qcow2.zst").write_bytes(zstd.compress(disk.read_bytes()))
+    result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm storage flash --compression zstd d.qcow2.zst",
+                                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (await rt.client().state()).image_digest == "sha256:" + hashlib.sha256(disk.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(("method", "handle", "message"), [
+    ("flash", {"kind": "presigned_request", "method": "PUT", "url": "http://example.invalid/d", "headers": {}},
+     "flash takes a URL to GET"),
+    ("dump", {"kind": "presigned_request", "method": "GET", "url": "http://example.invalid/d", "headers": {}},
+     "dump takes a URL to PUT"),
+    ("flash", {"kind": "presigned_request", "method": "GET", "url": "file:///etc/passwd", "headers": {}},
+     "is not an http(s) URL"),
+    ("flash", {"kind": "client_stream", "uuid": "00000000-0000-0000-0000-000000000000",
+               "x_jmp_content_encoding": "bz2"}, "cannot be flashed"),
+])
+async def test_a_resource_the_call_cannot_use_is_refused_naming_why(
+    start_runtime: Any, method: str, handle: dict, message: str
+) -> None:
+    """Handles a stock client never sends for the call (an upload PUT for a flash hung for hours in
+    upstream's PUT path; a file: URL was an error naming only the URL), sent by a lease holder."""
+    from jumpstarter.client.core import DriverInvalidArgument
+    from jumpstarter.common.utils import serve
+
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    rt = await start_runtime(None)
+
+    def call() -> None:
+        with serve(VirtualMachine(socket=str(rt.socket))) as client, pytest.raises(DriverInvalidArgument) as refused:
+            client.storage.call(method, handle, None)
+        assert message in str(refused.value), refused.value
+
+    await asyncio.wait_for(asyncio.to_thread(call), 60)

@@ -18,10 +18,14 @@ import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
-from jumpstarter.common.resources import PresignedRequestResource, Resource
+import aiohttp
+from aiohttp.abc import ResolveResult
+from jumpstarter.common.resources import ClientStreamResource, PresignedRequestResource, Resource
 from jumpstarter.driver import Driver, FlasherInterface, export
+from jumpstarter.streams.aiohttp import AiohttpStreamReaderStream
+from jumpstarter.streams.progress import ProgressStream
 from pydantic import TypeAdapter
 
 from vmsidecar_contract.client import RuntimeClient
@@ -46,6 +50,33 @@ def _local(address: str) -> bool:
     return ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast
 
 
+def _not_reachable(netloc: str, redirect: bool) -> ValueError:
+    said = "a redirect names" if redirect else "the URL's host"
+    return ValueError(
+        f"{said} {netloc}: this pod (loopback) or a link-local address such as the cloud metadata service, "
+        "which a lease may not reach; serve the image elsewhere, or set allow_local_urls: true in the exporter "
+        "config (a laptop, never a shared pod)")
+
+
+async def _check_location(url: str, *, redirect: bool = False) -> None:
+    """Refuse ``url`` unless it is http(s) to a host that is not (and does not resolve to) this pod's
+    loopback or a link-local address.
+
+    :raise ValueError: naming the host and the exporter config switch.
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{'a redirect to ' if redirect else ''}{url!r} is not an http(s) URL with a host; "
+                         "give an http:// or https:// URL, a local file or oci://REGISTRY/REPO:TAG")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port or 443,
+                                                             type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError):
+        return  # unresolvable: the fetch itself fails and says so
+    if any(_local(str(info[4][0])) for info in infos):
+        raise _not_reachable(parts.netloc, redirect)
+
+
 async def check_url(handle: Any, *, allow_local: bool) -> None:
     """Refuse a URL resource whose host is (or resolves to) the pod's loopback or a link-local address.
 
@@ -54,17 +85,45 @@ async def check_url(handle: Any, *, allow_local: bool) -> None:
     resource = TypeAdapter(Resource).validate_python(handle)
     if allow_local or not isinstance(resource, PresignedRequestResource):
         return
-    parts = urlsplit(resource.url)
-    host = parts.hostname or ""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, parts.port or 443, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return  # unresolvable: the fetch itself fails and says so
-    if any(_local(str(info[4][0])) for info in infos):
-        raise ValueError(
-            f"the URL's host {parts.netloc} is this pod (loopback) or a link-local address such as the cloud "
-            "metadata service, which a lease may not reach; serve the image elsewhere, or set allow_local_urls: "
-            "true in the exporter config (a laptop, never a shared pod)")
+    await _check_location(resource.url)
+
+
+class _PublicResolver(aiohttp.ThreadedResolver):
+    """Names resolved at connect time, refused when they resolve to the pod: the check before the
+    fetch resolves the name once, and a name can resolve elsewhere the second time (DNS rebinding)."""
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+                      ) -> list[ResolveResult]:
+        addresses = await super().resolve(host, port, family)
+        if any(_local(a["host"]) for a in addresses):
+            raise OSError(str(_not_reachable(host, redirect=False)))
+        return addresses
+
+
+#: transfer encodings the runtime decompresses itself (under its image limits), passed through as sent
+PASSED_THROUGH = ("zstd", "gzip", "xz")
+
+
+def _pass_through(handle: Any) -> Any:
+    """``handle``, a client stream whose bytes the lease holder says are compressed, as a stream the
+    exporter passes through unread: upstream inflates each received chunk whole in this process (a
+    16 KB chunk of zstd became 512 MiB here), which holds the pool's credentials.
+
+    :raise ValueError: an encoding the runtime does not decompress.
+    """
+    resource = TypeAdapter(Resource).validate_python(handle)
+    if not isinstance(resource, ClientStreamResource) or resource.x_jmp_content_encoding is None:
+        return handle
+    if resource.x_jmp_content_encoding not in PASSED_THROUGH:
+        raise ValueError(f"an upload compressed as {resource.x_jmp_content_encoding!r} cannot be flashed; "
+                         f"decompress it, or compress it with one of {', '.join(PASSED_THROUGH)}")
+    return resource.model_copy(update={"x_jmp_content_encoding": None}).model_dump(mode="json")
+
+
+def _check_method(handle: Any, method: str, what: str) -> None:
+    resource = TypeAdapter(Resource).validate_python(handle)
+    if isinstance(resource, PresignedRequestResource) and resource.method != method:
+        raise ValueError(f"{what} takes a URL to {method}, not to {resource.method}")
 
 
 @metered_driver
@@ -83,9 +142,10 @@ class VmStorage(FlasherInterface, Driver):
         """Replace the disk with an image streamed by the client or fetched from a URL (atomic)."""
         _check_target(target)
         power_off = self.parent.flash_power_off
+        _check_method(source, "GET", "flash")
         await check_url(source, allow_local=self.parent.allow_local_urls)
 
-        async with self.resource(source) as res:
+        async with self.resource(_pass_through(source)) as res:
 
             async def chunks() -> AsyncIterator[bytes]:
                 async for chunk in res:
@@ -94,6 +154,33 @@ class VmStorage(FlasherInterface, Driver):
             state = await self.parent.link.call(lambda c: c.flash(chunks(), power_off=power_off))
         self.logger.info("flashed %s", state.image_digest)
         return {"digest": state.image_digest, "phase": state.phase.value}
+
+    @contextlib.asynccontextmanager
+    async def _presigned_get(self, url: str, headers: dict[str, str], timeout: aiohttp.ClientTimeout,
+                             max_redirects: int = 10) -> AsyncIterator[Any]:
+        """Upstream's GET (redirects followed by hand, so signed URLs keep their encoding; credentials
+        dropped across origins), with every redirect checked as the URL was, and names resolved at
+        connect time by :class:`_PublicResolver`: a redirect is the lease holder's answer too."""
+        local = self.parent.allow_local_urls
+        connector = aiohttp.TCPConnector(resolver=None if local else _PublicResolver())
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            current_url, current_headers = url, headers
+            for _ in range(max_redirects + 1):
+                async with session.get(self._make_url(current_url), headers=current_headers,
+                                       raise_for_status=True, allow_redirects=False) as resp:
+                    if resp.status not in (301, 302, 303, 307, 308):
+                        async with AiohttpStreamReaderStream(reader=resp.content) as stream:
+                            yield ProgressStream(stream=stream, logging=True)
+                            return
+                    location = resp.headers.get("Location", "")
+                    if not location:
+                        raise RuntimeError(f"a redirect without a Location from {self._redact_url(current_url)}")
+                    location = urljoin(current_url, location)
+                    if not local:
+                        await _check_location(location, redirect=True)
+                    current_headers = self._strip_sensitive_headers(current_headers, current_url, location)
+                    current_url = location
+        raise RuntimeError(f"more than {max_redirects} redirects from {self._redact_url(url)}")
 
     @export
     async def flash_oci(self, reference: str, target: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
@@ -122,6 +209,7 @@ class VmStorage(FlasherInterface, Driver):
     async def dump(self, target: Any, partition: str | None = None) -> None:
         """Stream the disk (base plus this lease's changes, one qcow2) to the client; the VM must be off."""
         _check_target(partition)
+        _check_method(target, "PUT", "dump")
         await check_url(target, allow_local=self.parent.allow_local_urls)
         async with self.resource(target) as res:
 
