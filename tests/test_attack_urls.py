@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import http.server
-import socket
+import json
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from backports import zstd
 
+from fixtures.attack import routable_address
 from fixtures.jmp import exporter_config, run_shell
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,16 +79,6 @@ async def test_a_flash_url_naming_the_pod_or_the_metadata_service_is_never_fetch
         assert seen == ["GET /disk.qcow2 HTTP/1.1"], seen
 
 
-def _routable_address() -> str:
-    """This machine's address on its default route (no packet is sent): a host that is not the
-    pod's loopback, for a server that stands for the lease holder's own web server."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
-        address = probe.getsockname()[0]
-    assert not address.startswith("127."), f"this machine has no address besides its loopback ({address})"
-    return address
-
-
 @contextlib.contextmanager
 def redirecting_to(target: str) -> Iterator[str]:
     """A plain HTTP server on this machine's routable address whose every GET is ``302`` to ``target``;
@@ -103,7 +94,7 @@ def redirecting_to(target: str) -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    address = _routable_address()
+    address = routable_address()
     server = http.server.ThreadingHTTPServer((address, 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -230,3 +221,47 @@ async def test_a_resource_the_call_cannot_use_is_refused_naming_why(
         assert message in str(refused.value), refused.value
 
     await asyncio.wait_for(asyncio.to_thread(call), 60)
+
+
+@pytest.mark.parametrize("what", ["manifest", "blob"])
+def test_a_registry_that_redirects_into_the_pod_is_not_followed_there(what: str, monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """``flash oci://`` names the lease holder's registry; its answers are theirs too. A ``307`` to
+    the pod's loopback had the runtime send a GET there (AWS's metadata service needs no header);
+    a registry that is itself on the loopback (a laptop's, the tests') may still redirect there."""
+    from test_attack_credentials import FakeRegistry
+
+    from vmsidecar_contract.errors import RegistryError
+    from vmsidecar_runtime.oci import pull
+
+    disk = b"QFI\xfb" + bytes(508)
+    digest = "sha256:" + hashlib.sha256(disk).hexdigest()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
+                                      "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"},
+                           "layers": [{"mediaType": "application/vnd.diskimage.qcow2", "digest": digest,
+                                       "size": len(disk)}]}).encode()
+    with pod_local_service() as (port, seen):
+        def answer(h: http.server.BaseHTTPRequestHandler) -> None:
+            path = h.path.split("?")[0]
+            redirect = "/manifests/" in path if what == "manifest" else "/blobs/" in path
+            if path == "/v2/" or not redirect:
+                body = manifest if "/manifests/" in path else b"{}"
+                h.send_response(200)
+                h.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+                h.send_header("Docker-Content-Digest", "sha256:" + hashlib.sha256(body).hexdigest())
+                h.send_header("Content-Length", str(len(body)))
+                h.end_headers()
+                h.wfile.write(body)
+                return
+            h.send_response(307)
+            h.send_header("Location", f"http://127.0.0.1:{port}/latest/meta-data/iam/security-credentials/role")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+
+        with FakeRegistry(answer, address=routable_address()) as registry:
+            monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", registry.host)
+            with pytest.raises(RegistryError) as refused:
+                pull(f"{registry.host}/x/y:1", tmp_path / "cache", arch="x86_64")
+    assert seen == [], f"the runtime followed a registry's redirect into the pod: {seen}"
+    assert "127.0.0.1" in refused.value.message and "redirect" in refused.value.message, refused.value.message

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from jumpstarter.streams.progress import ProgressStream
 from pydantic import TypeAdapter
 
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.reach import is_pod_local
 
 from .metrics import metered_driver
 
@@ -41,13 +41,6 @@ TARGETS = (None, "root", "disk")
 def _check_target(target: str | None) -> None:
     if target not in TARGETS:
         raise ValueError(f"unknown flash target {target!r}; a VM has one disk: leave the target out or use 'root'")
-
-
-def _local(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast
 
 
 def _not_reachable(netloc: str, redirect: bool) -> ValueError:
@@ -73,7 +66,7 @@ async def _check_location(url: str, *, redirect: bool = False) -> None:
                                                              type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError):
         return  # unresolvable: the fetch itself fails and says so
-    if any(_local(str(info[4][0])) for info in infos):
+    if any(is_pod_local(str(info[4][0])) for info in infos):
         raise _not_reachable(parts.netloc, redirect)
 
 
@@ -95,7 +88,7 @@ class _PublicResolver(aiohttp.ThreadedResolver):
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
                       ) -> list[ResolveResult]:
         addresses = await super().resolve(host, port, family)
-        if any(_local(a["host"]) for a in addresses):
+        if any(is_pod_local(a["host"]) for a in addresses):
             raise OSError(str(_not_reachable(host, redirect=False)))
         return addresses
 

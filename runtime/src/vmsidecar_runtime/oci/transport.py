@@ -11,7 +11,9 @@ uploads. :class:`OrasRegistry` adds what it lacks for our use:
   backend sent the registry's password to any realm the registry named); a realm in plain HTTP
   only when its host is listed as insecure;
 * a redirect keeps the Authorization header only to the same origin, and ``~/.netrc`` (which
-  requests would add to every request and redirect) is never read.
+  requests would add to every request and redirect) is never read;
+* a redirect into the pod (loopback, link-local: the metadata service) is refused unless the
+  registry itself is there: a lease holder's ``flash oci://`` names their own registry.
 
 What is asked of the registry, and how its answers become vmsidecar errors, is :mod:`.registry`.
 """
@@ -20,12 +22,15 @@ from __future__ import annotations
 
 import time
 from http.cookiejar import DefaultCookiePolicy
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import oras.provider
 import requests
 import requests.adapters
 import requests.auth
+
+from vmsidecar_contract.errors import RegistryError
+from vmsidecar_contract.reach import resolves_to_pod
 
 from .auth import HOW_TO_CONFIGURE, Credentials, RegistryConfig, normalize_host
 from .mediatypes import load_document
@@ -64,6 +69,23 @@ class _Session(requests.Session):
         self.auth = _NoNetrc()
         # some registries set a cookie and then take the client for a browser (oras-py does the same)
         self.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+
+    def get_redirect_target(self, resp: requests.Response) -> str | None:
+        """The redirect's target, refused when it is (or resolves to) an address of the pod and the
+        registry's own host is not: the registry is whoever the reference names.
+
+        :raise RegistryError: naming the target.
+        """
+        target = super().get_redirect_target(resp)
+        if target is not None:
+            current, new = urlsplit(resp.url), urlsplit(urljoin(resp.url, target))
+            if new.hostname and resolves_to_pod(new.hostname, new.port or 443) and not resolves_to_pod(
+                    current.hostname or "", current.port or 443):
+                raise RegistryError(
+                    f"registry {current.netloc} answered with a redirect to {new.netloc}, this pod (loopback) or a "
+                    "link-local address such as the cloud metadata service, which a registry may not send the "
+                    "runtime to; use another registry", code="registry_error")
+        return target
 
     def rebuild_auth(self, prepared_request: requests.PreparedRequest, response: requests.Response) -> None:
         """Keep Authorization on a redirect only to the very same origin (requests keeps it on an
