@@ -6,19 +6,35 @@ malicious guest driver could: a 4 GiB descriptor, a response buffer of 1 GiB, 60
 buffers, a loop, a 32768-descriptor chain posted 32768 times, an avail index racing 65000 ahead,
 and (as the QEMU side) a ring size and a message size past any limit. Meanwhile ``GET /v1/vm``
 must answer within 1 s, and the runtime's RSS high-water mark may not grow by more than 64 MiB.
+
+The lease holder attacks ``gpio.sock`` through the exporter's real GPIO drivers (any JSON as their
+arguments): waits with no timeout opened and abandoned again and again must leave no waiter, client
+or fd in the runtime (the device outlives leases); the end of a lease ends its waits; connections
+past the cap are refused in a sentence; a timeout that is not a number of seconds in range is a
+``ValueError`` naming it. These run on a real control socket without a guest.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fixtures.attack import VhostMaster, max_state_latency, memory_kib, qemu_chardev_path
 from fixtures.runtime import qemu_pids
+from fixtures.waiting import wait_until_async
+from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+from vmsidecar_contract.spec import GpioLine
+from vmsidecar_runtime.devices import gpio_control
 from vmsidecar_runtime.devices import vhost_user as vu
 from vmsidecar_runtime.devices import virtio_gpio as vg
+from vmsidecar_runtime.devices.gpio import GpioDevice
 from vmsidecar_runtime.devices.virtqueue import DESC_NEXT, DESC_WRITE
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,3 +114,124 @@ async def test_hostile_virtqueues_keep_the_runtime_answering_and_small(
     assert (await client.state()).phase.value == "Ready"
     # and the runtime still controls its QEMU (hard off: the guest's own power-off is not the point)
     assert (await client.power("off", graceful=False)).phase.value == "Stopped"
+
+
+# ---- the lease holder on gpio.sock, through the exporter's drivers (no guest) ------------------------
+Tree = tuple[GpioDevice, Any]
+#: a wait on ``led`` (no timeout), which nothing here drives
+WAIT_LED = {"op": "wait", "line": "led", "for": "active"}
+
+
+@pytest.fixture
+async def gpio_tree(tmp_path: Path) -> AsyncIterator[Tree]:
+    """A real ``gpio.sock`` and the exporter's real driver tree on it (its lease already claimed: no
+    runtime API behind it). Nothing drives ``led`` (the guest would): its waits wait."""
+    dev = GpioDevice([GpioLine.model_validate(x) for x in LINES])
+    await dev.listen_control(tmp_path / "gpio.sock")
+    vm = VirtualMachine(socket=str(tmp_path / "api.sock"), spec={"image": "file:/none.qcow2", "gpio": LINES})
+    vm.link.claimed_generation = 1
+    try:
+        yield dev, vm.children["gpio"]
+    finally:
+        await dev.close()
+        await wait_until_async(lambda: not dev.control._clients, 5, "the control connections to end")
+
+
+def _socket_fds() -> int:
+    """Sockets this process holds: the control server's and its clients' (both ends live here)."""
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+async def _ask(sock: Path, request: dict[str, Any]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    writer.write(json.dumps(request).encode() + b"\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def test_abandoned_waits_leave_no_waiter_client_or_fd(gpio_tree: Tree, tmp_path: Path) -> None:
+    dev, gpio = gpio_tree
+    server, led, sock = dev.control, gpio.children["led"], tmp_path / "gpio.sock"
+    fds = _socket_fds()
+    for i in range(50):  # j vm gpio led wait-for-edge rising, timeout None, then ^C
+        seen = set(server._waiters)
+        call = asyncio.create_task(led.wait_for_edge("rising", None))
+        await wait_until_async(lambda seen=seen: server._waiters - seen, 5, f"wait {i} to be pending")
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+    for _ in range(20):  # and raw clients that hang up mid-wait
+        seen = set(server._waiters)
+        _, writer = await _ask(sock, WAIT_LED)
+        await wait_until_async(lambda seen=seen: server._waiters - seen, 5, "the raw wait to be pending")
+        writer.close()
+    await wait_until_async(lambda: not server._waiters and not server._clients and _socket_fds() <= fds, 2,
+                           "the abandoned waits to end",
+                           detail=lambda: f"{len(server._waiters)} waiters, {len(server._clients)} clients, "
+                                          f"{_socket_fds() - fds} extra sockets")
+    # the socket still serves, and a wait still sees its edge
+    reader, writer = await _ask(sock, {"op": "wait", "line": "button", "for": "rising"})
+    await wait_until_async(lambda: server._waiters, 5, "the wait to be pending")
+    dev.model.drive("button", 1)
+    assert json.loads(await asyncio.wait_for(reader.readline(), 5)) == {"ok": True, "value": 1}
+    writer.close()
+
+
+async def test_the_end_of_a_lease_ends_its_waits(gpio_tree: Tree, tmp_path: Path) -> None:
+    dev, gpio = gpio_tree
+    server = dev.control
+    calls = [asyncio.create_task(gpio.children["led"].wait_for_active(None)) for _ in range(3)]
+    _, idle = await asyncio.open_unix_connection(str(tmp_path / "gpio.sock"))  # connected, asks nothing
+    await wait_until_async(lambda: len(server._waiters) == 3, 5, "the waits to be pending")
+    dev.end_lease()
+    for result in await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 2):
+        assert isinstance(result, RuntimeError) and "lease ended" in str(result), result
+    await wait_until_async(lambda: not server._waiters and not server._clients, 2, "the connections to close")
+    idle.close()
+    assert await gpio.children["led"].read_pin() == 0  # the socket serves the next lease
+
+
+async def test_connections_past_the_cap_are_refused(gpio_tree: Tree, tmp_path: Path) -> None:
+    dev, gpio = gpio_tree
+    server, cap, sock = dev.control, gpio_control.MAX_CLIENTS, tmp_path / "gpio.sock"
+    held = [await _ask(sock, WAIT_LED) for _ in range(cap)]
+    await wait_until_async(lambda: len(server._waiters) == cap, 5, f"{cap} waits to be pending")
+    reader, writer = await _ask(sock, {"op": "list"})
+    reply = json.loads(await asyncio.wait_for(reader.readline(), 5))
+    assert reply["error"] == "busy" and f"at most {cap} connections" in reply["message"], reply
+    assert await reader.read() == b""
+    writer.close()
+    with pytest.raises(RuntimeError, match=f"at most {cap} connections"):  # the driver says the same
+        await gpio.children["led"].read_pin()
+    held.pop()[1].close()
+    await wait_until_async(lambda: len(server._clients) < cap, 2, "a held connection to end")
+    assert await gpio.children["led"].read_pin() == 0
+    for _, w in held:
+        w.close()
+
+
+#: the documented range is 0 to 86400 s, or None
+BAD_TIMEOUTS = ["inf", float("inf"), float("nan"), 1e308, -1, 86400.5, [1], True, {"s": 1}, "5"]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+async def test_a_bad_timeout_is_a_value_error_naming_it(gpio_tree: Tree, tmp_path: Path, bad: Any) -> None:
+    dev, gpio = gpio_tree
+    led = gpio.children["led"]
+    for call in (lambda: led.wait_for_active(bad), lambda: led.wait_for_edge("rising", bad)):
+        with pytest.raises(ValueError, match=r"^timeout must be a number of seconds from 0 to 86400"):
+            await asyncio.wait_for(call(), 2)
+    # the runtime refuses it too (a JSON number past a float is inf; NaN and Infinity are JSON to Python)
+    reader, writer = await _ask(tmp_path / "gpio.sock", {**WAIT_LED, "timeout": bad})
+    reply = json.loads(await asyncio.wait_for(reader.readline(), 2))
+    writer.close()
+    assert reply["error"] == "bad_wait" and reply["message"].startswith("timeout must be"), reply
+    assert not dev.control._waiters
+
+
+async def test_timeouts_in_range_still_work(gpio_tree: Tree) -> None:
+    led = gpio_tree[1].children["led"]
+    with pytest.raises(TimeoutError, match=r"did not go active within 0\.2 s"):
+        await led.wait_for_active(0.2)
+    await led.wait_for_inactive(86400)  # already inactive: at once
+    await led.wait_for_inactive(0)

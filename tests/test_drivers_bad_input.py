@@ -75,3 +75,26 @@ def test_bad_exporter_config_fails_at_start(config: dict[str, Any], message: str
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert message in " ".join((result.stdout + result.stderr).split())
+
+
+async def test_a_lease_holders_arguments_of_the_wrong_type_are_refused_naming_them(start_runtime: Any) -> None:
+    """Any JSON reaches an exported call, whatever the stock client sends: ``wait_ready("nan")``
+    polled the runtime for ever, ``flash_oci(5)`` was "'float' object has no attribute
+    'removeprefix'" (gRPC UNKNOWN)."""
+    from jumpstarter.client.core import DriverInvalidArgument
+    from jumpstarter.common.utils import serve
+
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    rt = await start_runtime(None)
+
+    def calls() -> None:
+        with serve(VirtualMachine(socket=str(rt.socket))) as client:
+            for timeout in ("nan", float("inf"), [1], True, -1, 1e9):
+                with pytest.raises(DriverInvalidArgument, match="timeout must be a number of seconds"):
+                    client.call("wait_ready", timeout)
+            for reference in (5.0, None, ["oci://x/y:1"], {"ref": "x"}):
+                with pytest.raises(DriverInvalidArgument, match="reference must be a string"):
+                    list(client.storage.streamingcall("flash_oci", reference, None))
+
+    await asyncio.wait_for(asyncio.to_thread(calls), 120)

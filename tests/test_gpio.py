@@ -240,8 +240,15 @@ async def test_j_cli_like_a_bench(gpio_vm: tuple[Any, Any], tiny_image: Any, tmp
     script = ("j vm wait-ready >/dev/null 2>&1 || true\n"
               "j vm gpio reset-button on\nj vm gpio reset-button read\nj vm gpio led read\n"
               "j vm gpio reset-button off\nj vm gpio reset-button read\n")
+    # a wait left pending before the lease (an earlier lease's, with no deadline): the device outlives
+    # leases, so the claim and the recycle must end it, or it holds its waiter and fd for good
+    reader, writer = await asyncio.open_unix_connection(str(rt.shared / "gpio.sock"))
+    writer.write(b'{"op": "wait", "line": "led", "for": "active", "timeout": null}\n')
+    await writer.drain()
     result = await asyncio.to_thread(run_shell, ["--exporter-config", str(cfg)], script, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert await asyncio.wait_for(reader.read(), 30) == b"", "the wait outlived the lease"  # ended, closed
+    writer.close()
     states = [ln.strip() for ln in result.stdout.splitlines() if ln.strip() in ("active", "inactive")]
     assert states == ["active", "inactive", "inactive"], result.stdout
 

@@ -32,6 +32,7 @@ from vmsidecar_contract.client import RuntimeUnavailableError
 from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec, load_spec
 
+from .arguments import seconds
 from .console import VmConsole
 from .lease_exit import request_exit_after_lease, serves_a_lease
 from .link import RuntimeLink
@@ -222,4 +223,5 @@ class VirtualMachine(Driver):
     @export
     async def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the guest is Ready (the readiness regex was seen)."""
-        return (await self.link.call(lambda c: c.wait_ready(float(timeout)))).model_dump(mode="json")
+        wait = seconds(timeout)
+        return (await self.link.call(lambda c: c.wait_ready(wait))).model_dump(mode="json")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from jumpstarter.driver import Driver, export
 
+from .arguments import seconds_or_none
 from .metrics import metered_driver
 
 if TYPE_CHECKING:
@@ -72,11 +73,14 @@ class _Line(Driver):
         finally:
             writer.close()
         if not raw:
-            raise RuntimeError("the runtime closed the GPIO control socket (spec changed or runtime stopping)")
+            raise RuntimeError("the runtime closed the GPIO control socket (the lease ended, the spec "
+                               "changed or the runtime is stopping)")
         reply = json.loads(raw)
         if not reply.get("ok"):
             if reply.get("error") == "timeout":
                 raise TimeoutError(reply.get("message"))
+            if reply.get("error") in ("busy", "closed"):
+                raise RuntimeError(reply.get("message"))
             raise ValueError(reply.get("message"))
         return reply
 
@@ -109,15 +113,16 @@ class VmGpioOutput(_Line):
 @metered_driver
 @dataclass(kw_only=True)
 class VmGpioInput(_Line):
-    """A guest output the host reads and waits on."""
+    """A guest output the host reads and waits on; a wait's ``timeout`` is 0 to 86400 s, or None
+    (until it happens or the call is cancelled)."""
 
     @classmethod
     def client(cls) -> str:
         return "jumpstarter_driver_gpiod.client.DigitalInputClient"
 
-    async def _wait(self, until: str, timeout: float | None) -> None:
-        timeout = None if timeout is None else float(timeout)
-        await self._call({"op": "wait", "for": until, "timeout": timeout}, timeout)
+    async def _wait(self, until: str, timeout: object) -> None:
+        wait = seconds_or_none(timeout)
+        await self._call({"op": "wait", "for": until, "timeout": wait}, wait)
 
     @export
     async def wait_for_active(self, timeout: float | None = None) -> None:
@@ -135,3 +140,4 @@ class VmGpioInput(_Line):
         if edge_type not in ("rising", "falling"):
             raise ValueError(f"Invalid edge type: {edge_type}, must be one of: rising, falling")
         await self._wait(edge_type, timeout)
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -24,6 +25,8 @@ from collections import deque
 from typing import Any
 
 import can
+
+from .arguments import seconds_or_none
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,10 @@ MAX_LINE = 64
 RX_LIMIT = 10_000
 #: at most one drop warning per this many seconds (a flood must not become a log flood)
 WARN_EVERY = 10.0
+#: a frame line exactly as an SLCAN host writes it: kind and id (3 hex digits, 8 for T/R), DLC, then
+#: hex (the data, and maybe a 4-digit timestamp); int(x, 16) alone would also take a sign, spaces,
+#: "0x" and "_" from the guest
+FRAME = re.compile(rb"([tr][0-9A-Fa-f]{3}|[TR][0-9A-Fa-f]{8})([0-8])([0-9A-Fa-f]*)")
 
 
 def encode(msg: can.Message) -> bytes:
@@ -60,20 +67,16 @@ def encode(msg: can.Message) -> bytes:
 
 def decode(line: bytes, channel: Any = None) -> can.Message | None:
     """A frame from one SLCAN line (without ``\\r``); None for anything that is not a frame."""
-    if not line or line[:1] not in b"tTrR":
+    m = FRAME.fullmatch(line)
+    if m is None:
         return None
-    try:
-        kind = chr(line[0])
-        extended = kind in "TR"
-        n = 8 if extended else 3
-        ident = int(line[1:1 + n], 16)
-        dlc = int(line[1 + n:2 + n], 16)
-        remote = kind in "rR"
-        data = b"" if remote else bytes.fromhex(line[2 + n:2 + n + 2 * dlc].decode())
-        if dlc > 8 or (not remote and len(data) != dlc):
-            return None
-    except (ValueError, UnicodeDecodeError):
-        return None
+    head, dlc, hexes = m[1], int(m[2]), m[3]
+    extended, remote = head[:1] in b"TR", head[:1] in b"rR"
+    ident = int(head[1:], 16)
+    size = 0 if remote else 2 * dlc
+    if ident > (0x1FFFFFFF if extended else 0x7FF) or len(hexes) not in (size, size + 4):
+        return None  # an id wider than 11/29 bits; data not of DLC bytes (+ a timestamp)
+    data = bytes.fromhex(hexes[:size].decode())
     return can.Message(timestamp=time.time(), arbitration_id=ident, is_extended_id=extended,
                        is_remote_frame=remote, dlc=dlc, data=data, channel=channel, is_rx=True)
 
@@ -110,8 +113,13 @@ class VmsidecarSlcanBus(can.BusABC):
             self._connect()
 
     # ---- connection ----------------------------------------------------------------------
+    def _shut_down(self) -> can.CanOperationError:
+        return can.CanOperationError(f"the CAN bus {self.channel} is shut down")
+
     def _connect(self) -> socket.socket:
         with self._lock:
+            if self._closed.is_set():  # (under the lock: shutdown closes what was opened before)
+                raise self._shut_down()
             if self._sock is not None:
                 return self._sock
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -220,35 +228,46 @@ class VmsidecarSlcanBus(can.BusABC):
             return
         bits = (67 if msg.is_extended_id else 47) + (0 if msg.is_remote_frame else 8 * len(msg.data))
         now = time.monotonic()
-        if self._next_tx > now:
-            time.sleep(self._next_tx - now)
+        if self._next_tx > now and self._closed.wait(self._next_tx - now):
+            raise self._shut_down()
         self._next_tx = max(now, self._next_tx) + bits / self.bitrate
 
     def send(self, msg: can.Message, timeout: float | None = None) -> None:
+        limit = seconds_or_none(timeout)
         data = encode(msg)
         self._pace(msg)
-        deadline = time.monotonic() + (timeout if timeout is not None else 5.0)
+        deadline = time.monotonic() + (5.0 if limit is None else limit)
         while True:
             try:
+                # (a guest that does not read blocks sendall; shutdown's SHUT_RDWR ends it)
                 self._connect().sendall(data)
                 return
             except OSError as e:
+                if self._closed.is_set():
+                    raise self._shut_down() from e
                 if time.monotonic() >= deadline:
                     raise can.CanOperationError(
                         f"cannot reach the CAN bus socket {self.channel} ({e.strerror or e}); the runtime "
                         "serves it while its spec has this bus"
                     ) from e
-                time.sleep(0.1)
+                if self._closed.wait(0.1):
+                    raise self._shut_down() from e
 
     def _recv_internal(self, timeout: float | None) -> tuple[can.Message | None, bool]:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # None (what upstream's CanClient.recv sends by default): until a frame arrives or the bus is
+        # shut down. A shut-down bus raises rather than answering None: python-can's recv(None)
+        # would ask again at once, forever.
+        limit = seconds_or_none(timeout)
+        deadline = None if limit is None else time.monotonic() + limit
         while True:
-            if self._sock is None and not self._closed.is_set():
+            if self._closed.is_set():
+                raise self._shut_down()
+            if self._sock is None:
                 with contextlib.suppress(OSError):
                     self._connect()  # the runtime (or its socket) came back
             left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
-            with self._rx_ready:
-                if not self._rx and left > 0:
+            with self._rx_ready:  # (closed looked at under the lock shutdown notifies with)
+                if not self._rx and left > 0 and not self._closed.is_set():
                     self._rx_ready.wait(left)
                 item = self._rx.popleft() if self._rx else None
             if item is not None:
@@ -264,12 +283,15 @@ class VmsidecarSlcanBus(can.BusABC):
         """Nothing is buffered on this side: frames go to the socket at once."""
 
     def shutdown(self) -> None:
-        self._closed.set()
+        with self._lock:  # after this no _connect opens a socket
+            self._closed.set()
+            sock, self._sock = self._sock, None
+        with self._rx_ready:
+            self._rx_ready.notify_all()  # a recv waiting for a frame ends now
         if self.dropped_frames or self.dropped_lines:
             self._warn(final=True)  # the totals, whatever the rate limit held back
-        sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv and a blocked sendall
             self._drop(sock)
         super().shutdown()

@@ -30,6 +30,7 @@ from pydantic import TypeAdapter
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.reach import is_pod_local
 
+from .arguments import text
 from .metrics import metered_driver
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class VmStorage(FlasherInterface, Driver):
     async def flash_oci(self, reference: str, target: str | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Pull ``reference`` in the runtime and make it the disk; yields progress, then the result."""
         _check_target(target)
-        ref = reference.removeprefix("oci://")
+        ref = text(reference, "reference").removeprefix("oci://")
         power_off = self.parent.flash_power_off
         queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
         task = asyncio.create_task(self.parent.link.call(

@@ -123,9 +123,11 @@ class GuestStreams:
                 self.hubs[name].preload(data)
 
     def clear_for_next_lease(self) -> None:
-        """Forget all scrollback and disconnect every client (recycle)."""
+        """Forget all scrollback and disconnect every client, GPIO waits included (recycle)."""
         for hub in self.hubs.values():
             hub.clear(disconnect_clients=True)
+        if self.gpio is not None:
+            self.gpio.end_lease()
 
     def boot_has_output(self) -> bool:
         """Whether this boot printed anything on a console yet."""

@@ -43,6 +43,10 @@ class GpioDevice:
         """QEMU is gone: drop its session, the guest memory and every armed event buffer."""
         await self.vhost.close()
 
+    def end_lease(self) -> None:
+        """A lease ended: its pending waits end with ``closed`` and its control connections close."""
+        self.control.end_lease()
+
     async def close(self) -> None:
         """Stop everything and remove both sockets; pending waits end with ``closed``."""
         await self.vhost.close()

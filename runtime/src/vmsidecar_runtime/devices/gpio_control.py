@@ -9,9 +9,14 @@
                                                      -> {"ok": true, "value": 0|1} | {"ok": false, "error": "timeout", ...}
 
 Errors: ``{"ok": false, "error": CODE, "message": SENTENCE}``, CODE one of bad_request, no_line,
-not_host_driven, bad_value, bad_wait, timeout, closed (and internal for a bug). Directions are the
-guest's view: ``in`` lines are driven by the host, ``out`` lines by the guest. The exporter's
+not_host_driven, bad_value, bad_wait, timeout, closed, busy (and internal for a bug). Directions are
+the guest's view: ``in`` lines are driven by the host, ``out`` lines by the guest. The exporter's
 drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
+
+A wait's ``timeout`` is 0 to :data:`MAX_TIMEOUT` seconds, or null: until the condition holds. Either
+way the wait ends (and its connection with it) when its client hangs up or the lease ends
+(``closed``): the device outlives leases, so nothing a lease left waiting may stay. Past
+:data:`MAX_CLIENTS` connections at once, a new one gets ``busy`` to its first request and is closed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ from .virtio_gpio import DIR_IN, DIR_NONE, DIR_OUT, Line, VirtioGpio
 log = logging.getLogger(__name__)
 #: the longest request line (asyncio's default; a request is a few dozen bytes)
 LINE_LIMIT = 1 << 16
+#: connections at once: the exporter opens one per call, so this is far past a lease's real use, and
+#: bounds the fds (and waiters) a flood of calls can hold in the runtime
+MAX_CLIENTS = 64
+#: the longest wait, seconds (a day; upstream's CLI waits an hour by default)
+MAX_TIMEOUT = 86400.0
+#: seconds a refused connection gets to send its request: the refusal answers it, and a socket
+#: closed with a request unread would reset, losing the refusal
+REFUSE_READ_S = 1.0
 
 #: what a ``wait`` waits for: (old, new) -> done
 CONDITIONS: dict[str, Callable[[int, int], bool]] = {
@@ -80,12 +93,20 @@ class GpioControlServer:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+        self._drop("the GPIO device was removed (spec changed or runtime stopping)")
+
+    def end_lease(self) -> None:
+        """The lease ended: fail its pending waits with ``closed`` and close its connections; the
+        socket keeps serving the next lease."""
+        self._drop("the lease ended (the VM is being recycled)")
+
+    def _drop(self, why: str) -> None:
         for writer in list(self._clients):
             writer.close()
+        # also the waits whose connection cannot see the close: a request queued behind the wait
         for waiter in list(self._waiters):
             if not waiter.future.done():
-                waiter.future.set_exception(
-                    StateError("the GPIO device was removed (spec changed or runtime stopping)", code="closed"))
+                waiter.future.set_exception(StateError(why, code="closed"))
 
     async def wait(self, name: str, until: str, timeout: float | None) -> int:
         """Wait for an edge (``rising``/``falling``) or a level (``active``/``inactive``); returns the value.
@@ -125,22 +146,35 @@ class GpioControlServer:
         ]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._clients) >= MAX_CLIENTS:
+            with contextlib.suppress(TimeoutError, ValueError, OSError):
+                await asyncio.wait_for(reader.readline(), REFUSE_READ_S)
+            await _last_word(writer, "busy", f"the GPIO control socket serves at most {MAX_CLIENTS} "
+                             "connections at once (each pending wait holds one); end some and retry")
+            return
         self._clients.add(writer)
+        request = asyncio.ensure_future(reader.readline())
+        reply: asyncio.Future[dict[str, Any]] | None = None
         try:
-            while line := await reader.readline():
-                reply = await self._reply(line)
-                writer.write(json.dumps(reply).encode() + b"\n")
+            while line := await request:
+                reply = asyncio.ensure_future(self._reply(line))
+                # read on meanwhile: only a read sees the client hang up, which must end its wait (else
+                # it holds its waiter and this fd until the line changes); a request read waits its turn
+                request = asyncio.ensure_future(reader.readline())
+                await asyncio.wait((reply, request), return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done() and _hung_up(request):
+                    break
+                writer.write(json.dumps(await reply).encode() + b"\n")
                 await writer.drain()
         except ValueError:  # a line past the reader's limit: said, then the connection ends (framing lost)
-            error = RequestError(f"a request line is longer than {LINE_LIMIT} bytes; send one JSON object "
-                                 "per line")
-            reply = {"ok": False, "error": error.code, "message": error.message}
-            writer.write(json.dumps(reply).encode() + b"\n")
-            with contextlib.suppress(ConnectionError, OSError):
-                await writer.drain()
+            await _last_word(writer, RequestError.code, f"a request line is longer than {LINE_LIMIT} bytes; "
+                             "send one JSON object per line")
         except (ConnectionError, OSError):
             pass  # the client went away; its waits end with it
         finally:
+            for task in (request, reply):
+                if task is not None and not task.cancel() and not task.cancelled():
+                    task.exception()  # seen: a read failing once its client left is no news
             self._clients.discard(writer)
             writer.close()
 
@@ -181,13 +215,30 @@ def _parse(raw: bytes) -> dict[str, Any]:
     raise RequestError('send one JSON object per line, e.g. {"op": "list"}')
 
 
-def _timeout(value: object) -> float | None:
-    """A ``wait`` timeout: seconds, or null for none.
+def _hung_up(read: asyncio.Future[bytes]) -> bool:
+    """Whether a finished read is the client's end (EOF, a reset) rather than its next request."""
+    if not read.done():
+        return False
+    error = read.exception()
+    return isinstance(error, OSError) if error is not None else not read.result()
 
-    :raise RequestError: (``bad_request``) for anything else.
+
+async def _last_word(writer: asyncio.StreamWriter, code: str, message: str) -> None:
+    """An error reply, then the connection ends."""
+    writer.write(json.dumps({"ok": False, "error": code, "message": message}).encode() + b"\n")
+    with contextlib.suppress(OSError):
+        await writer.drain()
+    writer.close()
+
+
+def _timeout(value: object) -> float | None:
+    """A ``wait`` timeout: 0 to :data:`MAX_TIMEOUT` seconds, or null for none.
+
+    :raise RequestError: (``bad_wait``) for anything else (NaN and Infinity are JSON to Python).
     """
     if value is None:
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_TIMEOUT:
         return float(value)
-    raise RequestError(f"timeout {value!r} is not a number of seconds or null")
+    raise RequestError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, or null; "
+                       f"got {value!r:.100}", code="bad_wait")
