@@ -118,3 +118,26 @@ async def test_a_guest_flooding_every_channel(
     record_property("guest_flood", figures)
     assert api_worst < 1 and ex_worst < 1, figures
     assert rt_grew < 64 and ex_grew < 64, figures
+
+
+async def test_qemu_printing_without_end_is_counted_not_logged_line_by_line(caplog: pytest.LogCaptureFixture) -> None:
+    """What QEMU prints at the guest's behest (a virtio-serial control message naming no port is one
+    ``error_report`` each; a guest needs a module of its own to send them, so the stream stands in
+    here): 10,000 lines and one of 100 KiB. Each had been a WARNING of the runtime's, and a line past
+    64 KiB ended the reading, after which QEMU would block on a full stderr pipe."""
+    import collections
+    import logging
+
+    from vmsidecar_runtime.backend import qemu
+
+    stream = asyncio.StreamReader()
+    flood = b"".join(b"qemu-system-x86_64: virtio-serial-bus: Unexpected port id %d\n" % i for i in range(10_000))
+    stream.feed_data(flood[: len(flood) // 2] + b"x" * 100_000 + b"\n" + flood[len(flood) // 2:] + b"the end\n")
+    stream.feed_eof()
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    with caplog.at_level(logging.WARNING, logger=qemu.__name__):
+        await asyncio.wait_for(qemu.collect_output(stream, tail), 30)
+    assert tail[-1] == "the end", list(tail)  # read past the long line, to the end
+    records = [r for r in caplog.records if r.name == qemu.__name__]
+    assert len(records) <= qemu.OUTPUT_LOGGED + 2, len(records)
+    assert "more lines" in records[-1].getMessage(), records[-1].getMessage()

@@ -81,3 +81,34 @@ async def test_a_guest_agent_answering_with_json_nested_past_the_parser_is_no_cl
         assert (state.snapshot.clock or "").startswith("failed:"), state.snapshot
         assert "agent" in state.snapshot.clock, state.snapshot.clock
     assert (await client.state()).phase.value == "Ready"
+
+
+async def test_a_guest_agents_error_is_said_bounded_and_on_one_line(tmp_path: Path) -> None:
+    """A hostile image's agent answers ``guest-set-time`` with an error whose ``desc`` is 60 KB with
+    newlines: it went verbatim into ``snapshot.clock`` (every ``GET /v1/vm`` of that boot) and into a
+    log line of its own making ("\\n2099-01-01 INFO fake")."""
+    import asyncio
+    import json
+
+    from vmsidecar_runtime.backend.guest_agent import GuestAgent
+    from vmsidecar_runtime.controller.guest_clock import correct_clock
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            sync = json.loads(line.lstrip(b"\xff"))["arguments"]["id"]
+            command = json.loads(await reader.readline())
+            desc = "\n2099-01-01 INFO vmsidecar: a line the guest wrote\n" + "A" * 60_000
+            writer.write(b"\xff" + json.dumps({"return": sync}).encode() + b"\n"
+                         + json.dumps({"id": command["id"], "error": {"class": "x", "desc": desc}}).encode() + b"\n")
+            await writer.drain()
+
+    socket = tmp_path / "qga.sock"
+    server = await asyncio.start_unix_server(agent, path=str(socket))
+    session = await GuestAgent.connect(socket)
+    try:
+        clock = await correct_clock(True, session)
+    finally:
+        await session.close()
+        server.close()
+    assert clock.startswith("failed: guest-set-time: "), clock[:200]
+    assert "\n" not in clock and len(clock) < 400, clock[:400]

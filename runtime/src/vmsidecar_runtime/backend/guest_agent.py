@@ -145,7 +145,7 @@ class GuestAgent:
         if "error" in reply:
             error = reply["error"]
             desc = error.get("desc", error) if isinstance(error, dict) else error
-            raise GuestAgentError(f"{command}: {desc}")
+            raise GuestAgentError(f"{command}: {_said(desc)}")
         return reply.get("return")
 
     async def set_time(self, timeout: float) -> bool:
@@ -183,6 +183,18 @@ async def hold(path: Path) -> GuestAgent | None:
     except GuestAgentError as e:
         log.warning("no session on the guest agent's socket: %s", e.message)
         return None
+
+
+#: characters of an agent's error kept: it is the guest's text, shown in ``GET /v1/vm`` and the log
+SAID_CHARS = 200
+
+
+def _said(desc: object) -> str:
+    """An agent's error text on one line (control characters escaped: the guest may write what
+    looks like log lines of ours) and bounded."""
+    text = str(desc)
+    cut = text[:SAID_CHARS]
+    return cut.encode("unicode_escape").decode("ascii") + ("…" if len(text) > SAID_CHARS else "")
 
 
 def _log_late_error(task: asyncio.Task[Any]) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,11 @@ from .netguard import NetGuard, guarded
 from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, piped_streams
 
 log = logging.getLogger(__name__)
+#: QEMU's output lines logged one by one per process; after them, one line every OUTPUT_EVERY seconds
+#: counts the rest: the guest can make QEMU print without end (a virtio-serial control message naming
+#: no port is one ``error_report`` each), which must not become the runtime's log flood
+OUTPUT_LOGGED = 50
+OUTPUT_EVERY = 10.0
 
 #: bound on writing or loading a memory snapshot (hundreds of MB at disk speed)
 MIGRATION_TIMEOUT_S = 120.0
@@ -177,10 +183,7 @@ class QemuBackend:
 
     async def _collect(self, stream: asyncio.StreamReader | None) -> None:
         assert stream is not None
-        while line := await stream.readline():
-            text = line.decode(errors="replace").rstrip()
-            self._stderr.append(text)
-            log.warning("qemu: %s", text)
+        await collect_output(stream, self._stderr)
 
     async def _watch_exit(self) -> None:
         assert self._proc is not None
@@ -505,3 +508,30 @@ class QemuBackend:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+
+
+async def collect_output(stream: asyncio.StreamReader, tail: deque[str]) -> None:
+    """Read QEMU's stdout or stderr to its end into ``tail`` (the exit's last words), logging the
+    first :data:`OUTPUT_LOGGED` lines, then a count every :data:`OUTPUT_EVERY` seconds."""
+    logged = held = 0
+    said = time.monotonic()
+    text = ""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # past the reader's 64 KiB: dropped, and the reading goes on (else QEMU blocks)
+            line = b"(a line longer than 64 KiB, not kept)\n"
+        if not line:
+            break
+        text = line.decode(errors="replace").rstrip()
+        tail.append(text)
+        if logged < OUTPUT_LOGGED:
+            logged += 1
+            log.warning("qemu: %s", text)
+            continue
+        held += 1
+        if time.monotonic() - said >= OUTPUT_EVERY:
+            log.warning("qemu: %d more lines (the last: %.200s)", held, text)
+            held, said = 0, time.monotonic()
+    if held:
+        log.warning("qemu: %d more lines (the last: %.200s)", held, text)

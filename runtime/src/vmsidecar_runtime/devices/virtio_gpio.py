@@ -88,7 +88,7 @@ class VirtioGpio:
         #: chains refused (malformed, too long, too large, outside memory) and queues broken
         self.bad_requests = 0
         self.broken_queues = 0
-        self._warned_at = -WARN_EVERY
+        self._warned_at: dict[str, float] = {}
         self._resuming: set[int] = set()
         #: the event queue while QEMU has it started (host edges complete buffers on it)
         self._eventq: Virtqueue | None = None
@@ -181,8 +181,8 @@ class VirtioGpio:
         except GuestError as e:  # the ring itself is unusable: the virtio NEEDS_RESET case
             vq.broken = str(e)
             self.broken_queues += 1
-            log.warning("gpio: virtqueue %d is broken (%s); ignoring it until the guest resets the device",
-                        vq.index, e)
+            self._warn("broken", f"virtqueue {vq.index} is broken ({e}); ignoring it until the guest resets the device; "
+                       f"{self.broken_queues} broken so far")
         if done:
             vq.notify()
 
@@ -198,10 +198,15 @@ class VirtioGpio:
     def _refused(self, what: str, error: GuestError) -> None:
         """Count a refused chain; warn now and then with the count (never once per request)."""
         self.bad_requests += 1
+        self._warn("refused", f"{what} refused ({error}); {self.bad_requests} refused so far")
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Log a ``kind`` of trouble now and then: the guest can repeat any of them in a loop (refused
+        requests; a ring broken, the device reset, the ring broken again)."""
         now = time.monotonic()
-        if now - self._warned_at >= WARN_EVERY:
-            self._warned_at = now
-            log.warning("gpio: %s refused (%s); %d refused so far", what, error, self.bad_requests)
+        if now - self._warned_at.get(kind, -WARN_EVERY) >= WARN_EVERY:
+            self._warned_at[kind] = now
+            log.warning("gpio: %s", message)
 
     # ---- the request queue ---------------------------------------------------------------------
     def _request(self, vq: Virtqueue, head: int) -> int:
