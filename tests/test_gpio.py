@@ -243,7 +243,7 @@ async def test_j_cli_like_a_bench(gpio_vm: tuple[Any, Any], tiny_image: Any, tmp
     # a wait left pending before the lease (an earlier lease's, with no deadline): the device outlives
     # leases, so the claim and the recycle must end it, or it holds its waiter and fd for good
     reader, writer = await asyncio.open_unix_connection(str(rt.shared / "gpio.sock"))
-    writer.write(b'{"op": "wait", "line": "led", "for": "active", "timeout": null}\n')
+    writer.write(b'{"op": "wait", "line": "led", "for": "rising", "timeout": null}\n')
     await writer.drain()
     result = await asyncio.to_thread(run_shell, ["--exporter-config", str(cfg)], script, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
