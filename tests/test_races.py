@@ -1,13 +1,16 @@
 """Races found by reading the code, each produced for real: a forward's port taken between its
-choice and QEMU's bind; a wait for Ready on a VM nothing will boot; concurrent dumps; a VM powered
-on while a flash from a reference is still pulling; a new lease's console clear racing a reader
-whose backlog is full."""
+choice and QEMU's bind; a wait for Ready on a VM nothing will boot; concurrent and unread dumps; a
+VM powered on while a flash from a reference is still pulling; a new lease's console clear racing a
+reader whose backlog is full."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
+import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ from test_console_hub import FakeChardev
 from fixtures.faults import ThrottleProxy, wait_phase
 from fixtures.registry import push_incompressible
 from fixtures.waiting import wait_until_async
-from vmsidecar_contract.errors import GuestError, StateError
+from vmsidecar_contract.errors import GuestError, StateError, TransferError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_images.console import Console
 from vmsidecar_runtime import ports
@@ -63,16 +66,83 @@ async def test_wait_ready_gives_up_on_a_vm_that_stays_stopped(start_runtime: Any
     assert loop.time() - started < 30
 
 
-async def test_concurrent_dumps_do_not_share_a_file(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
-    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+async def _stalled_dump(socket: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, Any]:
+    """``GET /v1/vm/disk?format=raw`` by a reader that takes the answer's head and then reads no
+    more (a lease holder's exporter can do this): the stream, the status and a refusal's JSON body."""
+    reader, writer = await asyncio.open_unix_connection(str(socket))
+    writer.write(b"GET /v1/vm/disk?format=raw HTTP/1.1\r\nHost: vmsidecar\r\n\r\n")
+    await writer.drain()
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)).decode()
+    status = int(head.split()[1])
+    length = int(re.search(r"(?im)^content-length: *(\d+)", head)[1])  # type: ignore[index]
+    body = json.loads(await reader.readexactly(length)) if status != 200 else {}
+    return reader, writer, status, body
+
+
+async def _flashed_runtime(start_runtime: Any, tiny_image: Any) -> Any:
+    """A runtime whose disk is an upload flash (no image in the spec): a dump needs no guest boot."""
+    rt = await start_runtime({"memory": "256M"})
+    await rt.client().flash(tiny_image.disk)
+    return rt
+
+
+async def test_a_lease_holder_gets_one_dump_at_a_time_and_a_leaving_reader_frees_its_file(
+        start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    """Each dump converts the disk into a full-size temp file in the state volume that lives until
+    its reader has read it all: dumps started and never read filled the state volume (before the
+    fix, 3 unread dumps left 3 copies at once). One dump at a time (409 ``transfer_in_progress``,
+    like a flash, which it also excludes); its file goes as soon as its reader leaves."""
+    rt = await _flashed_runtime(start_runtime, tiny_image)
     client = rt.client()
-    await client.wait_ready(240)
-    await client.power("off", graceful=False)
-    outs = [tmp_path / f"dump{i}.qcow2" for i in range(4)]
-    sizes = await asyncio.gather(*(rt.client().dump(out) for out in outs))
-    digests = {out.read_bytes()[:4096] for out in outs}
-    assert all(size > 0 for size in sizes) and len(digests) == 1  # four whole, identical copies
+    dumps = await asyncio.gather(*(_stalled_dump(rt.socket) for _ in range(3)))
+    temp_files = sorted(p.name for p in rt.state.glob("dump-*"))
+    statuses = sorted(status for _, _, status, _ in dumps)
+    assert statuses == [200, 409, 409] and len(temp_files) == 1, (
+        f"3 unread dumps answered {statuses} and left {len(temp_files)} temp disk copies: {temp_files}")
+    for _, _, status, body in dumps:
+        if status == 409:
+            assert body["error"] == "transfer_in_progress", body
+            assert "a disk dump" in body["message"] and "wait for it to end" in body["message"], body
+    with pytest.raises(TransferError) as exc:  # a flash waits for the dump too
+        await rt.client().flash(_junk(), size=4096)
+    assert exc.value.code == "transfer_in_progress" and "a disk dump" in exc.value.message, exc.value
+    for _, writer, _, _ in dumps:
+        writer.close()  # the readers go away
+    await wait_until_async(lambda: not list(rt.state.glob("dump-*")), 10,
+                           "the dump's temp file to go once its reader left",
+                           detail=lambda: [p.name for p in rt.state.glob("dump-*")])
+    size = await client.dump(tmp_path / "after.raw", fmt="raw")  # the slot is free again
+    assert size == (tmp_path / "after.raw").stat().st_size > 0
     assert not list(rt.state.glob("dump-*")), "a dump file was left behind"
+
+
+async def test_an_unread_dump_is_ended_with_its_lease(start_runtime: Any, tiny_image: Any) -> None:
+    """A dump still being read when its lease ends (recycle) is cut off and its temp file removed:
+    before the fix the copy of lease N's disk stayed in the state volume into lease N+1."""
+    rt = await _flashed_runtime(start_runtime, tiny_image)
+    client = rt.client()
+    lease_n = await client.claim()
+    reader, writer, status, _ = await _stalled_dump(rt.socket)
+    assert status == 200 and len(list(rt.state.glob("dump-*"))) == 1
+    state = await asyncio.wait_for(client.recycle(boot=False, if_generation=lease_n.generation), 30)
+    assert state.generation == lease_n.generation + 1
+    await wait_until_async(lambda: not list(rt.state.glob("dump-*")), 10,
+                           "the ended lease's dump file to go", detail=lambda: list(rt.state.glob("dump-*")))
+    got = 0
+    while data := await asyncio.wait_for(reader.read(1 << 20), 30):  # the runtime closed the stream
+        got += len(data)
+    assert got < tiny_image_raw_size(tiny_image), "the ended lease's dump was sent whole"
+    writer.close()
+
+
+def tiny_image_raw_size(image: Any) -> int:
+    info = ["qemu-img", "info", "--output=json", str(image.disk)]
+    out = subprocess.run(info, capture_output=True, text=True, check=True)
+    return int(json.loads(out.stdout)["virtual-size"])
+
+
+async def _junk() -> AsyncIterator[bytes]:
+    yield b"\0" * 4096
 
 
 async def test_a_lease_clear_never_hands_a_full_reader_the_previous_lease_backlog(tmp_path: Path) -> None:

@@ -20,14 +20,14 @@ from aiohttp import web
 
 from vmsidecar_contract import endpoints as api
 from vmsidecar_contract.endpoints import MAX_EVENTS_TIMEOUT, MAX_JSON_BODY, Endpoint
-from vmsidecar_contract.errors import RequestError, VmsidecarError
+from vmsidecar_contract.errors import RequestError, TransferError, VmsidecarError
 from vmsidecar_contract.models import Accepted, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
 
 from .. import audit, metrics
 from ..controller import VmController
 from ..perms import share
-from .audit import audit_middleware
+from .audit import STREAM_ERROR_KEY, audit_middleware
 from .health import CONTROLLER, healthz, readyz  # the same handlers serve the health-only listener
 from .ndjson import client_gone, open_stream, progress_stream, write_line
 from .parsing import HttpRefusal, bool_query, check_query, json_body, parse, require_disk_image_type
@@ -192,24 +192,57 @@ async def post_disk_pull(request: web.Request) -> web.StreamResponse:
 
 
 async def get_disk(request: web.Request) -> web.StreamResponse:
-    """Dump the disk as one standalone image."""
+    """Dump the disk as one standalone image.
+
+    A dump is a full-size temp copy of the disk in the state volume until its reader has read it all
+    or left, so it takes the VM's one disk transfer: dumps started and never read cannot fill the
+    volume (a second dump, or a flash, is a 409 meanwhile). The end of the lease (recycle, the next
+    claim) cancels it: the stream is cut short and the copy removed."""
     vm = _vm(request)
     fmt = request.query.get("format", "qcow2")
     if fmt not in ("qcow2", "raw"):
         raise RequestError(f"format={fmt!r} is not supported; use qcow2 or raw")
-    path = await vm.dump(fmt)
-    response = web.StreamResponse(
-        headers={"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
-    )
-    await response.prepare(request)
+    transfer = vm.transfers.begin("a disk dump")
+    path: Path | None = None
     try:
-        with open(path, "rb") as fh:
-            while chunk := await asyncio.to_thread(fh.read, 1 << 20):
-                await response.write(chunk)
+        path = await vm.dump(fmt)
+        if transfer.reason is not None:  # the lease ended during the conversion: its disk is no one's now
+            raise TransferError(f"the disk dump was cancelled: {transfer.reason}; dump again within a lease",
+                                code="transfer_cancelled")
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
+        )
+        await response.prepare(request)
+        sending = asyncio.ensure_future(_send_file(response, path))
+        ended = asyncio.ensure_future(transfer.cancelled.wait())
+        try:  # a reader that stops reading leaves the write waiting for ever: the lease's end must stop it
+            await asyncio.wait({sending, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not sending.done():
+                sending.cancel()
+                await asyncio.wait({sending})  # its file is closed before the unlink below
+        if sending.cancelled():  # the lease ended
+            request[STREAM_ERROR_KEY] = "transfer_cancelled"
+            if request.transport is not None:  # cut: the reader must not take a part for the whole disk
+                request.transport.abort()
+            return response
+        if isinstance(sending.exception(), ConnectionError):  # the reader left: no failure of the runtime's
+            request[STREAM_ERROR_KEY] = "aborted"
+            return response
+        sending.result()
+        await response.write_eof()
+        return response
     finally:
-        path.unlink(missing_ok=True)
-    await response.write_eof()
-    return response
+        if path is not None:
+            path.unlink(missing_ok=True)
+        vm.transfers.end(transfer)
+
+
+async def _send_file(response: web.StreamResponse, path: Path) -> None:
+    with open(path, "rb") as fh:
+        while chunk := await asyncio.to_thread(fh.read, 1 << 20):
+            await response.write(chunk)
 
 
 async def get_events(request: web.Request) -> web.StreamResponse:

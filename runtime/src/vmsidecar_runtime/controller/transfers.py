@@ -1,14 +1,15 @@
-"""Disk transfers: pull an image, receive an upload flash; one at a time per VM, within a deadline.
+"""Disk transfers: pull an image, receive an upload flash, send a dump; one at a time per VM.
 
 ``Transfers`` moves the bytes and installs nothing: ``DiskOps`` decides when a transfer runs and
 installs what arrived. The files themselves are ``Disks``' job.
 
-A disk transfer (a flash by reference, an upload flash) belongs to the lease it started in: one at
-a time per VM (a second is a 409), bounded by the runtime's pull deadline, cancelled when its
-lease ends (recycle), when the next lease claims the VM or when its client goes away, and never
-installed once cancelled or once the generation it started in is gone. A pull runs in a worker
-thread that cannot be interrupted from outside: it is told to stop (``Transfer.abort``) and does at
-its next chunk, removing its partial file.
+A disk transfer (a flash by reference, an upload flash, a dump) belongs to the lease it started in:
+one at a time per VM (a second is a 409), cancelled when its lease ends (recycle), when the next
+lease claims the VM or when its client goes away, and never installed once cancelled or once the
+generation it started in is gone. A flash is bounded by the runtime's pull deadline; a dump (streamed
+by ``api/server.py``) lasts until its reader has read it all or left, and its temp copy of the disk
+with it. A pull runs in a worker thread that cannot be interrupted from outside: it is told to stop
+(``Transfer.abort``) and does at its next chunk, removing its partial file.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class Transfers:
         current = self._transfer
         if current is not None:
             raise TransferError(
-                f"{current.what} is still under way on this VM, and a VM takes one disk transfer at a time; "
-                "wait for it to end (or end the lease, which cancels it), then flash again")
+                f"{current.what} is still under way on this VM, and a VM takes one disk transfer (a flash "
+                "or a dump) at a time; wait for it to end (a dump ends once its reader has read it all or "
+                "disconnected; ending the lease cancels either), then try again")
         self._transfer = Transfer(what, self._events.generation)
         return self._transfer
 
