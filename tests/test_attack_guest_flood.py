@@ -120,7 +120,8 @@ async def test_a_guest_flooding_every_channel(
     assert rt_grew < 64 and ex_grew < 64, figures
 
 
-async def test_qemu_printing_without_end_is_counted_not_logged_line_by_line(caplog: pytest.LogCaptureFixture) -> None:
+async def test_qemu_printing_without_end_is_counted_not_logged_line_by_line(
+        caplog: pytest.LogCaptureFixture) -> None:
     """What QEMU prints at the guest's behest (a virtio-serial control message naming no port is one
     ``error_report`` each; a guest needs a module of its own to send them, so the stream stands in
     here): 10,000 lines and one of 100 KiB. Each had been a WARNING of the runtime's, and a line past
@@ -131,8 +132,10 @@ async def test_qemu_printing_without_end_is_counted_not_logged_line_by_line(capl
     from vmsidecar_runtime.backend import qemu
 
     stream = asyncio.StreamReader()
-    flood = b"".join(b"qemu-system-x86_64: virtio-serial-bus: Unexpected port id %d\n" % i for i in range(10_000))
-    stream.feed_data(flood[: len(flood) // 2] + b"x" * 100_000 + b"\n" + flood[len(flood) // 2:] + b"the end\n")
+    line = b"qemu-system-x86_64: virtio-serial-bus: Unexpected port id %d\n"
+    flood = b"".join(line % i for i in range(10_000))
+    half = len(flood) // 2
+    stream.feed_data(flood[:half] + b"x" * 100_000 + b"\n" + flood[half:] + b"the end\n")
     stream.feed_eof()
     tail: collections.deque[str] = collections.deque(maxlen=20)
     with caplog.at_level(logging.WARNING, logger=qemu.__name__):

@@ -218,7 +218,8 @@ def test_a_push_to_a_tag_whose_index_is_hostile_is_a_refusal_naming_the_tag(
         status = main(["push", str(oci_qcow2), f"{registry.host}/hostile:t", "--plain-http"])
     error = capsys.readouterr().err
     assert status == 2, error
-    assert "unexpected" not in error and f"{registry.host}/hostile:t: the registry's answer is malformed" in error, error
+    assert "unexpected" not in error, error
+    assert f"{registry.host}/hostile:t: the registry's answer is malformed" in error, error
     assert "delete the tag" in error, error
     assert "/v2/hostile/manifests/t" not in registry.put, "the tag is not overwritten"
 

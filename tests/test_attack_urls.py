@@ -117,8 +117,8 @@ async def test_a_flash_url_that_redirects_into_the_pod_is_never_followed_there(
         for target in (f"http://127.0.0.1:{port}/latest/meta-data/iam/security-credentials/role",
                        f"http://localhost:{port}/computeMetadata/v1/token"):
             with redirecting_to(target) as url:
-                result = await asyncio.to_thread(run_shell, exp.shell_args, f"j vm storage flash {url}/disk.img",
-                                                 cwd=tmp_path)
+                result = await asyncio.to_thread(run_shell, exp.shell_args,
+                                                 f"j vm storage flash {url}/disk.img", cwd=tmp_path)
             assert result.returncode != 0, result.stdout
             message = " ".join(result.stderr.split())
             assert "which a lease may not reach" in message and "redirect" in message, message[-2000:]
@@ -161,7 +161,8 @@ def _peak_rss_mib(pid: int) -> float:
         current = pending.pop()
         with contextlib.suppress(FileNotFoundError):
             status = Path(f"/proc/{current}/status").read_text()
-            peak = max(peak, int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))))
+            hwm = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+            peak = max(peak, int(hwm))
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending += [int(c) for c in (task / "children").read_text().split()]
     return peak / 1024
@@ -187,17 +188,18 @@ async def test_an_upload_that_says_it_is_compressed_is_not_inflated_by_the_expor
     disk = tmp_path / "d.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "64M"], check=True)
     (tmp_path / "d.qcow2.zst").write_bytes(zstd.compress(disk.read_bytes()))
-    result = await asyncio.to_thread(run_shell, exp.shell_args, "j vm storage flash --compression zstd d.qcow2.zst",
-                                     cwd=tmp_path)
+    result = await asyncio.to_thread(run_shell, exp.shell_args,
+                                     "j vm storage flash --compression zstd d.qcow2.zst", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (await rt.client().state()).image_digest == "sha256:" + hashlib.sha256(disk.read_bytes()).hexdigest()
+    digest = "sha256:" + hashlib.sha256(disk.read_bytes()).hexdigest()
+    assert (await rt.client().state()).image_digest == digest
 
 
 @pytest.mark.parametrize(("method", "handle", "message"), [
-    ("flash", {"kind": "presigned_request", "method": "PUT", "url": "http://example.invalid/d", "headers": {}},
-     "flash takes a URL to GET"),
-    ("dump", {"kind": "presigned_request", "method": "GET", "url": "http://example.invalid/d", "headers": {}},
-     "dump takes a URL to PUT"),
+    ("flash", {"kind": "presigned_request", "method": "PUT", "url": "http://example.invalid/d",
+               "headers": {}}, "flash takes a URL to GET"),
+    ("dump", {"kind": "presigned_request", "method": "GET", "url": "http://example.invalid/d",
+              "headers": {}}, "dump takes a URL to PUT"),
     ("flash", {"kind": "presigned_request", "method": "GET", "url": "file:///etc/passwd", "headers": {}},
      "is not an http(s) URL"),
     ("flash", {"kind": "client_stream", "uuid": "00000000-0000-0000-0000-000000000000",
@@ -216,7 +218,8 @@ async def test_a_resource_the_call_cannot_use_is_refused_naming_why(
     rt = await start_runtime(None)
 
     def call() -> None:
-        with serve(VirtualMachine(socket=str(rt.socket))) as client, pytest.raises(DriverInvalidArgument) as refused:
+        vm = VirtualMachine(socket=str(rt.socket))
+        with serve(vm) as client, pytest.raises(DriverInvalidArgument) as refused:
             client.storage.call(method, handle, None)
         assert message in str(refused.value), refused.value
 
@@ -224,8 +227,8 @@ async def test_a_resource_the_call_cannot_use_is_refused_naming_why(
 
 
 @pytest.mark.parametrize("what", ["manifest", "blob"])
-def test_a_registry_that_redirects_into_the_pod_is_not_followed_there(what: str, monkeypatch: pytest.MonkeyPatch,
-                                                                      tmp_path: Path) -> None:
+def test_a_registry_that_redirects_into_the_pod_is_not_followed_there(
+        what: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``flash oci://`` names the lease holder's registry; its answers are theirs too. A ``307`` to
     the pod's loopback had the runtime send a GET there (AWS's metadata service needs no header);
     a registry that is itself on the loopback (a laptop's, the tests') may still redirect there."""
@@ -236,9 +239,10 @@ def test_a_registry_that_redirects_into_the_pod_is_not_followed_there(what: str,
 
     disk = b"QFI\xfb" + bytes(508)
     digest = "sha256:" + hashlib.sha256(disk).hexdigest()
+    empty = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
     manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
                            "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
-                                      "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"},
+                                      "digest": empty},
                            "layers": [{"mediaType": "application/vnd.diskimage.qcow2", "digest": digest,
                                        "size": len(disk)}]}).encode()
     with pod_local_service() as (port, seen):
@@ -255,7 +259,8 @@ def test_a_registry_that_redirects_into_the_pod_is_not_followed_there(what: str,
                 h.wfile.write(body)
                 return
             h.send_response(307)
-            h.send_header("Location", f"http://127.0.0.1:{port}/latest/meta-data/iam/security-credentials/role")
+            metadata = f"http://127.0.0.1:{port}/latest/meta-data/iam/security-credentials/role"
+            h.send_header("Location", metadata)
             h.send_header("Content-Length", "0")
             h.end_headers()
 

@@ -77,7 +77,8 @@ def test_bad_exporter_config_fails_at_start(config: dict[str, Any], message: str
     assert message in " ".join((result.stdout + result.stderr).split())
 
 
-async def test_a_lease_holders_arguments_of_the_wrong_type_are_refused_naming_them(start_runtime: Any) -> None:
+async def test_a_lease_holders_arguments_of_the_wrong_type_are_refused_naming_them(
+        start_runtime: Any) -> None:
     """Any JSON reaches an exported call, whatever the stock client sends: ``wait_ready("nan")``
     polled the runtime for ever, ``flash_oci(5)`` was "'float' object has no attribute
     'removeprefix'" (gRPC UNKNOWN)."""

@@ -98,8 +98,9 @@ async def test_a_guest_agents_error_is_said_bounded_and_on_one_line(tmp_path: Pa
             sync = json.loads(line.lstrip(b"\xff"))["arguments"]["id"]
             command = json.loads(await reader.readline())
             desc = "\n2099-01-01 INFO vmsidecar: a line the guest wrote\n" + "A" * 60_000
-            writer.write(b"\xff" + json.dumps({"return": sync}).encode() + b"\n"
-                         + json.dumps({"id": command["id"], "error": {"class": "x", "desc": desc}}).encode() + b"\n")
+            error = {"id": command["id"], "error": {"class": "x", "desc": desc}}
+            writer.write(b"\xff" + json.dumps({"return": sync}).encode() + b"\n")
+            writer.write(json.dumps(error).encode() + b"\n")
             await writer.drain()
 
     socket = tmp_path / "qga.sock"

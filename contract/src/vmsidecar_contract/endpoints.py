@@ -186,9 +186,9 @@ PUT_DISK = Endpoint(
     query=(Query("power_off", _BOOL),
            Query("digest", {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"})))
 GET_DISK = Endpoint(
-    "GET", "/v1/vm/disk", "Dump the disk (base + changes) as one image. Stopped|Crashed|Error. One disk transfer "
-    "at a time, a flash or a dump (409 transfer_in_progress); cancelled by a recycle or the next claim (409 "
-    "transfer_cancelled, or the stream cut short).",
+    "GET", "/v1/vm/disk", "Dump the disk (base + changes) as one image. Stopped|Crashed|Error. One disk "
+    "transfer at a time, a flash or a dump (409 transfer_in_progress); cancelled by a recycle or the next "
+    "claim (409 transfer_cancelled, or the stream cut short).",
     (Answer(200, "image", "binary"),),
     ("bad_request", "no_spec", "wrong_phase", "transfer_in_progress", "transfer_cancelled", "host_error"),
     query=(Query("format", {"type": "string", "enum": ["qcow2", "raw"], "default": "qcow2"}),))

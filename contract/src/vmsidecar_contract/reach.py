@@ -10,7 +10,8 @@ import socket
 
 
 def is_pod_local(address: str) -> bool:
-    """Whether the IP ``address`` (an IPv6 zone and IPv4-mapped forms allowed) is one a lease may not reach."""
+    """Whether the IP ``address`` (an IPv6 zone and IPv4-mapped forms allowed) is one a lease may not
+    reach."""
     ip = ipaddress.ip_address(address.split("%")[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped

@@ -48,8 +48,8 @@ def _not_reachable(netloc: str, redirect: bool) -> ValueError:
     said = "a redirect names" if redirect else "the URL's host"
     return ValueError(
         f"{said} {netloc}: this pod (loopback) or a link-local address such as the cloud metadata service, "
-        "which a lease may not reach; serve the image elsewhere, or set allow_local_urls: true in the exporter "
-        "config (a laptop, never a shared pod)")
+        "which a lease may not reach; serve the image elsewhere, or set allow_local_urls: true in the "
+        "exporter config (a laptop, never a shared pod)")
 
 
 async def _check_location(url: str, *, redirect: bool = False) -> None:
@@ -168,7 +168,8 @@ class VmStorage(FlasherInterface, Driver):
                             return
                     location = resp.headers.get("Location", "")
                     if not location:
-                        raise RuntimeError(f"a redirect without a Location from {self._redact_url(current_url)}")
+                        raise RuntimeError(
+                            f"a redirect without a Location from {self._redact_url(current_url)}")
                     location = urljoin(current_url, location)
                     if not local:
                         await _check_location(location, redirect=True)

@@ -85,7 +85,8 @@ class ReadinessWatch:
                 arrived.clear()
                 text = tail + bytes(pending)
                 pending.clear()
-                if await asyncio.get_running_loop().run_in_executor(_SEARCHES, pattern.search, text) is not None:
+                found = await asyncio.get_running_loop().run_in_executor(_SEARCHES, pattern.search, text)
+                if found is not None:
                     return
                 tail = text[-WINDOW:]
 

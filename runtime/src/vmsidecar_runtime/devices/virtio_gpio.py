@@ -181,8 +181,8 @@ class VirtioGpio:
         except GuestError as e:  # the ring itself is unusable: the virtio NEEDS_RESET case
             vq.broken = str(e)
             self.broken_queues += 1
-            self._warn("broken", f"virtqueue {vq.index} is broken ({e}); ignoring it until the guest resets the device; "
-                       f"{self.broken_queues} broken so far")
+            self._warn("broken", f"virtqueue {vq.index} is broken ({e}); ignoring it until the guest resets "
+                       f"the device; {self.broken_queues} broken so far")
         if done:
             vq.notify()
 

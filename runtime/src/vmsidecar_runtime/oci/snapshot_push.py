@@ -166,6 +166,7 @@ def _add_referrer(client: RegistryClient, subject: str, entry: dict) -> None:
     existing = client.get_manifest_or_none(tag)
     with answers_of(f"{client.ref.name}:{tag}", TAG_FIX):
         doc = index_doc(existing) or {}
-        manifests = [d for d in doc.get("manifests") or [] if isinstance(d, dict) and d.get("digest") != entry["digest"]]
+        manifests = [d for d in doc.get("manifests") or []
+                     if isinstance(d, dict) and d.get("digest") != entry["digest"]]
     index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*manifests, entry]}
     client.put_manifest(tag, json.dumps(index, separators=(",", ":")).encode(), OCI_INDEX)

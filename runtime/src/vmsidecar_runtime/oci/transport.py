@@ -82,9 +82,9 @@ class _Session(requests.Session):
             if new.hostname and resolves_to_pod(new.hostname, new.port or 443) and not resolves_to_pod(
                     current.hostname or "", current.port or 443):
                 raise RegistryError(
-                    f"registry {current.netloc} answered with a redirect to {new.netloc}, this pod (loopback) or a "
-                    "link-local address such as the cloud metadata service, which a registry may not send the "
-                    "runtime to; use another registry", code="registry_error")
+                    f"registry {current.netloc} answered with a redirect to {new.netloc}, this pod "
+                    "(loopback) or a link-local address such as the cloud metadata service, which a registry "
+                    "may not send the runtime to; use another registry", code="registry_error")
         return target
 
     def rebuild_auth(self, prepared_request: requests.PreparedRequest, response: requests.Response) -> None:
