@@ -120,3 +120,31 @@ async def test_a_cancelled_tool_leaves_no_process_behind() -> None:
         await task
     assert not Path(f"/proc/{pid}").exists(), Path(f"/proc/{pid}/stat").read_text()
     assert pid not in procs.OWN
+
+
+
+def test_the_pid_1_reaper_never_takes_a_child_of_ours_that_exits_before_it_is_recorded() -> None:
+    """The runtime as a pod's PID 1 reaps orphans, leaving its own children (``OWN``) to asyncio and
+    ``subprocess``. One that exited before its pid was recorded (``qemu-img create`` on a busy loop)
+    was reaped as an orphan: asyncio said "Unknown child process pid 33, will report returncode 255"
+    and a CI run's pod failed its boot ("cannot create the disk overlay … ()"). The interleaving, made
+    deterministic: a child exits while it is being started, and the reaper looks then."""
+    def exited(pid: int) -> None:
+        wait_until(lambda: os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None, 10,
+                   f"child {pid} to exit")
+
+    with procs._starting_child():  # white box: the window between the fork and OWN.add
+        ours = subprocess.Popen(["sh", "-c", "exit 3"])
+        exited(ours.pid)
+        procs.reap_orphans()
+        procs.OWN.add(ours.pid)
+    try:
+        assert ours.wait(10) == 3, "the reaper took a child of ours for an orphan"
+    finally:
+        procs.OWN.discard(ours.pid)
+
+    orphan = subprocess.Popen(["sh", "-c", "exit 4"])  # (not ours to the reaper: in no record)
+    exited(orphan.pid)
+    procs.reap_orphans()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(orphan.pid, os.WNOHANG)  # already reaped: the reaper still does its job

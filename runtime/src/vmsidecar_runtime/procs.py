@@ -4,11 +4,14 @@ with an environment that holds nothing but what programs need to run (:func:`chi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,35 @@ from vmsidecar_contract.errors import HostError
 
 #: pids started through ``spawn`` and not yet waited for; the reaper leaves these to asyncio
 OWN: set[int] = set()
+#: children being started whose pid is not in ``OWN`` yet, under ``_STARTING_LOCK`` with the reaper's
+#: look: a child of ours that exits before its pid is recorded (``qemu-img create`` on a busy loop)
+#: looked like an orphan, was reaped, and asyncio then reported it "returncode 255" (a CI run's pod)
+_starting = 0
+_STARTING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _starting_child() -> Iterator[None]:
+    global _starting
+    with _STARTING_LOCK:
+        _starting += 1
+    try:
+        yield
+    finally:
+        with _STARTING_LOCK:
+            _starting -= 1
+
+
+def reap_orphans() -> None:
+    """As PID 1: reap the adopted orphans that have exited, never a child of ours (``OWN``, or one
+    being started: then this look waits for the next)."""
+    with _STARTING_LOCK, contextlib.suppress(ChildProcessError, OSError):
+        while not _starting:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            # asyncio and subprocess wait for the processes started here; everything else is an orphan
+            if info is None or info.si_pid in OWN:
+                break
+            os.waitpid(info.si_pid, os.WNOHANG)
 
 #: util-linux's setpriv sets PR_SET_PDEATHSIG(SIGKILL) on itself and execs the program: the kernel
 #: kills the child when the runtime dies, however it dies, and no Python code runs between fork and
@@ -69,8 +101,9 @@ async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asy
     if die_with_parent and sys.platform == "linux":
         argv = die_with_parent_argv(argv)
     kwargs.setdefault("env", child_env())
-    proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
-    OWN.add(proc.pid)
+    with _starting_child():
+        proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
+        OWN.add(proc.pid)
     wait = proc.wait
 
     async def tracked_wait() -> int:
@@ -89,20 +122,27 @@ def inherited_path(fd: int) -> Path:
     return Path(f"/proc/self/fd/{fd}")
 
 
-def run(*argv: str) -> tuple[int, str, str]:
-    """Run a helper program to completion from a worker thread: ``(rc, stdout, stderr)``.
+def run(*argv: str, timeout: float | None = None) -> tuple[int, str, str]:
+    """Run a helper program to completion from a worker thread: ``(rc, stdout, stderr)``; past
+    ``timeout`` seconds it is killed.
 
     The pid is recorded like :func:`spawn`'s, because the PID-1 reaper would otherwise collect
     the child first and ``subprocess`` would then report a failed ``qemu-img check`` as rc 0.
     The child gets :func:`child_env`.
 
     :raise FileNotFoundError: when the program is not installed.
+    :raise subprocess.TimeoutExpired: past ``timeout`` (the program killed and reaped).
     """
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env())
-    OWN.add(proc.pid)
+    with _starting_child():
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=child_env())
+        OWN.add(proc.pid)
     try:
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     finally:
         OWN.discard(proc.pid)
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")

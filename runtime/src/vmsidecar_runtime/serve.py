@@ -193,20 +193,13 @@ class SharedDirLock:
             self.fd = -1
 
 
-async def _reap_orphans(stop: asyncio.Event) -> None:
-    """As PID 1, reap adopted orphans without stealing the exit status of our own children."""
+async def _reap_orphans(stop: asyncio.Event, every: float = 1.0) -> None:
+    """As PID 1, reap adopted orphans (one look every ``every`` seconds) without stealing the exit
+    status of our own children."""
     while not stop.is_set():
-        with contextlib.suppress(ChildProcessError, OSError):
-            while True:
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                if info is None:
-                    break
-                # asyncio waits for the processes it started itself; everything else is an orphan.
-                if info.si_pid in procs.OWN:
-                    break
-                os.waitpid(info.si_pid, os.WNOHANG)
+        procs.reap_orphans()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
+            await asyncio.wait_for(stop.wait(), every)
 
 
 #: seconds the API's import waits at most for the boot to be under way (``_api_modules_once_booting``)

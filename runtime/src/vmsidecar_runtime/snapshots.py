@@ -51,13 +51,13 @@ from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_contract.spec import Readiness, VmSpec
 from vmsidecar_contract.state import FORM_REASON_GPIO, FORM_REASON_RUNTIME
 
+from . import procs
 from .backend.common import qemu_binary
 from .disk import DiskImage
 from .image.checks import parse_qcow2_header
 from .image.limits import Origin
 from .image.sniff import QCOW2_MAGIC
 from .oci.cache import IN_USE, DiskCache, hash_file, remove_tree, stat_seal
-from .procs import child_env
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,10 @@ def qemu_version(arch: str) -> str:
 @functools.cache
 def _qemu_version(arch: str) -> str:
     try:
-        out = subprocess.run([qemu_binary(arch), "--version"], capture_output=True, text=True, timeout=10,
-                             env=child_env())
+        _, out, _ = procs.run(qemu_binary(arch), "--version", timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    return out.stdout.splitlines()[0] if out.stdout else ""
+    return out.splitlines()[0] if out else ""
 
 
 #: spec fields outside the key: whether and where snapshots are looked for change no guest, and

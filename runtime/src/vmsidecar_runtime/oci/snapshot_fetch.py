@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,12 +32,12 @@ from typing import Any, TypeVar
 
 from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError, VmsidecarError
 
+from .. import procs
 from ..disk import DiskImage
 from ..image.checks import check_virtual_size, parse_qcow2_header
 from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC
-from ..procs import child_env
 from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
 from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
 from .cache import remove_tree, stat_seal
@@ -410,8 +409,8 @@ def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits
         raise SourceRefused("too_large", e.message) from None
     qemu_img = shutil.which("qemu-img") or "qemu-img"
     # -u: only the header's backing name changes; the image is never opened through the old name
-    done = subprocess.run([qemu_img, "rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
-                           str(staged.disk)], capture_output=True, text=True, timeout=60, env=child_env())
-    if done.returncode != 0:
+    rc, _, err = procs.run(qemu_img, "rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
+                           str(staged.disk), timeout=60)
+    if rc != 0:
         raise SourceRefused("bad_artifact", f"{origin.what} cannot be rebased onto {base.path} "
-                            f"({done.stderr.strip()[:200]}); {RESEND}")
+                            f"({err.strip()[:200]}); {RESEND}")
