@@ -184,6 +184,11 @@ async def test_an_upload_that_says_it_is_compressed_is_not_inflated_by_the_expor
     assert exp.proc.poll() is None, exp.log_text()[-3000:]
     assert peak < before + 200, f"the exporter inflated the upload: peak {peak:.0f} MiB (was {before:.0f})"
 
+    # an encoding the runtime does not read is refused, not inflated here either
+    bz2_upload = BOMB.replace('content_encoding="zstd"', 'content_encoding="bz2"')
+    result = await asyncio.to_thread(run_shell, exp.shell_args, bz2_upload, cwd=tmp_path)
+    assert "flash refused:" in result.stdout and "'bz2' cannot be flashed" in result.stdout, result.stdout[-2000:]
+
     # the control: a real compressed disk sent the same way (`--compression zstd`) is flashed
     disk = tmp_path / "d.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "64M"], check=True)
@@ -203,7 +208,8 @@ async def test_an_upload_that_says_it_is_compressed_is_not_inflated_by_the_expor
     ("flash", {"kind": "presigned_request", "method": "GET", "url": "file:///etc/passwd", "headers": {}},
      "is not an http(s) URL"),
     ("flash", {"kind": "client_stream", "uuid": "00000000-0000-0000-0000-000000000000",
-               "x_jmp_content_encoding": "bz2"}, "cannot be flashed"),
+               "x_jmp_content_encoding": "gzip"}, "no stream 00000000-0000-0000-0000-000000000000 was opened"),
+    ("dump", {"kind": "client_stream", "uuid": "00000000-0000-0000-0000-000000000000"}, "no stream"),
 ])
 async def test_a_resource_the_call_cannot_use_is_refused_naming_why(
     start_runtime: Any, method: str, handle: dict, message: str

@@ -114,10 +114,17 @@ def _pass_through(handle: Any) -> Any:
     return resource.model_copy(update={"x_jmp_content_encoding": None}).model_dump(mode="json")
 
 
-def _check_method(handle: Any, method: str, what: str) -> None:
+def _check_handle(handle: Any, method: str, what: str, streams: dict[Any, Any]) -> None:
+    """A URL handle asks for ``method``; a client stream handle names a stream of this driver.
+
+    :raise ValueError: naming what is wrong (upstream: a stream it does not have is a bare ``KeyError``).
+    """
     resource = TypeAdapter(Resource).validate_python(handle)
     if isinstance(resource, PresignedRequestResource) and resource.method != method:
         raise ValueError(f"{what} takes a URL to {method}, not to {resource.method}")
+    if isinstance(resource, ClientStreamResource) and resource.uuid not in streams:
+        raise ValueError(f"{what}: no stream {resource.uuid} was opened to this driver; send the file with "
+                         f"the client's {what}")
 
 
 @metered_driver
@@ -131,15 +138,30 @@ class VmStorage(FlasherInterface, Driver):
     def client(cls) -> str:
         return "jumpstarter_driver_vmsidecar.client.VmStorageClient"
 
+    @contextlib.asynccontextmanager
+    async def _refusing(self, handle: Any) -> AsyncIterator[None]:
+        """A refusal in the block closes the client's stream the call was given: unread, its client
+        would wait for ever to finish sending (and the stream stay in ``resources``)."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                resource = TypeAdapter(Resource).validate_python(handle)
+                if isinstance(resource, ClientStreamResource) and resource.uuid in self.resources:
+                    await self.resources.pop(resource.uuid).aclose()
+            raise
+
     @export
     async def flash(self, source: Any, target: str | None = None) -> dict[str, Any]:
         """Replace the disk with an image streamed by the client or fetched from a URL (atomic)."""
-        _check_target(target)
         power_off = self.parent.flash_power_off
-        _check_method(source, "GET", "flash")
-        await check_url(source, allow_local=self.parent.allow_local_urls)
+        async with self._refusing(source):
+            _check_target(target)
+            _check_handle(source, "GET", "flash", self.resources)
+            await check_url(source, allow_local=self.parent.allow_local_urls)
+            source = _pass_through(source)
 
-        async with self.resource(_pass_through(source)) as res:
+        async with self.resource(source) as res:
 
             async def chunks() -> AsyncIterator[bytes]:
                 async for chunk in res:
@@ -203,9 +225,10 @@ class VmStorage(FlasherInterface, Driver):
     @export
     async def dump(self, target: Any, partition: str | None = None) -> None:
         """Stream the disk (base plus this lease's changes, one qcow2) to the client; the VM must be off."""
-        _check_target(partition)
-        _check_method(target, "PUT", "dump")
-        await check_url(target, allow_local=self.parent.allow_local_urls)
+        async with self._refusing(target):
+            _check_target(partition)
+            _check_handle(target, "PUT", "dump", self.resources)
+            await check_url(target, allow_local=self.parent.allow_local_urls)
         async with self.resource(target) as res:
 
             async def pump(client: RuntimeClient) -> None:
