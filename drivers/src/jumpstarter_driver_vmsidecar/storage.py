@@ -3,10 +3,11 @@
 Local files stream from the client; http(s) URLs are fetched by the exporter; ``oci://REF`` is
 pulled by the runtime itself (its cache, its credentials, digest-verified).
 
-A URL is the lease holder's choice, fetched (flash) or written to (dump) from inside the pod, with
-headers they choose too: one naming the pod's loopback or a link-local address (the cloud metadata
-service: ``Metadata-Flavor: Google`` is just a header) is refused unless the exporter config sets
-``allow_local_urls`` (docs/security.md, threat model).
+A URL is the lease holder's choice, fetched (flash) from inside the pod, with headers they choose
+too: one naming, resolving to or redirecting to the pod's loopback or a link-local address (the
+cloud metadata service: ``Metadata-Flavor: Google`` is just a header) is refused unless the
+exporter config sets ``allow_local_urls`` (docs/security.md, threat model). A dump goes to the
+client only (:data:`NO_DUMP_URL`).
 """
 
 from __future__ import annotations
@@ -114,12 +115,22 @@ def _pass_through(handle: Any) -> Any:
     return resource.model_copy(update={"x_jmp_content_encoding": None}).model_dump(mode="json")
 
 
-def _check_handle(handle: Any, method: str, what: str, streams: dict[Any, Any]) -> None:
-    """A URL handle asks for ``method``; a client stream handle names a stream of this driver.
+#: why ``dump`` takes no URL: jumpstarter 0.9.0's presigned PUT opens the request with the body as a
+#: stream it hands to the driver only once the answer has come, which never comes without the body
+#: (the call hung for its 7200 s timeout, the server seeing no request)
+NO_DUMP_URL = ("dump to a URL is not supported (jumpstarter 0.9.0's upload of a dump never sends its body); "
+               "dump to a local file (j vm storage dump FILE) and upload that")
+
+
+def _check_handle(handle: Any, method: str | None, what: str, streams: dict[Any, Any]) -> None:
+    """A URL handle asks for ``method`` (``None``: no URL is taken); a client stream handle names a
+    stream of this driver.
 
     :raise ValueError: naming what is wrong (upstream: a stream it does not have is a bare ``KeyError``).
     """
     resource = TypeAdapter(Resource).validate_python(handle)
+    if isinstance(resource, PresignedRequestResource) and method is None:
+        raise ValueError(NO_DUMP_URL)
     if isinstance(resource, PresignedRequestResource) and resource.method != method:
         raise ValueError(f"{what} takes a URL to {method}, not to {resource.method}")
     if isinstance(resource, ClientStreamResource) and resource.uuid not in streams:
@@ -227,8 +238,7 @@ class VmStorage(FlasherInterface, Driver):
         """Stream the disk (base plus this lease's changes, one qcow2) to the client; the VM must be off."""
         async with self._refusing(target):
             _check_target(partition)
-            _check_handle(target, "PUT", "dump", self.resources)
-            await check_url(target, allow_local=self.parent.allow_local_urls)
+            _check_handle(target, None, "dump", self.resources)
         async with self.resource(target) as res:
 
             async def pump(client: RuntimeClient) -> None:
