@@ -369,3 +369,21 @@ def test_malformed_frames_from_the_guest_are_dropped(guest_bus: tuple[FakeGuest,
     msg = bus.recv(10)
     assert msg is not None and (msg.arbitration_id, bytes(msg.data)) == (0x123, b"\xbe\xef"), msg
     assert bus.recv(0.2) is None
+
+
+def test_send_to_a_guest_that_does_not_read_keeps_its_timeout(
+    guest_bus: tuple[FakeGuest, VmsidecarSlcanBus],
+) -> None:
+    """``send(msg, 0.5)`` while the guest reads nothing: once the socket's buffer is full, sendall
+    had blocked past the timeout for as long as the guest did not read (to the lease's end)."""
+    guest, bus = guest_bus
+    guest.write(b"").join(5)  # (connected) the guest reads nothing
+
+    def flood() -> None:
+        while True:
+            bus.send(FRAME, 0.5)
+
+    call = Call(flood)
+    assert call.ended(10), "send blocked past its timeout"
+    assert isinstance(call.error, can.CanTimeoutError), call.error
+    assert "not reading" in str(call.error), call.error

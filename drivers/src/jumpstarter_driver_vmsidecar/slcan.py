@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import select
 import socket
 import threading
 import time
@@ -236,12 +237,14 @@ class VmsidecarSlcanBus(can.BusABC):
         limit = seconds_or_none(timeout)
         data = encode(msg)
         self._pace(msg)
-        deadline = time.monotonic() + (5.0 if limit is None else limit)
+        wait = 5.0 if limit is None else limit
+        deadline = time.monotonic() + wait
         while True:
             try:
-                # (a guest that does not read blocks sendall; shutdown's SHUT_RDWR ends it)
-                self._connect().sendall(data)
-                return
+                sock = self._connect()
+                if self._writable(sock, deadline):  # (sendall blocks while the guest does not read)
+                    sock.sendall(data)
+                    return
             except OSError as e:
                 if self._closed.is_set():
                     raise self._shut_down() from e
@@ -252,6 +255,29 @@ class VmsidecarSlcanBus(can.BusABC):
                     ) from e
                 if self._closed.wait(0.1):
                     raise self._shut_down() from e
+                continue
+            raise can.CanTimeoutError(f"the frame was not sent within {wait:g} s: the guest is not reading the "
+                                      f"CAN bus {self.channel} (its buffer is full)")
+
+    def _writable(self, sock: socket.socket, deadline: float) -> bool:
+        """Whether ``sock`` takes bytes before ``deadline`` (a frame is ≤ 30 bytes: room for it).
+
+        :raise can.CanOperationError: the bus was shut down meanwhile.
+        :raise OSError: the socket was dropped meanwhile (the reader saw it end).
+        """
+        fd = sock.fileno()
+        if fd < 0:
+            raise OSError("the CAN bus socket was closed")
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)  # (a hang-up answers too: sendall then says why)
+        while True:
+            if self._closed.is_set():
+                raise self._shut_down()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if poll.poll(int(min(left, 0.25) * 1000) + 1):
+                return True
 
     def _recv_internal(self, timeout: float | None) -> tuple[can.Message | None, bool]:
         # None (what upstream's CanClient.recv sends by default): until a frame arrives or the bus is
