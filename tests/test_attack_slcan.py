@@ -387,3 +387,11 @@ def test_send_to_a_guest_that_does_not_read_keeps_its_timeout(
     assert call.ended(10), "send blocked past its timeout"
     assert isinstance(call.error, can.CanTimeoutError), call.error
     assert "not reading" in str(call.error), call.error
+
+
+def test_send_with_timeout_zero_sends_when_there_is_room(
+    guest_bus: tuple[FakeGuest, VmsidecarSlcanBus],
+) -> None:
+    """python-can's ``timeout=0``: try once without blocking (the deadline check had come first)."""
+    _, bus = guest_bus
+    bus.send(FRAME, 0)

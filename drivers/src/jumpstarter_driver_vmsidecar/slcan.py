@@ -270,14 +270,14 @@ class VmsidecarSlcanBus(can.BusABC):
             raise OSError("the CAN bus socket was closed")
         poll = select.poll()
         poll.register(fd, select.POLLOUT)  # (a hang-up answers too: sendall then says why)
-        while True:
+        while True:  # (one look even at timeout 0: python-can's "try once, without blocking")
             if self._closed.is_set():
                 raise self._shut_down()
             left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if poll.poll(int(min(left, 0.25) * 1000) + 1):
+            if poll.poll(max(0, int(min(left, 0.25) * 1000))):
                 return True
+            if time.monotonic() >= deadline:
+                return False
 
     def _recv_internal(self, timeout: float | None) -> tuple[can.Message | None, bool]:
         # None (what upstream's CanClient.recv sends by default): until a frame arrives or the bus is

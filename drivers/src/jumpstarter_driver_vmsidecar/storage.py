@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 import aiohttp
+import yarl
 from aiohttp.abc import ResolveResult
 from jumpstarter.common.resources import ClientStreamResource, PresignedRequestResource, Resource
 from jumpstarter.driver import Driver, FlasherInterface, export
@@ -59,17 +61,21 @@ async def _check_location(url: str, *, redirect: bool = False) -> None:
 
     :raise ValueError: naming the host and the exporter config switch.
     """
-    parts = urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{'a redirect to ' if redirect else ''}{url!r} is not an http(s) URL with a host; "
-                         "give an http:// or https:// URL, a local file or oci://REGISTRY/REPO:TAG")
+    said = f"{'a redirect to ' if redirect else ''}{url!r}"
+    try:  # read as the fetch reads it (yarl): urlsplit refuses ports yarl takes (`:+80`)
+        parts = yarl.URL(url, encoded=True)
+        host, port = parts.raw_host, parts.port
+    except ValueError as e:
+        raise ValueError(f"{said} is not a URL the exporter can fetch ({e})") from None
+    if parts.scheme.lower() not in ("http", "https") or not host:
+        raise ValueError(f"{said} is not an http(s) URL with a host; give an http:// or https:// URL, a "
+                         "local file or oci://REGISTRY/REPO:TAG")
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port or 443,
-                                                             type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError, ValueError):
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
         return  # unresolvable: the fetch itself fails and says so
     if any(is_pod_local(str(info[4][0])) for info in infos):
-        raise _not_reachable(parts.netloc, redirect)
+        raise _not_reachable(parts.raw_authority, redirect)
 
 
 async def check_url(handle: Any, *, allow_local: bool) -> None:
@@ -91,7 +97,7 @@ class _PublicResolver(aiohttp.ThreadedResolver):
                       ) -> list[ResolveResult]:
         addresses = await super().resolve(host, port, family)
         if any(is_pod_local(a["host"]) for a in addresses):
-            raise OSError(str(_not_reachable(host, redirect=False)))
+            raise OSError(errno.EACCES, str(_not_reachable(host, redirect=False)))  # (aiohttp shows strerror)
         return addresses
 
 

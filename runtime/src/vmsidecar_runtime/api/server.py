@@ -213,7 +213,7 @@ async def get_disk(request: web.Request) -> web.StreamResponse:
             headers={"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
         )
         await response.prepare(request)
-        sending = asyncio.ensure_future(_send_file(response, path))
+        sending = asyncio.ensure_future(_send_file(response, path, lambda: vm.transfers.end(transfer)))
         ended = asyncio.ensure_future(transfer.cancelled.wait())
         try:  # a reader that stops reading leaves the write waiting for ever: the lease's end must stop it
             await asyncio.wait({sending, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -239,10 +239,17 @@ async def get_disk(request: web.Request) -> web.StreamResponse:
         vm.transfers.end(transfer)
 
 
-async def _send_file(response: web.StreamResponse, path: Path) -> None:
+async def _send_file(response: web.StreamResponse, path: Path, all_read: Callable[[], None]) -> None:
+    """Send the file; ``all_read()`` as its last bytes go out: the reader has them before this
+    handler ends, and a flash or dump it asks for next must not find the slot still held (a 409)."""
     with open(path, "rb") as fh:
-        while chunk := await asyncio.to_thread(fh.read, 1 << 20):
+        chunk = await asyncio.to_thread(fh.read, 1 << 20)
+        while chunk:
+            following = await asyncio.to_thread(fh.read, 1 << 20)
+            if not following:
+                all_read()
             await response.write(chunk)
+            chunk = following
 
 
 async def get_events(request: web.Request) -> web.StreamResponse:

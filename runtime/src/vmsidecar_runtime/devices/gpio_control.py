@@ -15,7 +15,9 @@ drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
 
 A wait's ``timeout`` is 0 to :data:`MAX_TIMEOUT` seconds, or null: until the condition holds. Either
 way the wait ends (and its connection with it) when its client hangs up or the lease ends
-(``closed``): the device outlives leases, so nothing a lease left waiting may stay. Past
+(``closed``): the device outlives leases, so nothing a lease left waiting may stay. A client that
+closes its sending side (``echo … | socat``, ``shutdown(SHUT_WR)``) cannot be told from one that
+left: it must keep the connection open until its answer. Past
 :data:`MAX_CLIENTS` connections at once, a new one gets ``busy`` to its first request and is closed.
 """
 
