@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from backports import zstd
 
-from fixtures.attack import routable_address
+from fixtures.attack import memory_kib, routable_address
 from fixtures.jmp import exporter_config, run_shell
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,28 +84,18 @@ async def test_a_flash_url_naming_the_pod_or_the_metadata_service_is_never_fetch
 
 @contextlib.contextmanager
 def redirecting_to(target: str) -> Iterator[str]:
-    """A plain HTTP server on this machine's routable address whose every GET is ``302`` to ``target``;
-    yields its base URL."""
+    """A plain HTTP server on this machine's routable address whose every GET is ``302`` to ``target``
+    (``test_attack_credentials.FakeRegistry``: any answer); yields its base URL."""
+    from test_attack_credentials import FakeRegistry
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(302)
-            self.send_header("Location", target)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+    def answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(302)
+        h.send_header("Location", target)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    address = routable_address()
-    server = http.server.ThreadingHTTPServer((address, 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://{address}:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with FakeRegistry(answer, address=routable_address()) as server:
+        yield f"http://{server.host}"
 
 
 async def test_a_flash_url_that_redirects_into_the_pod_is_never_followed_there(
@@ -163,9 +153,7 @@ def _peak_rss_mib(pid: int) -> float:
     while pending:
         current = pending.pop()
         with contextlib.suppress(FileNotFoundError):
-            status = Path(f"/proc/{current}/status").read_text()
-            hwm = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
-            peak = max(peak, int(hwm))
+            peak = max(peak, memory_kib(current)["VmHWM"])
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending += [int(c) for c in (task / "children").read_text().split()]
     return peak / 1024

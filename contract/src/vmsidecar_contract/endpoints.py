@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from . import errors
 
@@ -24,6 +24,14 @@ from . import errors
 MAX_JSON_BODY = 1 << 20
 #: the longest ``GET /v1/events?timeout=`` (seconds), like the other timeouts of the API
 MAX_EVENTS_TIMEOUT = 3600.0
+#: the longest wait a lease's call may ask for (a driver's timeout, a ``gpio.sock`` wait), seconds
+MAX_WAIT_S = 86400.0
+
+
+def is_wait(value: object) -> TypeGuard[int | float]:
+    """Whether a JSON value is a wait in seconds: a number (not a bool, not NaN) from 0 to
+    :data:`MAX_WAIT_S`. A lease holder sends any JSON; infinity and NaN never end."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_WAIT_S
 
 Media = Literal["json", "ndjson", "binary"]
 MEDIA_TYPES: dict[Media, str] = {

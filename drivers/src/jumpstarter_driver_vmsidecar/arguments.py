@@ -7,19 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-#: the longest wait any call takes (a day): a lease is not meant to outlive it
-MAX_WAIT_S = 86400.0
+from vmsidecar_contract.endpoints import MAX_WAIT_S, is_wait
 
 
-def seconds(value: Any, name: str = "timeout", *, maximum: float = MAX_WAIT_S) -> float:
-    """``value``, a JSON number of seconds in ``[0, maximum]``, as a float.
+def seconds(value: Any, name: str = "timeout") -> float:
+    """``value``, a JSON number of seconds in ``[0, MAX_WAIT_S]`` (the contract's ``is_wait``), as a float.
 
     :raise ValueError: not a number (a string such as ``"inf"`` is not, nor a bool), NaN, negative, or
-        past ``maximum``.
+        past a day.
     """
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= maximum:
-        return float(value)  # (NaN fails every comparison)
-    raise ValueError(f"{name} must be a number of seconds from 0 to {maximum:g}; got {value!r:.100}")
+    if is_wait(value):
+        return float(value)
+    raise ValueError(f"{name} must be a number of seconds from 0 to {MAX_WAIT_S:g}; got {value!r:.100}")
 
 
 def seconds_or_none(value: Any, name: str = "timeout") -> float | None:

@@ -31,7 +31,7 @@ from jumpstarter.streams.progress import ProgressStream
 from pydantic import TypeAdapter
 
 from vmsidecar_contract.client import RuntimeClient
-from vmsidecar_contract.reach import is_pod_local
+from vmsidecar_contract.reach import is_pod_local, resolves_to_pod
 
 from .arguments import text
 from .metrics import metered_driver
@@ -70,23 +70,16 @@ async def _check_location(url: str, *, redirect: bool = False) -> None:
     if parts.scheme.lower() not in ("http", "https") or not host:
         raise ValueError(f"{said} is not an http(s) URL with a host; give an http:// or https:// URL, a "
                          "local file or oci://REGISTRY/REPO:TAG")
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return  # unresolvable: the fetch itself fails and says so
-    if any(is_pod_local(str(info[4][0])) for info in infos):
+    if await asyncio.to_thread(resolves_to_pod, host, port or 443):  # (unresolvable: the fetch says so)
         raise _not_reachable(parts.raw_authority, redirect)
 
 
-async def check_url(handle: Any, *, allow_local: bool) -> None:
-    """Refuse a URL resource whose host is (or resolves to) the pod's loopback or a link-local address.
+def _resource(handle: Any) -> Resource:
+    """The lease holder's handle, read once.
 
-    :raise ValueError: naming the URL's host and the exporter config switch.
+    :raise ValueError: not a handle (pydantic's ``ValidationError`` is one).
     """
-    resource = TypeAdapter(Resource).validate_python(handle)
-    if allow_local or not isinstance(resource, PresignedRequestResource):
-        return
-    await _check_location(resource.url)
+    return TypeAdapter(Resource).validate_python(handle)
 
 
 class _PublicResolver(aiohttp.ThreadedResolver):
@@ -105,20 +98,19 @@ class _PublicResolver(aiohttp.ThreadedResolver):
 PASSED_THROUGH = ("zstd", "gzip", "xz")
 
 
-def _pass_through(handle: Any) -> Any:
-    """``handle``, a client stream whose bytes the lease holder says are compressed, as a stream the
+def _pass_through(resource: Resource) -> Resource:
+    """``resource``, a client stream whose bytes the lease holder says are compressed, as a stream the
     exporter passes through unread: upstream inflates each received chunk whole in this process (a
     16 KB chunk of zstd became 512 MiB here), which holds the pool's credentials.
 
     :raise ValueError: an encoding the runtime does not decompress.
     """
-    resource = TypeAdapter(Resource).validate_python(handle)
     if not isinstance(resource, ClientStreamResource) or resource.x_jmp_content_encoding is None:
-        return handle
+        return resource
     if resource.x_jmp_content_encoding not in PASSED_THROUGH:
         raise ValueError(f"an upload compressed as {resource.x_jmp_content_encoding!r} cannot be flashed; "
                          f"decompress it, or compress it with one of {', '.join(PASSED_THROUGH)}")
-    return resource.model_copy(update={"x_jmp_content_encoding": None}).model_dump(mode="json")
+    return resource.model_copy(update={"x_jmp_content_encoding": None})
 
 
 #: why ``dump`` takes no URL: jumpstarter 0.9.0's presigned PUT opens the request with the body as a
@@ -128,17 +120,20 @@ NO_DUMP_URL = ("dump to a URL is not supported (jumpstarter 0.9.0's upload of a 
                "dump to a local file (j vm storage dump FILE) and upload that")
 
 
-def _check_handle(handle: Any, method: str | None, what: str, streams: dict[Any, Any]) -> None:
-    """A URL handle asks for ``method`` (``None``: no URL is taken); a client stream handle names a
-    stream of this driver.
+async def _check_handle(resource: Resource, method: str | None, what: str, streams: dict[Any, Any], *,
+                        allow_local: bool) -> None:
+    """A URL asks for ``method`` (``None``: no URL is taken) from a host that is not the pod (unless
+    ``allow_local``); a client stream names a stream of this driver.
 
     :raise ValueError: naming what is wrong (upstream: a stream it does not have is a bare ``KeyError``).
     """
-    resource = TypeAdapter(Resource).validate_python(handle)
-    if isinstance(resource, PresignedRequestResource) and method is None:
-        raise ValueError(NO_DUMP_URL)
-    if isinstance(resource, PresignedRequestResource) and resource.method != method:
-        raise ValueError(f"{what} takes a URL to {method}, not to {resource.method}")
+    if isinstance(resource, PresignedRequestResource):
+        if method is None:
+            raise ValueError(NO_DUMP_URL)
+        if resource.method != method:
+            raise ValueError(f"{what} takes a URL to {method}, not to {resource.method}")
+        if not allow_local:
+            await _check_location(resource.url)
     if isinstance(resource, ClientStreamResource) and resource.uuid not in streams:
         raise ValueError(f"{what}: no stream {resource.uuid} was opened to this driver; send the file with "
                          f"the client's {what}")
@@ -156,15 +151,14 @@ class VmStorage(FlasherInterface, Driver):
         return "jumpstarter_driver_vmsidecar.client.VmStorageClient"
 
     @contextlib.asynccontextmanager
-    async def _refusing(self, handle: Any) -> AsyncIterator[None]:
+    async def _refusing(self, resource: Resource) -> AsyncIterator[None]:
         """A refusal in the block closes the client's stream the call was given: unread, its client
         would wait for ever to finish sending (and the stream stay in ``resources``)."""
         try:
             yield
         except BaseException:
-            with contextlib.suppress(Exception):
-                resource = TypeAdapter(Resource).validate_python(handle)
-                if isinstance(resource, ClientStreamResource) and resource.uuid in self.resources:
+            if isinstance(resource, ClientStreamResource) and resource.uuid in self.resources:
+                with contextlib.suppress(Exception):
                     await self.resources.pop(resource.uuid).aclose()
             raise
 
@@ -172,13 +166,14 @@ class VmStorage(FlasherInterface, Driver):
     async def flash(self, source: Any, target: str | None = None) -> dict[str, Any]:
         """Replace the disk with an image streamed by the client or fetched from a URL (atomic)."""
         power_off = self.parent.flash_power_off
-        async with self._refusing(source):
+        resource = _resource(source)
+        async with self._refusing(resource):
             _check_target(target)
-            _check_handle(source, "GET", "flash", self.resources)
-            await check_url(source, allow_local=self.parent.allow_local_urls)
-            source = _pass_through(source)
+            await _check_handle(resource, "GET", "flash", self.resources,
+                                allow_local=self.parent.allow_local_urls)
+            resource = _pass_through(resource)
 
-        async with self.resource(source) as res:
+        async with self.resource(resource.model_dump(mode="json")) as res:
 
             async def chunks() -> AsyncIterator[bytes]:
                 async for chunk in res:
@@ -242,9 +237,10 @@ class VmStorage(FlasherInterface, Driver):
     @export
     async def dump(self, target: Any, partition: str | None = None) -> None:
         """Stream the disk (base plus this lease's changes, one qcow2) to the client; the VM must be off."""
-        async with self._refusing(target):
+        resource = _resource(target)
+        async with self._refusing(resource):
             _check_target(partition)
-            _check_handle(target, None, "dump", self.resources)
+            await _check_handle(resource, None, "dump", self.resources, allow_local=self.parent.allow_local_urls)
         async with self.resource(target) as res:
 
             async def pump(client: RuntimeClient) -> None:

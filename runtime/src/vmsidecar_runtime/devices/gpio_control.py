@@ -13,11 +13,11 @@ not_host_driven, bad_value, bad_wait, timeout, closed, busy (and internal for a 
 the guest's view: ``in`` lines are driven by the host, ``out`` lines by the guest. The exporter's
 drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
 
-A wait's ``timeout`` is 0 to :data:`MAX_TIMEOUT` seconds, or null: until the condition holds. Either
-way the wait ends (and its connection with it) when its client hangs up or the lease ends
-(``closed``): the device outlives leases, so nothing a lease left waiting may stay. A client that
-closes its sending side (``echo … | socat``, ``shutdown(SHUT_WR)``) cannot be told from one that
-left: it must keep the connection open until its answer. Past
+A wait's ``timeout`` is 0 to ``MAX_WAIT_S`` seconds (the contract's ``endpoints.is_wait``), or null:
+until the condition holds. Either way the wait ends (and its connection with it) when its client
+hangs up or the lease ends (``closed``): the device outlives leases, so nothing a lease left waiting
+may stay. A client that closes its sending side (``echo … | socat``, ``shutdown(SHUT_WR)``) cannot be
+told from one that left: it must keep the connection open until its answer. Past
 :data:`MAX_CLIENTS` connections at once, a new one gets ``busy`` to its first request and is closed.
 """
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmsidecar_contract.endpoints import MAX_WAIT_S, is_wait
 from vmsidecar_contract.errors import GuestError, RequestError, StateError, VmsidecarError
 
 from ..perms import share
@@ -43,8 +44,6 @@ LINE_LIMIT = 1 << 16
 #: connections at once: the exporter opens one per call, so this is far past a lease's real use, and
 #: bounds the fds (and waiters) a flood of calls can hold in the runtime
 MAX_CLIENTS = 64
-#: the longest wait, seconds (a day; upstream's CLI waits an hour by default)
-MAX_TIMEOUT = 86400.0
 #: seconds a refused connection gets to send its request: the refusal answers it, and a socket
 #: closed with a request unread would reset, losing the refusal
 REFUSE_READ_S = 1.0
@@ -234,13 +233,13 @@ async def _last_word(writer: asyncio.StreamWriter, code: str, message: str) -> N
 
 
 def _timeout(value: object) -> float | None:
-    """A ``wait`` timeout: 0 to :data:`MAX_TIMEOUT` seconds, or null for none.
+    """A ``wait`` timeout: 0 to ``MAX_WAIT_S`` seconds, or null for none.
 
     :raise RequestError: (``bad_wait``) for anything else (NaN and Infinity are JSON to Python).
     """
     if value is None:
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_TIMEOUT:
+    if is_wait(value):
         return float(value)
-    raise RequestError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT:g}, or null; "
+    raise RequestError(f"timeout must be a number of seconds from 0 to {MAX_WAIT_S:g}, or null; "
                        f"got {value!r:.100}", code="bad_wait")
