@@ -118,9 +118,11 @@ def pool_env(tmp_path: Path, host: str, *, file_hosts: tuple[str, ...] = (), ins
              ) -> dict[str, str]:
     """The pool's runtime environment: its credentials (the same pair, as a pool has one robot
     account) for ``host`` by the environment and for ``file_hosts`` by an auth file; before the fix,
-    the environment's pair went to every registry a reference named, and the file was not read."""
+    the environment's pair went to every registry a reference named, and the file was not read.
+    The pool lends ``host`` to a lease's flash: these tests are about where credentials go once used."""
     env = {"VMSIDECAR_REGISTRY_USERNAME": USER, "VMSIDECAR_REGISTRY_PASSWORD": SECRET,
            "VMSIDECAR_REGISTRY_HOST": host, "VMSIDECAR_INSECURE_REGISTRIES": ",".join(insecure),
+           "VMSIDECAR_LEASE_REGISTRIES": ",".join((host, *file_hosts)),
            "VMSIDECAR_REGISTRY_AUTH_FILE": str(auth_file(tmp_path / "auth.json", dict.fromkeys(file_hosts,
                                                                                                (USER, SECRET))))}
     return env
@@ -307,6 +309,51 @@ async def test_a_cached_digest_needs_the_registry_to_authorise_it(
     assert refused.code == "registry_unauthorized", refused.message
     assert elsewhere.code == "registry_unauthorized", elsewhere.message
     assert (await rt.client().state()).image_digest is None
+
+
+# -- the pool's credentials are not lent to a lease's flash ---------------------------------------
+
+
+async def test_a_lease_cannot_flash_another_private_repository_with_the_pools_credentials(
+    start_runtime: Any, auth_registry: RunningRegistry, oci_qcow2: Path, tmp_path: Path
+) -> None:
+    """The pool has credentials for its registry (for its own image); a lease holder flashes
+    another private repository of that registry, one they cannot read: before, the runtime pulled
+    it with the pool's credentials into the guest the lease holder is root in (the pool's access
+    lent to anyone who holds a lease). Now a lease's flash gets the pool's credentials only for the
+    repositories the pool owner lends it (``VMSIDECAR_LEASE_REGISTRIES``, ``--lease-registry``)."""
+    private = f"{auth_registry.host}/secret/other:1"
+    push_artifact(oci_qcow2, private, credentials=(AUTH_USER, AUTH_PASSWORD))
+    env = {"VMSIDECAR_REGISTRY_AUTH_FILE": str(auth_file(tmp_path / "auth.json",
+                                                         {auth_registry.host: (AUTH_USER, AUTH_PASSWORD)}))}
+    rt = await start_runtime(SPEC, env=env)
+    refused = await flash(rt, f"oci://{private}")
+    assert refused.code == "registry_unauthorized", refused.message
+    assert f"{auth_registry.host}/secret/other" in refused.message and "--lease-registry" in refused.message, \
+        refused.message
+    assert (await rt.client().state()).image_digest is None
+    # lent by the pool owner (a namespace): the same flash works, with the same credentials
+    lent = await start_runtime(SPEC, env={**env, "VMSIDECAR_LEASE_REGISTRIES": f"{auth_registry.host}/secret"},
+                               name="lent")
+    assert (await lent.client().flash_reference(f"oci://{private}")).image_digest
+
+
+async def test_a_lease_may_flash_other_tags_of_the_pools_own_image(
+    start_runtime: Any, auth_registry: RunningRegistry, oci_qcow2: Path, tmp_path: Path
+) -> None:
+    """The repository of the spec's image is lent to a lease without asking (its guest already runs
+    that image): another tag of it flashes with the pool's credentials."""
+    own = f"{auth_registry.host}/pool/vm"
+    for tag in ("1", "2"):
+        push_artifact(oci_qcow2, f"{own}:{tag}", credentials=(AUTH_USER, AUTH_PASSWORD))
+    env = {"VMSIDECAR_REGISTRY_AUTH_FILE": str(auth_file(tmp_path / "auth.json",
+                                                         {auth_registry.host: (AUTH_USER, AUTH_PASSWORD)}))}
+    # a blank disk: the guest's firmware finds nothing to boot, which is all this test needs of it
+    rt = await start_runtime({**SPEC, "image": f"{own}:1", "snapshot": "off", "readiness": {"pattern": None}},
+                             env=env)
+    await rt.client().wait_ready(120)
+    state = await rt.client().flash_reference(f"oci://{own}:2", power_off=True)
+    assert state.image_digest
 
 
 # -- child processes ------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ async def test_a_lease_cycle_moves_every_counter_exactly_and_is_audited(
     disk = f"file:{tiny_image.disk}"
     rt, port = await health_runtime(start_runtime, None, cache=tmp_path / "cache",
                                     extra_args=["--allow-host-paths", str(Path(tiny_image.disk).parent)],
-                                    env={"VMSIDECAR_REGISTRY_AUTH_FILE": str(auth)})
+                                    env={"VMSIDECAR_REGISTRY_AUTH_FILE": str(auth),
+                                         "VMSIDECAR_LEASE_REGISTRIES": f"{auth_registry.host}/metrics"})
     client = rt.client()
     async with collecting(client, ["pulled"]) as log:  # subscribed before anything pulls
         before = scrape(port)

@@ -45,19 +45,29 @@ class Disks:
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
                    on_download: Callable[[str], None] | None = None) -> tuple[DiskImage, Any, float]:
         """Pull an image into the cache (or reuse it): the disk, the pull result, the seconds taken.
-        ``on_download``: see :func:`vmsidecar_runtime.oci.pull.pull` (called in the pull's thread).
+        ``reference``: a lease's flash, named by the lease holder (it gets the pool's registry
+        credentials only as :func:`vmsidecar_runtime.oci.auth.lease_config` lends them); else the
+        spec's image. ``on_download``: see :func:`vmsidecar_runtime.oci.pull.pull` (called in the
+        pull's thread).
 
         :raise SpecError: when neither ``reference`` nor the spec names an image.
         :raise ImageError: for every pull failure, with the cause and the fix.
         """
         from ..oci import pull as oci_pull
+        from ..oci.auth import lease_config
 
         ref = reference or spec.image
         if not ref:
             raise SpecError("the spec has no image; set image (an OCI reference, oci-layout:DIR or file:PATH)")
+        pull_fn = self._pull_fn or oci_pull
+
+        def pulling() -> Any:  # in the thread: the auth file is read at each pull
+            config = lease_config(ref, spec.image) if reference else None
+            return pull_fn(ref, self.paths.cache, arch=spec.arch, progress=progress or (lambda done, total: None),
+                           on_download=on_download, registry_config=config)
+
         started = time.monotonic()
-        pulled = await asyncio.to_thread(self._pull_fn or oci_pull, ref, self.paths.cache, arch=spec.arch,
-                                         progress=progress or (lambda done, total: None), on_download=on_download)
+        pulled = await asyncio.to_thread(pulling)
         await self._checked(pulled.path, pulled.format, f"image {ref}")
         disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref, pulled.annotations,
                          pulled.manifest_digest)

@@ -21,6 +21,12 @@ exist), else every one of ``$XDG_RUNTIME_DIR/containers/auth.json``,
 (``~/.docker``) that exists, the earlier file winning for a key, as podman and skopeo read them.
 The file is read again at every pull, so a rotated secret (a Kubernetes Secret volume) is picked up.
 
+A lease's pull (``POST /v1/vm/disk/pull``: ``j vm storage flash oci://…``, on the lease holder's
+word) uses the pool's credentials only for the repository of the spec's image and the scopes the pool
+owner lends: ``--lease-registry HOST[:PORT][/NAMESPACE]`` (repeatable) and
+``$VMSIDECAR_LEASE_REGISTRIES`` (comma-separated); any other repository is pulled without them, so a
+lease holder cannot read the pool's other private images into a guest they are root in.
+
 Plain HTTP only for registries listed as insecure: ``--insecure-registry HOST[:PORT]`` (repeatable)
 and ``$VMSIDECAR_INSECURE_REGISTRIES`` (comma-separated); a ``HOST`` without a port covers every port
 of that host. Nothing is plain HTTP by default, not even loopback.
@@ -38,22 +44,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.errors import BadReferenceError, HostError
 
-from .reference import _HOST_PORT_RE, _is_host
+from .reference import _HOST_PORT_RE, _is_host, parse_reference
 
 ENV_AUTH_FILE = "VMSIDECAR_REGISTRY_AUTH_FILE"
 ENV_INSECURE = "VMSIDECAR_INSECURE_REGISTRIES"
 ENV_USERNAME = "VMSIDECAR_REGISTRY_USERNAME"
 ENV_PASSWORD = "VMSIDECAR_REGISTRY_PASSWORD"
 ENV_HOST = "VMSIDECAR_REGISTRY_HOST"
+ENV_LEASE = "VMSIDECAR_LEASE_REGISTRIES"
 #: podman's and skopeo's variable for the auth file
 ENV_CONTAINERS_AUTH_FILE = "REGISTRY_AUTH_FILE"
 #: environment that configures registry access (the runtime's process, not the VM spec)
-PROCESS_ENV = frozenset({ENV_AUTH_FILE, ENV_INSECURE, ENV_USERNAME, ENV_PASSWORD, ENV_HOST})
+PROCESS_ENV = frozenset({ENV_AUTH_FILE, ENV_INSECURE, ENV_USERNAME, ENV_PASSWORD, ENV_HOST, ENV_LEASE})
 
 AUTH_FLAG = "--registry-auth"
 INSECURE_FLAG = "--insecure-registry"
+LEASE_FLAG = "--lease-registry"
 #: how to give credentials, for messages
 HOW_TO_CONFIGURE = (
     f"add an entry for it to the auth file ({AUTH_FLAG} FILE, {ENV_AUTH_FILE} or {ENV_CONTAINERS_AUTH_FILE}; "
@@ -81,6 +89,10 @@ class RegistryConfig:
 
     auths: Mapping[str, Credentials] = field(default_factory=dict)
     insecure: frozenset[str] = frozenset()
+    #: what the pool lends a lease's pulls: ``host[:port]`` or ``host[:port]/namespace``
+    lease_scopes: frozenset[str] = frozenset()
+    #: why a 401 came without credentials when they were withheld from a lease (:meth:`for_lease`)
+    lease_note: str | None = None
 
     def credentials_for(self, registry: str, repository: str | None = None) -> Credentials | None:
         """The credentials of the most specific entry for ``registry`` (and ``repository``), if any."""
@@ -90,6 +102,31 @@ class RegistryConfig:
             if found := self.auths.get(f"{host}/{'/'.join(parts[:i])}"):
                 return found
         return self.auths.get(host)
+
+    def lends(self, registry: str, repository: str, spec_image: str | None = None) -> bool:
+        """Whether a lease's pull of ``registry``/``repository`` may use the pool's credentials: the
+        repository of the spec's image (``spec_image``: its guest runs it already), or one under a
+        scope the pool owner lends."""
+        host, parts = normalize_host(registry), repository.split("/")
+        own = _registry_repository(spec_image)
+        return own == (host, repository) or host in self.lease_scopes or any(
+            f"{host}/{'/'.join(parts[:i])}" in self.lease_scopes for i in range(1, len(parts) + 1))
+
+    def for_lease(self, registry: str, repository: str, spec_image: str | None) -> RegistryConfig:
+        """The configuration a lease's pull of ``registry``/``repository`` works with: this one when
+        :meth:`lends` says so, else the same without any credentials (a token service's included).
+        A lease holder names the reference: the pool's credentials would read whatever they can
+        read into a guest the lease holder is root in."""
+        if self.lends(registry, repository, spec_image):
+            return self
+        note = None
+        if self.credentials_for(registry, repository) is not None:
+            host = normalize_host(registry)
+            note = (f"the pool's credentials for {host} are not lent to a lease's flash of {host}/{repository} (only "
+                    f"for the spec's image's repository and what the pool owner lends: serve {LEASE_FLAG} "
+                    f"HOST[:PORT][/NAMESPACE] or {ENV_LEASE}); flash an image this registry serves without "
+                    "credentials, or ask the pool owner to lend this repository")
+        return RegistryConfig(insecure=self.insecure, lease_scopes=self.lease_scopes, lease_note=note)
 
     def is_insecure(self, registry: str) -> bool:
         """Whether ``registry`` (``host[:port]``) may be spoken to in plain HTTP."""
@@ -102,23 +139,46 @@ def normalize_host(text: str) -> str:
     return text.strip().lower()
 
 
+def lease_config(reference: str, spec_image: str | None) -> RegistryConfig | None:
+    """What a lease's pull of ``reference`` works with (:meth:`RegistryConfig.for_lease`, for the
+    process's configuration now); ``None`` for a reference that is not a registry's.
+
+    :raise BadReferenceError: ``reference`` does not parse. :raise HostError: see :func:`load_config`.
+    """
+    ref = parse_reference(reference)
+    if ref.kind != "registry" or not ref.registry or not ref.repository:
+        return None
+    return current_config().for_lease(ref.registry, ref.repository, spec_image)
+
+
+def _registry_repository(reference: str | None) -> tuple[str, str] | None:
+    """``(host, repository)`` of a registry reference; ``None`` for anything else (or nothing)."""
+    try:
+        ref = parse_reference(reference) if reference else None
+    except BadReferenceError:  # a spec's image that does not parse lends nothing
+        return None
+    return (normalize_host(ref.registry), ref.repository) if ref and ref.registry and ref.repository else None
+
+
 def _bare(host: str) -> str:
     match = _HOST_PORT_RE.match(host)
     return match.group("host") if match else host
 
 
 #: the process's settings (``serve``/``vmsidecar-oci`` flags); the environment is read at each load
-_settings: dict[str, object] = {"auth_file": None, "insecure": ()}
+_settings: dict[str, object] = {"auth_file": None, "insecure": (), "lease": ()}
 
 
-def configure(*, auth_file: Path | None = None, insecure: Iterable[str] = ()) -> RegistryConfig:
-    """Set the process's auth file and extra insecure registries (the command line's) and load
-    once, so that a wrong setting stops the process at start with the reason.
+def configure(*, auth_file: Path | None = None, insecure: Iterable[str] = (),
+              lease: Iterable[str] = ()) -> RegistryConfig:
+    """Set the process's auth file, extra insecure registries and the scopes lent to a lease (the
+    command line's) and load once, so that a wrong setting stops the process at start with the reason.
 
     :raise HostError: see :func:`load_config`.
     """
     _settings["auth_file"] = auth_file
     _settings["insecure"] = tuple(insecure)
+    _settings["lease"] = tuple(lease)
     return current_config()
 
 
@@ -140,22 +200,23 @@ def current_config() -> RegistryConfig:
 
     :raise HostError: see :func:`load_config`.
     """
-    auth_file = _settings["auth_file"]
-    insecure = _settings["insecure"]
+    auth_file, insecure, lease = _settings["auth_file"], _settings["insecure"], _settings["lease"]
     assert auth_file is None or isinstance(auth_file, Path)
-    assert isinstance(insecure, tuple)
-    return load_config(auth_file=auth_file, insecure=insecure)
+    assert isinstance(insecure, tuple) and isinstance(lease, tuple)
+    return load_config(auth_file=auth_file, insecure=insecure, lease=lease)
 
 
 def load_config(
-    *, auth_file: Path | None = None, insecure: Iterable[str] = (), environ: Mapping[str, str] | None = None
+    *, auth_file: Path | None = None, insecure: Iterable[str] = (), lease: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None
 ) -> RegistryConfig:
-    """Read the auth file(s), the scoped environment credentials and the insecure registries.
+    """Read the auth file(s), the scoped environment credentials, the insecure registries and the
+    scopes lent to a lease.
 
     :raise HostError: an auth file named explicitly that is missing; any auth file that cannot be
         read, is not JSON or has an entry that is not ``user:password``; environment credentials
         without ``VMSIDECAR_REGISTRY_HOST`` (or a host without them); an insecure entry that is not
-        ``HOST[:PORT]``.
+        ``HOST[:PORT]``; a lent scope that is not ``HOST[:PORT][/NAMESPACE]``.
     """
     env = os.environ if environ is None else environ
     auths: dict[str, Credentials] = {}
@@ -169,7 +230,16 @@ def load_config(
                 f"insecure registry {host!r} ({INSECURE_FLAG} or {ENV_INSECURE}) is not HOST[:PORT]; write it "
                 "as in an image reference, e.g. 127.0.0.1:5000 or registry.lan (every port), without http://"
             )
-    return RegistryConfig(auths=auths, insecure=frozenset(normalize_host(h) for h in hosts))
+    scopes = [*lease, *env.get(ENV_LEASE, "").replace(",", " ").split()]
+    for scope in scopes:
+        host, _, namespace = scope.strip().partition("/")
+        if not (_is_host(host) or _is_host(f"{host}:1")) or (namespace and "" in namespace.split("/")):
+            raise HostError(
+                f"lent registry scope {scope!r} ({LEASE_FLAG} or {ENV_LEASE}) is not HOST[:PORT][/NAMESPACE]; write "
+                "it as an auth file's key, e.g. registry.example:5000 or quay.io/team, without https://"
+            )
+    return RegistryConfig(auths=auths, insecure=frozenset(normalize_host(h) for h in hosts),
+                          lease_scopes=frozenset(_normalize_key(s) for s in scopes))
 
 
 def _auth_files(explicit: Path | None, env: Mapping[str, str]) -> list[Path]:

@@ -15,6 +15,7 @@ from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits
 from vmsidecar_runtime.image.sniff import DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk
 
+from .auth import RegistryConfig
 from .cache import CacheEntry, DiskCache
 from .mediatypes import DISK_SUFFIXES, answers_of, title_format
 from .reference import Reference, parse_reference
@@ -75,14 +76,15 @@ def resolve_arch(arch: str | None) -> str:
 
 @contextlib.contextmanager
 def reading(
-    ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None
+    ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None,
+    config: RegistryConfig | None = None,
 ) -> Iterator[Source]:
     """The :class:`.resolve.Source` for a registry or layout reference, closed after the block.
     Whatever reading its answers raised besides this project's errors (:data:`.mediatypes.MALFORMED`:
     JSON of the wrong shape, headers that do not parse) leaves as ``RegistryError`` ``bad_answer``
-    naming ``ref``.
+    naming ``ref``. ``config``: the registry configuration to use (else the process's).
     """
-    source = _open_source(ref, plain_http=plain_http, credentials=credentials)
+    source = _open_source(ref, plain_http=plain_http, credentials=credentials, config=config)
     try:
         with answers_of(str(ref)):
             yield source
@@ -91,7 +93,8 @@ def reading(
 
 
 def _open_source(
-    ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None
+    ref: Reference, *, plain_http: bool | None = None, credentials: tuple[str, str] | None = None,
+    config: RegistryConfig | None = None,
 ) -> Source:
     # imported here: a file: pull (a warm start's cache hit) needs neither, and the registry's
     # requests and oras cost more to import than the whole rest of a warm start's pull
@@ -101,7 +104,7 @@ def _open_source(
         return LayoutSource(ref)
     from .registry import RegistryClient, RegistrySource
 
-    return RegistrySource(RegistryClient(ref, plain_http=plain_http, credentials=credentials))
+    return RegistrySource(RegistryClient(ref, plain_http=plain_http, credentials=credentials, config=config))
 
 
 def pull(
@@ -114,6 +117,7 @@ def pull(
     credentials: tuple[str, str] | None = None,
     limits: Limits = DEFAULT_LIMITS,
     on_download: Callable[[str], None] | None = None,
+    registry_config: RegistryConfig | None = None,
 ) -> PulledDisk:
     """Resolve ``ref`` for ``arch`` and make its disk available, decompressed and verified, in the cache.
 
@@ -123,6 +127,8 @@ def pull(
     A new disk passes the same checks as a flashed one (:mod:`vmsidecar_runtime.image`,
     sized by ``limits``) before it enters the cache. ``on_download(manifest digest)`` is called
     (in this thread) when a registry image's disk is to be downloaded, not found in the cache.
+    ``registry_config``: the registry configuration to pull with, else the process's (a lease's pull:
+    :func:`.auth.lease_config`).
 
     :raise BadReferenceError: the reference cannot be parsed.
     :raise RegistryError: the registry is unreachable, refuses, or lacks the repository or tag.
@@ -138,7 +144,7 @@ def pull(
     cache.clean_stale()
     if reference.kind == "file":
         return _pull_file(reference, cache, progress, limits)
-    with reading(reference, plain_http=plain_http, credentials=credentials) as source:
+    with reading(reference, plain_http=plain_http, credentials=credentials, config=registry_config) as source:
         return _pull_oci(source, reference, cache, wanted, progress, limits, on_download)
 
 

@@ -148,7 +148,7 @@ class OrasRegistry(oras.provider.Registry):
         if self.withheld:
             return self.withheld
         if self._credentials is None:
-            return f"no credentials are configured for {self.host}; {HOW_TO_CONFIGURE}"
+            return self._config.lease_note or f"no credentials are configured for {self.host}; {HOW_TO_CONFIGURE}"
         if self.sent_credentials:
             return f"the credentials for {self.host} from {self._credentials.source} were refused; check them"
         return (f"the credentials for {self.host} from {self._credentials.source} were not asked for (the registry "
