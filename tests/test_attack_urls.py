@@ -270,3 +270,44 @@ def test_a_registry_that_redirects_into_the_pod_is_not_followed_there(
                 pull(f"{registry.host}/x/y:1", tmp_path / "cache", arch="x86_64")
     assert seen == [], f"the runtime followed a registry's redirect into the pod: {seen}"
     assert "127.0.0.1" in refused.value.message and "redirect" in refused.value.message, refused.value.message
+
+
+def test_a_registry_redirect_to_plain_http_goes_only_to_a_host_listed_insecure(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Plain HTTP is spoken only to registries the pool owner lists as insecure; a registry's
+    redirect had taken the runtime to any plain-HTTP host:port it named. With that host's name
+    resolving elsewhere at the connect than at the redirect's check (DNS rebinding), that was a GET
+    into the pod; over HTTPS no request is sent before the certificate matches the name."""
+    from test_attack_credentials import FakeRegistry
+
+    from vmsidecar_contract.errors import RegistryError
+    from vmsidecar_runtime.oci import pull
+
+    address = routable_address()
+    seen: list[str] = []
+
+    def elsewhere_answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        seen.append(h.requestline)
+        h.send_response(404)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    with FakeRegistry(elsewhere_answer, address=address) as elsewhere:
+        def answer(h: http.server.BaseHTTPRequestHandler) -> None:
+            h.send_response(307)
+            h.send_header("Location", f"http://{elsewhere.host}/v2/x/y/manifests/1")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+
+        with FakeRegistry(answer, address=address) as registry:
+            monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", registry.host)  # this port only
+            with pytest.raises(RegistryError) as refused:
+                pull(f"{registry.host}/x/y:1", tmp_path / "cache", arch="x86_64")
+            assert seen == [], f"the runtime spoke plain HTTP to a host nobody listed: {seen}"
+            assert f"plain HTTP to {elsewhere.host}" in refused.value.message, refused.value.message
+            assert "--insecure-registry" in refused.value.message, refused.value.message
+            # listed by the pool owner, the same redirect is followed
+            monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", f"{registry.host},{elsewhere.host}")
+            with pytest.raises(RegistryError):
+                pull(f"{registry.host}/x/y:1", tmp_path / "cache", arch="x86_64")
+            assert seen, "the listed host was not asked"

@@ -13,7 +13,10 @@ uploads. :class:`OrasRegistry` adds what it lacks for our use:
 * a redirect keeps the Authorization header only to the same origin, and ``~/.netrc`` (which
   requests would add to every request and redirect) is never read;
 * a redirect into the pod (loopback, link-local: the metadata service) is refused unless the
-  registry itself is there: a lease holder's ``flash oci://`` names their own registry.
+  registry itself is there: a lease holder's ``flash oci://`` names their own registry; a redirect
+  to plain HTTP only to a host listed as insecure, as every other plain-HTTP request (over HTTPS
+  no request is sent before the certificate matches the name, whatever the name resolves to at
+  the connect: that is what keeps DNS rebinding out of the pod).
 
 What is asked of the registry, and how its answers become vmsidecar errors, is :mod:`.registry`.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from http.cookiejar import DefaultCookiePolicy
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import SplitResult, urljoin, urlsplit
 
 import oras.provider
 import requests
@@ -32,7 +35,7 @@ import requests.auth
 from vmsidecar_contract.errors import RegistryError
 from vmsidecar_contract.reach import resolves_to_pod
 
-from .auth import HOW_TO_CONFIGURE, Credentials, RegistryConfig, normalize_host
+from .auth import ENV_INSECURE, HOW_TO_CONFIGURE, INSECURE_FLAG, Credentials, RegistryConfig, normalize_host
 from .mediatypes import load_document
 
 CONNECT_TIMEOUT = 2.5
@@ -53,6 +56,17 @@ def origin(url: str) -> tuple[str, str, int | None]:
     return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme)
 
 
+def _host_port(url: SplitResult) -> str:
+    """``host[:port]`` of a URL as the insecure list names hosts (an unparsable port: the netloc)."""
+    try:
+        port = url.port
+    except ValueError:
+        return url.netloc
+    host = url.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}" if port else host
+
+
 class _NoNetrc(requests.auth.AuthBase):
     """A session ``auth`` that adds nothing: with none set, requests adds ``~/.netrc`` credentials
     (a ``default`` entry: to every host) to each request it prepares."""
@@ -64,21 +78,30 @@ class _NoNetrc(requests.auth.AuthBase):
 class _Session(requests.Session):
     """requests' session with our credential rules for redirects (and no netrc, no cookies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: RegistryConfig) -> None:
         super().__init__()
+        self._config = config
         self.auth = _NoNetrc()
         # some registries set a cookie and then take the client for a browser (oras-py does the same)
         self.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
 
     def get_redirect_target(self, resp: requests.Response) -> str | None:
         """The redirect's target, refused when it is (or resolves to) an address of the pod and the
-        registry's own host is not: the registry is whoever the reference names.
+        registry's own host is not: the registry is whoever the reference names; refused in plain
+        HTTP to a host not listed as insecure.
 
         :raise RegistryError: naming the target.
         """
         target = super().get_redirect_target(resp)
         if target is not None:
             current, new = urlsplit(resp.url), urlsplit(urljoin(resp.url, target))
+            # the origin the answer came from was already spoken to in plain HTTP: checked then
+            if new.scheme.lower() == "http" and not self._config.is_insecure(_host_port(new)) and (
+                    origin(resp.url) != origin(new.geturl())):
+                raise RegistryError(
+                    f"registry {current.netloc} answered with a redirect in plain HTTP to {_host_port(new)}, which is "
+                    f"not listed as insecure; list it if it is yours (serve {INSECURE_FLAG} HOST[:PORT] or "
+                    f"{ENV_INSECURE}; vmsidecar-oci {INSECURE_FLAG}), or use another registry", code="registry_error")
             if new.hostname and resolves_to_pod(new.hostname, new.port or 443) and not resolves_to_pod(
                     current.hostname or "", current.port or 443):
                 raise RegistryError(
@@ -126,7 +149,7 @@ class OrasRegistry(oras.provider.Registry):
     ) -> None:
         super().__init__(hostname=hostname, insecure=plain_http, tls_verify=tls_verify)
         self.session.close()
-        self.session = _Session()
+        self.session = _Session(config)
         adapter = _TimeoutAdapter()
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
