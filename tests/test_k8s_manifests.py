@@ -109,6 +109,13 @@ def test_every_container_runs_with_least_privilege(name: str) -> None:
     assert not spec.get("hostNetwork") and not spec.get("hostPID")
 
 
+def test_the_kubernetes_pod_carries_no_api_token_and_no_service_links() -> None:
+    """A pool pod is driven by lease holders: a service account token mounted in it (the default)
+    would be one more credential within their reach, and neither container uses the API."""
+    spec = _pod_specs()["pod-sidecar.yaml"]
+    assert spec.get("automountServiceAccountToken") is False and spec.get("enableServiceLinks") is False
+
+
 def test_rendered_pod_validates() -> None:
     for doc in _pod_specs().values():
         kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": doc},
