@@ -311,6 +311,70 @@ async def test_a_cached_digest_needs_the_registry_to_authorise_it(
     assert (await rt.client().state()).image_digest is None
 
 
+def test_a_layer_digest_named_by_another_registry_is_not_a_licence(
+    auth_registry: RunningRegistry, oci_qcow2: Path, tmp_path: Path
+) -> None:
+    """A private disk in the cache, pulled with the pool's credentials; a lease holder's registry
+    serves a manifest of its own naming that disk's layer digest, and never the blob: before, the
+    cache answered by the layer's digest and the private disk was flashed (the manifest was the
+    attacker's, so the manifest GET proved nothing). The registry named must deliver the bytes."""
+    from vmsidecar_runtime.oci.pull import inspect
+
+    ref = f"{auth_registry.host}/private/layered:1"
+    push_artifact(oci_qcow2, ref, credentials=(AUTH_USER, AUTH_PASSWORD))
+    cache = tmp_path / "cache"
+    private = pull(ref, cache, credentials=(AUTH_USER, AUTH_PASSWORD))
+    layer = inspect(ref, credentials=(AUTH_USER, AUTH_PASSWORD))["disk"]
+    empty = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2, "digest": empty},
+                           "layers": [{k: layer[k] for k in ("mediaType", "digest", "size")}]}).encode()
+    blob_requests: list[str] = []
+
+    def answer(h: http.server.BaseHTTPRequestHandler) -> None:
+        body, status = (manifest, 200) if "/manifests/" in h.path else (b"{}", 200)
+        if "/blobs/" in h.path:
+            blob_requests.append(h.path)
+            body, status = b'{"errors":[{"code":"BLOB_UNKNOWN","message":"blob unknown"}]}', 404
+        h.send_response(status)
+        h.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json" if status == 200 else
+                      "application/json")
+        h.send_header("Docker-Content-Digest", "sha256:" + hashlib.sha256(body).hexdigest())
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    with FakeRegistry(answer) as fake, pytest.raises(RegistryError) as refused:
+        stolen = pull(f"{fake.host}/x/y:1", cache)
+        pytest.fail(f"the private disk {private.digest} was handed out for another registry's manifest: {stolen}")
+    assert blob_requests, "the lease holder's registry was never asked for the blob"
+    assert refused.value.code == "blob_not_found", refused.value.message
+
+
+def test_one_blob_declared_two_ways_is_two_disks(registry: RunningRegistry, tmp_path: Path) -> None:
+    """The same blob bytes named by one manifest as a raw disk and by another as a zstd-compressed
+    raw disk are two different disks: before, both were cached under one key (the blob's digest and
+    the format), so whichever was pulled first answered for the other (a lease could plant the
+    undecompressed bytes as the pool's disk)."""
+    import zstandard
+
+    from fixtures.registry import Crafter
+
+    disk = bytes(range(256)) * 4096  # 1 MiB of raw disk
+    blob = zstandard.ZstdCompressor().compress(disk)
+    craft = Crafter(registry=registry, repo="declared/twice")
+    as_raw = craft.tag(craft.manifest([craft.blob(blob, "application/vnd.diskimage.raw")],
+                                      artifact_type="application/vnd.diskimage.raw"), "raw")
+    as_zstd = craft.tag(craft.manifest([craft.blob(blob, "application/vnd.diskimage.raw+zstd")],
+                                       artifact_type="application/vnd.diskimage.raw"), "zstd")
+    cache = tmp_path / "cache"
+    planted = pull(as_raw, cache, arch="x86_64")
+    assert planted.path.read_bytes() == blob
+    real = pull(as_zstd, cache, arch="x86_64")
+    assert real.digest == "sha256:" + hashlib.sha256(disk).hexdigest(), real
+    assert real.path.read_bytes() == disk
+
+
 # -- the pool's credentials are not lent to a lease's flash ---------------------------------------
 
 

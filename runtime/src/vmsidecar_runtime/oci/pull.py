@@ -15,7 +15,7 @@ from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits
 from vmsidecar_runtime.image.sniff import DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk
 
-from .auth import RegistryConfig
+from .auth import RegistryConfig, normalize_host
 from .cache import CacheEntry, DiskCache
 from .mediatypes import DISK_SUFFIXES, answers_of, title_format
 from .reference import Reference, parse_reference
@@ -176,25 +176,34 @@ def _pull_oci(
     # shared by everyone who may pull, and knowing a digest is not being allowed to read the image.
     # The GET (authenticated as the registry asks, bytes checked against the digest) is the proof
     # that this registry serves it to us under this repository; a layout is local, nothing to ask.
-    if reference.kind == "layout" and reference.digest and (hit := _ref_hit(cache, f"ref:{reference.digest}@{arch}")):
+    # Every key is the origin's own: a manifest or blob digest another origin delivered proves
+    # nothing here (a lease's registry may serve a manifest naming a private image's layer).
+    origin = _origin(reference)
+    if reference.kind == "layout" and reference.digest and (
+            hit := _ref_hit(cache, f"ref:{origin}:{reference.digest}@{arch}")):
         return _cached(hit, cache, reference)
     top = source.top()
-    top_key = f"ref:{top.digest}@{arch}"
+    top_key = f"ref:{origin}:{top.digest}@{arch}"
     if hit := _ref_hit(cache, top_key):
         return _cached(hit, cache, reference)
     resolved = resolve(source, top, arch)
-    if hit := cache.lookup(f"ref:{resolved.manifest.digest}@{arch}"):
-        return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference)
+    if hit := cache.lookup(f"ref:{origin}:{resolved.manifest.digest}@{arch}"):
+        return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference)
     if on_download is not None and reference.kind == "registry":
         on_download(resolved.manifest.digest)
     downloaded = config_arch_check(source, resolved, arch)
     for layer in resolved.layers:
-        layer_key = f"layer:{layer.digest}:{layer.kind.format or 'auto'}"
+        # the same bytes declared another way (compression, tar or disk, format) are another disk
+        kind = layer.kind
+        layer_key = f"layer:{origin}:{layer.digest}:{kind.kind}:{kind.compression or 'none'}:{kind.format or 'auto'}"
+        where = f"layer {layer.digest} of {source.where}"
         if hit := cache.lookup(layer_key):
-            return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference, downloaded)
+            _check_annotations(hit.disk, hit.size, layer, where)  # as a download would: this manifest's word
+            return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference, downloaded)
         with cache.lock(layer_key):
             if hit := cache.lookup(layer_key):
-                return _cached(_remember(cache, resolved, top_key, arch, hit), cache, reference, downloaded)
+                _check_annotations(hit.disk, hit.size, layer, where)
+                return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference, downloaded)
             try:
                 disk, count = _fetch_layer(source, layer, cache, progress, limits)
             except ImageError as exc:
@@ -205,7 +214,7 @@ def _pull_oci(
             downloaded += count
             entry = CacheEntry(disk.digest, disk.format, disk.size, resolved.manifest.digest, arch)
             cache.record([layer_key], entry)  # a layer may be shared: annotations belong to manifests
-            entry = _remember(cache, resolved, top_key, arch, entry)
+            entry = _remember(cache, resolved, origin, top_key, arch, entry)
             return PulledDisk(
                 path=cache.disk_path(disk.digest, disk.format),
                 format=disk.format,
@@ -220,11 +229,21 @@ def _pull_oci(
     raise _no_disk_error(source, resolved)
 
 
-def _remember(cache: DiskCache, resolved: Resolved, top_key: str, arch: str, found: CacheEntry) -> CacheEntry:
+def _origin(reference: Reference) -> str:
+    """Who delivers the bytes behind a cache key: a registry's repository, or a layout directory."""
+    if reference.kind == "layout":
+        assert reference.path is not None
+        return f"layout:{os.path.realpath(reference.path)}"
+    assert reference.registry and reference.repository
+    return f"{normalize_host(reference.registry)}/{reference.repository}"
+
+
+def _remember(cache: DiskCache, resolved: Resolved, origin: str, top_key: str, arch: str,
+              found: CacheEntry) -> CacheEntry:
     """Record the disk under the manifest's key (with the manifest's own annotations) and under
     the top object's key (with those of the whole chain: index, its entry, manifest); returns the
     top's entry. The same manifest may be named by indexes that annotate it differently."""
-    manifest_key = f"ref:{resolved.manifest.digest}@{arch}"
+    manifest_key = f"ref:{origin}:{resolved.manifest.digest}@{arch}"
     base = (found.disk, found.format, found.size, resolved.manifest.digest, arch)
     entry = CacheEntry(*base, resolved.annotations)
     if manifest_key != top_key:
