@@ -311,3 +311,60 @@ def test_a_registry_redirect_to_plain_http_goes_only_to_a_host_listed_insecure(
             with pytest.raises(RegistryError):
                 pull(f"{registry.host}/x/y:1", tmp_path / "cache", arch="x86_64")
             assert seen, "the listed host was not asked"
+
+
+@contextlib.contextmanager
+def accepting_port() -> Iterator[tuple[int, list[bytes]]]:
+    """A TCP listener on 127.0.0.1 (a pod-local service of any protocol): its port, and the first
+    bytes of every connection made to it."""
+    import socket
+
+    got: list[bytes] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    got.append(conn.recv(4096))
+                except OSError:
+                    got.append(b"")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], got
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+async def test_a_lease_cannot_make_the_runtime_connect_to_a_pod_local_registry(start_runtime: Any) -> None:
+    """``flash oci://127.0.0.1:<port>/x:y`` had the runtime connect to any port of the pod's
+    loopback (its answers told open from closed ports, a scan; with loopback listed insecure, a GET
+    in plain HTTP), and ``oci://169.254.169.254/…`` to the metadata service. A lease may name such
+    a registry only when the pool owner named it (insecure, lent, or the spec's image's)."""
+    from vmsidecar_contract.errors import RegistryError
+
+    with accepting_port() as (port, got):
+        rt = await start_runtime({"memory": "256M"}, env={"VMSIDECAR_INSECURE_REGISTRIES": ""})
+        for ref in (f"oci://127.0.0.1:{port}/x/y:1", f"oci://localhost:{port}/x/y:1", "oci://169.254.169.254/x/y:1"):
+            with pytest.raises(RegistryError) as refused:
+                await rt.client().flash_reference(ref)
+            assert "this pod" in refused.value.message and "--lease-registry" in refused.value.message, \
+                refused.value.message
+        assert got == [], f"the runtime connected to the pod-local port: {got}"
+        # named by the pool owner: the same flash reaches it (TLS: it is no registry)
+        lent = await start_runtime({"memory": "256M"}, env={"VMSIDECAR_INSECURE_REGISTRIES": "",
+                                              "VMSIDECAR_LEASE_REGISTRIES": f"127.0.0.1:{port}"}, name="lent")
+        with pytest.raises(RegistryError):
+            await lent.client().flash_reference(f"oci://127.0.0.1:{port}/x/y:1")
+        assert got, "the registry the pool owner lent was not asked"

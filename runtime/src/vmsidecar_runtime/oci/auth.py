@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from vmsidecar_contract.errors import BadReferenceError, HostError
+from vmsidecar_contract.errors import BadReferenceError, HostError, RegistryError
+from vmsidecar_contract.reach import resolves_to_pod
 
 from .reference import _HOST_PORT_RE, _is_host, parse_reference
 
@@ -112,6 +113,14 @@ class RegistryConfig:
         return own == (host, repository) or host in self.lease_scopes or any(
             f"{host}/{'/'.join(parts[:i])}" in self.lease_scopes for i in range(1, len(parts) + 1))
 
+    def names_registry(self, registry: str, spec_image: str | None) -> bool:
+        """Whether the pool owner named ``registry`` (``host[:port]``): listed as insecure, lent to a
+        lease (a scope on it), or the spec's image's registry."""
+        host = normalize_host(registry)
+        own = _registry_repository(spec_image)
+        return (self.is_insecure(host) or (own is not None and own[0] == host)
+                or any(scope == host or scope.startswith(f"{host}/") for scope in self.lease_scopes))
+
     def for_lease(self, registry: str, repository: str, spec_image: str | None) -> RegistryConfig:
         """The configuration a lease's pull of ``registry``/``repository`` works with: this one when
         :meth:`lends` says so, else the same without any credentials (a token service's included).
@@ -144,11 +153,28 @@ def lease_config(reference: str, spec_image: str | None) -> RegistryConfig | Non
     process's configuration now); ``None`` for a reference that is not a registry's.
 
     :raise BadReferenceError: ``reference`` does not parse. :raise HostError: see :func:`load_config`.
+    :raise RegistryError: the registry is the pod's (loopback, link-local) and the pool owner did not
+        name it: a lease's reference would make the runtime connect into the pod.
     """
     ref = parse_reference(reference)
     if ref.kind != "registry" or not ref.registry or not ref.repository:
         return None
-    return current_config().for_lease(ref.registry, ref.repository, spec_image)
+    config = current_config()
+    if not config.names_registry(ref.registry, spec_image) and _in_pod(ref.registry):
+        raise RegistryError(
+            f"registry {ref.registry} is this pod (loopback) or a link-local address such as the cloud metadata "
+            "service, which a lease may not make the runtime connect to unless the pool owner names it (serve "
+            f"{LEASE_FLAG} HOST[:PORT], {INSECURE_FLAG} HOST[:PORT], or the spec's image); flash from another registry",
+            code="registry_error")
+    return config.for_lease(ref.registry, ref.repository, spec_image)
+
+
+def _in_pod(registry: str) -> bool:
+    """Whether ``registry`` (``host[:port]``) is, or resolves to, an address of the pod."""
+    match = _HOST_PORT_RE.match(registry)
+    if not match:
+        return False
+    return resolves_to_pod(match.group("host").strip("[]"), int(match.group("port") or 443))
 
 
 def _registry_repository(reference: str | None) -> tuple[str, str] | None:
