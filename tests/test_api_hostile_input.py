@@ -274,3 +274,24 @@ async def test_event_stream_with_timeout_ends_by_itself(start_runtime: Any) -> N
     assert status == 200 and isinstance(body, dict) and body["type"] == "hello"
     assert 0.4 < time.monotonic() - started < 10
     await raw.session.close()
+
+
+async def test_the_api_tells_nothing_of_which_host_files_exist(start_runtime: Any) -> None:
+    """A reference over the API was classified by looking at the host: ``etc/passwd`` (relative to
+    the runtime's working directory, ``/`` in its image) that exists was refused as a host path,
+    one that does not as "no registry host"; ``~root/x`` answered with root's home and ``~nosuch/x``
+    said that no such user exists. Both of each pair now get the same answer."""
+    from vmsidecar_contract.errors import VmsidecarError
+
+    rt = await start_runtime({"memory": "256M"})
+    # a file in the runtime's working directory (the test's, which it inherits), named relatively
+    here = next(p.name for p in sorted(Path.cwd().iterdir()) if p.is_file() and p.name[0].isalpha())
+
+    async def answer(ref: str) -> tuple[str, str]:
+        with pytest.raises(VmsidecarError) as refused:
+            await rt.client().flash_reference(ref, power_off=True)
+        return refused.value.code, refused.value.message.replace(ref, "REF")
+
+    assert await answer(here) == await answer(here + "-absent")
+    assert await answer("~root/x") == await answer("~nosuchuser-vmsidecar/x")
+    assert "/root" not in (await answer("~root/x"))[1]

@@ -59,7 +59,7 @@ class HostPathPolicy:
         :raise HostPathError: for a host path that is not allowed.
         :raise BadReferenceError: for a reference that does not parse.
         """
-        ref = parse_reference(reference)
+        ref = parse_reference(reference, look=False)  # the answer must not tell which host files exist
         if ref.kind in ("file", "layout") and ref.path is not None:
             self.check_path(ref.path, what)
 

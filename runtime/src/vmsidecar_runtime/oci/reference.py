@@ -88,12 +88,16 @@ def is_loopback_host(registry: str) -> bool:
         return False
 
 
-def parse_reference(text: str | Reference) -> Reference:
+def parse_reference(text: str | Reference, *, look: bool = True) -> Reference:
     """Parse an image reference.
 
     Forms: ``REGISTRY/REPO[:TAG][@sha256:HEX]`` (optionally prefixed ``oci://`` or
     ``docker://``), ``oci-layout:DIR[:TAG|@DIGEST]``, ``file:PATH``, or a bare path to an existing
     file or OCI layout directory (or one starting with ``/``, ``./`` or ``../``).
+
+    ``look=False`` for a reference from an API caller: the host is not looked at to classify it (a
+    bare path is one by its prefix only, and a file: the answer must not say whether a host file,
+    a layout or a user exists), and ``~`` is refused rather than expanded.
 
     :raise BadReferenceError: for an empty reference, an unknown scheme, a missing registry
         host, or an invalid repository, tag or digest.
@@ -113,7 +117,7 @@ def parse_reference(text: str | Reference) -> Reference:
             path = path[2:]
         if not path:
             raise BadReferenceError(f"reference {ref!r} names no file; write file:/path/to/disk.qcow2")
-        return Reference(kind="file", path=_host_path(ref, path))
+        return Reference(kind="file", path=_host_path(ref, path, look))
     for prefix in _STRIPPED_SCHEMES:
         if ref.startswith(prefix):
             return _parse_registry(text, ref[len(prefix) :])
@@ -127,10 +131,10 @@ def parse_reference(text: str | Reference) -> Reference:
             f"reference {text!r} uses the unknown scheme {name!r}; use REGISTRY/REPO:TAG "
             "(optionally oci:// or docker://), oci-layout:DIR[:TAG] or file:PATH"
         )
-    if _looks_like_path(ref):
-        path = _host_path(ref, ref)
+    if _looks_like_path(ref, look):
+        path = _host_path(ref, ref, look)
         try:
-            if path.is_dir() and (path / "oci-layout").is_file():
+            if look and path.is_dir() and (path / "oci-layout").is_file():
                 return Reference(kind="layout", path=path)
         except OSError:  # a name past NAME_MAX, a directory that cannot be read: not a layout here
             pass
@@ -138,14 +142,17 @@ def parse_reference(text: str | Reference) -> Reference:
     return _parse_registry(text, ref)
 
 
-def _host_path(ref: str, path: str) -> Path:
-    """``path`` of the reference ``ref``, ``~`` expanded.
+def _host_path(ref: str, path: str, look: bool = True) -> Path:
+    """``path`` of the reference ``ref``, ``~`` expanded (refused when not ``look``).
 
     :raise BadReferenceError: a NUL byte (no file has one), or ``~user`` of a user this host does not have.
     """
     if "\0" in path:
         raise BadReferenceError(f"reference {ref!r} names a path with a NUL byte, which no file has; name "
                                 "the file")
+    if not look and path.startswith("~"):
+        raise BadReferenceError(f"reference {ref!r} names a path in a home directory (~), which a reference over "
+                                "the API may not; write the absolute path")
     try:
         return Path(path).expanduser()
     except RuntimeError:  # ~user of an unknown user
@@ -153,10 +160,10 @@ def _host_path(ref: str, path: str) -> Path:
                                 "the absolute path") from None
 
 
-def _looks_like_path(ref: str) -> bool:
+def _looks_like_path(ref: str, look: bool = True) -> bool:
     if ref.startswith(("/", "./", "../", "~")) or ref in (".", ".."):
         return True
-    return os.path.exists(ref) and not _first_component_is_host(ref)
+    return look and os.path.exists(ref) and not _first_component_is_host(ref)
 
 
 def _first_component_is_host(ref: str) -> bool:
