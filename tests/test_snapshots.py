@@ -46,6 +46,19 @@ async def _lease_leaves_traces(console_sock: Path, tag: str) -> str:
         await con.close()
 
 
+def _files_holding(root: Path, needles: tuple[bytes, ...]) -> list[Path]:
+    """Every file under ``root`` that holds one of ``needles``."""
+    found = []
+    for path in root.rglob("*"):
+        try:
+            data = path.read_bytes() if path.is_file() else b""
+        except OSError:  # a socket, a file gone meanwhile
+            continue
+        if any(n in data for n in needles):
+            found.append(path)
+    return found
+
+
 async def _probe(console_sock: Path) -> tuple[str, str]:
     con = await Console.open(console_sock)
     try:
@@ -148,6 +161,8 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
         replay, probe = await _probe(console)
         assert "VMSIDECAR-READY" in replay  # the pristine boot's scrollback: expect(marker) works
         assert "lease-one-secret" not in replay and "lease-two-secret" not in replay
+        # no file of the runtime's kept what the last lease typed (its console log had)
+        assert _files_holding(rt.state, (b"lease-one-secret", b"lease-two-secret")) == [], "a lease's file"
         lines = [line.strip() for line in probe.splitlines()]
         assert "ls: /data/lease-file: No such file or directory" in lines, probe  # disk
         assert "ls: /tmp/ram-file: No such file or directory" in lines, probe  # RAM

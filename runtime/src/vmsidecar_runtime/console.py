@@ -41,11 +41,23 @@ HELD_INPUT_BYTES = 64 << 10
 
 
 class RotatingByteLog:
-    """Append-only byte log with size rotation (``name``, ``name.1`` … ``name.N``)."""
+    """Byte log with size rotation (``name``, ``name.1`` … ``name.N``), begun empty: what an earlier
+    process or lease wrote is not kept (a lease's console may carry its secrets)."""
 
     def __init__(self, path: Path, max_bytes: int = 1 << 20, backups: int = 3) -> None:
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
-        self._fh = open(path, "ab")  # noqa: SIM115 - lives as long as the hub
+        self._remove_backups()
+        self._fh = open(path, "wb")  # noqa: SIM115 - lives as long as the hub
+
+    def reset(self) -> None:
+        """Empty the log and remove its rotated files."""
+        self._remove_backups()
+        self._fh.seek(0)
+        self._fh.truncate()
+
+    def _remove_backups(self) -> None:
+        for i in range(1, self.backups + 1):
+            self.path.with_name(f"{self.path.name}.{i}").unlink(missing_ok=True)
 
     def write(self, data: bytes) -> None:
         """Append bytes, rotating first when the file would pass ``max_bytes``."""
@@ -142,6 +154,8 @@ class ConsoleHub:
         self._log = RotatingByteLog(log_path) if log_path else None
         #: log bytes not yet on disk; one task at a time writes them in a thread, in order
         self._log_pending: list[bytes] = []
+        #: the log is to be emptied before the next write (:meth:`forget_log`)
+        self._log_reset = False
         self._log_task: asyncio.Task[None] | None = None
         self._clients: set[_ClientQueue] = set()
         self._watchers: set[Callable[[bytes], None]] = set()
@@ -234,8 +248,7 @@ class ConsoleHub:
             del self._buffer[: len(self._buffer) - self.scrollback]
         if self._log:
             self._log_pending.append(data)
-            if self._log_task is None or self._log_task.done():
-                self._log_task = asyncio.create_task(self._write_log(), name=f"log-{self.name}")
+            self._start_log_task()
         for watcher in list(self._watchers):
             watcher(data)
         for queue in list(self._clients):
@@ -247,12 +260,28 @@ class ConsoleHub:
                 self._clients.discard(queue)
                 _end_queue(queue)
 
+    def forget_log(self) -> None:
+        """Empty the log file (a new lease): what is not written yet is dropped, and the file is
+        emptied in the writing task, after any write already under way."""
+        if self._log:
+            self._log_pending = []
+            self._log_reset = True
+            self._start_log_task()
+
+    def _start_log_task(self) -> None:
+        if self._log_task is None or self._log_task.done():
+            self._log_task = asyncio.create_task(self._write_log(), name=f"log-{self.name}")
+
     async def _write_log(self) -> None:
         """File writes (and rotation) happen in a thread: a slow disk must not stall the drain."""
         assert self._log is not None
-        while self._log_pending:
-            batch, self._log_pending = b"".join(self._log_pending), []
+        while self._log_pending or self._log_reset:
             try:
+                if self._log_reset:
+                    self._log_reset = False
+                    await asyncio.to_thread(self._log.reset)
+                    continue
+                batch, self._log_pending = b"".join(self._log_pending), []
                 await asyncio.to_thread(self._log.write, batch)
             except OSError as e:  # a full disk loses log lines, never console output
                 log.warning("console %s: cannot write the log (%s)", self.name, e)

@@ -123,9 +123,11 @@ class GuestStreams:
                 self.hubs[name].preload(data)
 
     def clear_for_next_lease(self) -> None:
-        """Forget all scrollback and disconnect every client, GPIO waits included (recycle)."""
+        """Forget all scrollback, the console logs too, and disconnect every client, GPIO waits
+        included (recycle)."""
         for hub in self.hubs.values():
             hub.clear(disconnect_clients=True)
+            hub.forget_log()
         if self.gpio is not None:
             self.gpio.end_lease()
 
