@@ -112,3 +112,37 @@ async def test_the_cache_evicts_the_least_recently_used_but_never_what_a_vm_uses
     assert (await live.client().state()).phase.value == "Ready"
     again = await asyncio.to_thread(pull, f"file:{images[0]}", cache)
     assert not again.cached and again.path.exists()
+
+
+async def test_a_lease_that_flashed_keeps_the_pools_snapshot_from_eviction(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    """A lease flashes a disk of its own and powers on: that boot restores nothing, and the pool's
+    snapshot had lost its in-use mark with it, so the lease's next pulls evicted it and the next
+    lease booted cold (and captured again). The spec's snapshot stays held through the lease."""
+    cache = tmp_path / "cache"
+    images = [_random_qcow2(tmp_path / f"img{i}.qcow2", 6) for i in range(3)]
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M",
+                              "channels": [{"name": "evict-lease"}]}, name="pool",
+                             extra_args=["--cache-dir", str(cache), "--allow-host-paths", str(tmp_path)])
+    client = rt.client()
+    await client.wait_ready(240)
+    assert (await client.wait_stored()).snapshot.available
+    [snap] = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
+    [base] = list((cache / "disks").iterdir())
+    await client.claim()
+    await client.flash_reference(f"file:{images[0]}", power_off=True)
+    await client.power("on")  # boots the lease's own disk (no snapshot for it)
+    [flashed] = [p for p in (cache / "disks").iterdir() if p != base]
+    # room for what is in use and one and a half more images: the second pull must evict one thing
+    budget = _usage(base) + _usage(snap) + _usage(flashed) + 3 * _usage(images[0]) // 2
+    set_budget(budget)
+    try:  # pulls into the same cache (the runtime's own evict as these do), its in-use marks as they are
+        for img in images[1:]:
+            await asyncio.to_thread(pull, f"file:{img}", cache)
+    finally:
+        set_budget(None)
+    assert snap.exists(), "the pool's snapshot was evicted during a lease"
+    state = await client.recycle()
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot

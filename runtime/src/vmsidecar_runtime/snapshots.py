@@ -219,6 +219,8 @@ class SnapshotStore:
         self._cache = cache
         #: the disks the last :meth:`hold` marked in use (a snapshot committed later joins them)
         self._held_disks: list[DiskImage | None] = []
+        #: the snapshot held with them (:meth:`hold`)
+        self.held_snapshot: Snapshot | None = None
         #: snapshot path -> what this process hashed and found matching (see the module's docstring)
         self._checked: dict[str, _Checked] = {}
         #: staging directory -> the fd of its lock, held while this process may still commit it
@@ -390,6 +392,7 @@ class SnapshotStore:
         cache eviction removes them while this runtime may still boot from them; drops the marks of
         what an earlier boot used."""
         self._held_disks = list(disks)
+        self.held_snapshot = snap
         cache = DiskCache(self._cache)
         items = {f"disks/{d.path.name}" for d in disks if d is not None and d.path.parent == cache.disks}
         if snap is not None:

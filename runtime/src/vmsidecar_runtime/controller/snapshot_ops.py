@@ -49,7 +49,7 @@ from .capture import Capture, FrozenCapture, Staging
 from .disks import Disks
 from .guest_clock import correct_clock
 from .paths import RuntimePaths
-from .snapshot_rules import no_snapshot
+from .snapshot_rules import LEASE_BOUND, no_snapshot
 from .source_fetch import SourceFetch
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class SnapshotOps:
         self._planned_key: str | None = None
         #: keys QEMU could not snapshot (a device that blocks migration): not retried
         self._uncapturable: dict[str, str] = {}
+        #: the last plan found no snapshot because of the lease's disk (flashed, or changed)
+        self._lease_bound = False
         #: keys captured in place whose snapshot no restore has loaded yet
         self._unproven: set[str] = set()
         #: key -> how many of its snapshots this process captured were refused at their first load
@@ -131,7 +133,9 @@ class SnapshotOps:
     def _key(self, spec: VmSpec, accel: str) -> str | None:
         """The key for booting ``spec`` on the spec's own image now, or None (reason recorded)."""
         base = self._disks.current
-        if (why_not := no_snapshot(spec, self._disks, self._paths, self._supports)) is not None:
+        why_not = no_snapshot(spec, self._disks, self._paths, self._supports)
+        self._lease_bound = why_not is not None and why_not[1] in LEASE_BOUND
+        if why_not is not None:
             self._why(why_not[0])
             metrics.snapshot_lookup(why_not[1])
             return None
@@ -157,7 +161,10 @@ class SnapshotOps:
         key = self._key(spec, accel)
         self._planned_key = key
         snap = self._store.find(key) if key is not None else None
-        self._store.hold([self._disks.base, self._disks.current], snap)  # never evicted while in use
+        # never evicted while in use; a boot of the lease's own disk keeps the spec's snapshot, which
+        # the next recycle restores (a lease's pulls would otherwise evict it)
+        keep = snap if snap is not None or not self._lease_bound else self._store.held_snapshot
+        self._store.hold([self._disks.base, self._disks.current], keep)
         if key is None:
             return None
         self.info = self.info.model_copy(update={"available": snap is not None, "size": snap.size if snap else None})

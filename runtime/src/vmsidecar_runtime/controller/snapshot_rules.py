@@ -27,6 +27,11 @@ def never_snapshots(spec: VmSpec, supports: Callable[[str], bool]) -> tuple[str,
     return None
 
 
+#: the reasons of :func:`no_snapshot` that are the lease's disk: the spec's snapshot still serves
+#: the next recycle
+LEASE_BOUND: frozenset[LookupReason] = frozenset({"flashed", "lease_changes"})
+
+
 def no_snapshot(spec: VmSpec, disks: Disks, paths: RuntimePaths,
                 supports: Callable[[str], bool]) -> tuple[str, LookupReason] | None:
     """Why booting ``spec`` now must be a plain cold boot, or None when a snapshot may serve."""
