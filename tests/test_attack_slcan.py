@@ -79,6 +79,7 @@ class FakeGuest:
 def guest_bus(tmp_path: Path) -> Iterator[tuple[FakeGuest, VmsidecarSlcanBus]]:
     guest = FakeGuest(tmp_path / "can0.sock")
     bus = VmsidecarSlcanBus(str(tmp_path / "can0.sock"))
+    bus.reconnect()  # what the driver does at its tree's claim: connected from then on
     try:
         yield guest, bus
     finally:

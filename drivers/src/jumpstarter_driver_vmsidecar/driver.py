@@ -70,6 +70,10 @@ class VirtualMachine(Driver):
     _can_children: list[Any] = field(init=False, default_factory=list, repr=False)
     #: when this tree's lease began (``metrics.lease_started``); None for a tree that serves no lease
     _lease_began: float | None = field(init=False, default=None, repr=False)
+    #: set by ``close`` (and the next ``reset``): the background claim retry of this tree stops
+    _retry_stop: threading.Event = field(init=False, default_factory=threading.Event, repr=False)
+    #: held by that retry around each attempt, so ``close`` sees a claim it made before its stop
+    _retry_gate: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,6 +141,8 @@ class VirtualMachine(Driver):
         """Session start: hand our spec to the runtime (idempotent); a tree handed out to a lease
         also claims the VM now, before the lease can do anything (lease_exit.serves_a_lease)."""
         super().reset()
+        self._retry_stop.set()  # a retry of an earlier reset() holds the link this one replaces
+        self._retry_stop = threading.Event()
         self.link = RuntimeLink(Path(self.socket), spec=self._spec, on_claim=self._on_claim)
         lease = serves_a_lease()
         if lease and self._lease_began is None:
@@ -155,43 +161,79 @@ class VirtualMachine(Driver):
         except Exception as e:  # runtime not up yet: the exporter keeps running
             log.warning("runtime not reachable at %s yet (%s); will retry on first use", self.socket, e)
 
-    @staticmethod
-    def _push_spec_later(link: RuntimeLink, spec: VmSpec | None, *, claim: bool = False) -> None:
+    def _push_spec_later(self, link: RuntimeLink, spec: VmSpec | None, *, claim: bool = False) -> None:
         """Keep offering the spec (and the lease's claim) for a while in the background: in a pod
         the exporter may start before the runtime serves, and a standalone exporter has no "first
         use" until someone connects — without this the guest would not boot and the pod would
-        never be Ready."""
+        never be Ready. Ends with this tree's lease: a claim after ``close`` would recycle the next
+        lease's guest under it."""
         if spec is None and not claim:
             return
+        stop, gate = self._retry_stop, self._retry_gate
 
-        def retry() -> None:
-            deadline = time.monotonic() + SPEC_RETRY_S
-            while time.monotonic() < deadline and link.claimed_generation is None:
-                time.sleep(SPEC_RETRY_EVERY_S)
+        def attempt() -> bool:
+            """One offer; True when it is over (taken, answered, or the tree closed)."""
+            with gate:
+                if stop.is_set():
+                    return True
                 try:
                     if claim:
                         link.claim_now()
                     elif spec is not None:
                         link.run_sync(lambda c: c.put_spec(spec), timeout=30)
                 except RuntimeUnavailableError:
-                    continue  # not serving yet
+                    return False  # not serving yet
                 except Exception as e:  # an answer: the first use reports it to the user
                     log.warning("the runtime did not take the %s (%s)", "claim" if claim else "spec", e)
+                    return True
+            log.info("%s the runtime at %s", "claimed" if claim else "spec handed to", link.socket)
+            return True
+
+        def retry() -> None:
+            deadline = time.monotonic() + SPEC_RETRY_S
+            while time.monotonic() < deadline and link.claimed_generation is None:
+                if stop.wait(SPEC_RETRY_EVERY_S) or attempt():
                     return
-                log.info("%s the runtime at %s", "claimed" if claim else "spec handed to", link.socket)
-                return
 
         threading.Thread(target=retry, name="vmsidecar-spec", daemon=True).start()
 
     def _on_claim(self) -> None:
+        # the claim may have recycled the guest behind the CAN sockets: nothing a bus received
+        # before it is this lease's, and from now on the guest there is
+        for child in self._can_children:
+            reconnect = getattr(child.bus, "reconnect", None)  # (a native bus reads the host's)
+            if reconnect is not None:
+                with contextlib.suppress(Exception):  # (a shut-down bus stays down; the claim stands)
+                    reconnect()
         if self.recycle == "ExitAndReplace":
             request_exit_after_lease(log)
+
+    def _shut_can_down(self) -> None:
+        """End everything of this tree on its CAN buses: periodic sends, ``recv``, ``send``, and
+        any reconnection (a shut-down bus refuses it)."""
+        for child in self._can_children:  # upstream's Can never shuts its python-can bus down
+            for task in list(getattr(child, "_Can__tasks", {}).values()):  # (its periodic sends)
+                with contextlib.suppress(Exception):
+                    task.stop()
+            with contextlib.suppress(Exception):
+                child.bus.shutdown()
+
+    def _stop_retry(self) -> None:
+        """Stop the background claim retry; wait for an attempt under way, so that a claim it
+        made is seen (and recycled) by ``close``."""
+        self._retry_stop.set()
+        with self._retry_gate:
+            pass
 
     def close(self) -> None:
         """Session end: for a tree that served a lease, recycle (InPlaceReuse) or stop the runtime (ExitAndReplace)."""
         if self._lease_began is not None:  # the lease ends with its session, before the recycle
             lease_ended(self._lease_began)
             self._lease_began = None
+        self._stop_retry()
+        # before the recycle: once it has restored the next guest, a bus of this tree that
+        # reconnected (a periodic send, a recv under way) would reach that guest
+        self._shut_can_down()
         try:
             generation = self.link.claimed_generation
             if generation is None:
@@ -209,9 +251,6 @@ class VirtualMachine(Driver):
             log.error("end-of-lease %s failed: %s", self.recycle, e)
         finally:
             self.link.close()
-            for child in self._can_children:  # upstream's Can never shuts its python-can bus down
-                with contextlib.suppress(Exception):
-                    child.bus.shutdown()
             super().close()
 
     # ---- extras for Python clients -------------------------------------------------------

@@ -9,8 +9,12 @@ the Unix socket ``<shared>/can/<bus>.sock`` served by the runtime, optionally fo
 ``;bitrate=N`` (the ``Can`` driver passes only a channel): frames are then sent no faster than a
 real bus of that bitrate carries them, which is also what keeps the guest from dropping them.
 
-The connection is opened lazily and re-opened after the runtime or the guest went away, so the
-bus can be created before the runtime is up (the exporter builds its driver tree at start).
+The connection is opened at first use and re-opened after the runtime or the guest went away, so
+the bus can be created before the runtime is up (the exporter builds its driver tree at start).
+Behind the socket the guest changes at every claim and recycle: a lease's tree is built while the
+previous lease's guest still runs. So a connection's frames die with it: what was received on a
+connection that ended (or that ``reconnect`` dropped) is never handed out after it, and a bus that
+was shut down never connects again (its periodic sends included), whatever its lease left running.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import can
@@ -109,13 +115,16 @@ class VmsidecarSlcanBus(can.BusABC):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reader: threading.Thread | None = None
+        #: periodic sends started on this bus, also those upstream's ``Can`` driver starts without
+        #: ``send_periodic`` (BusABC.shutdown stops only the ones that one recorded)
+        self._cyclic: weakref.WeakSet[can.broadcastmanager.CyclicSendTaskABC] = weakref.WeakSet()
+        # no connection yet: whoever is behind the socket now may be the previous lease's guest
         super().__init__(channel=channel, **kwargs)
-        with contextlib.suppress(OSError):
-            self._connect()
 
     # ---- connection ----------------------------------------------------------------------
     def _shut_down(self) -> can.CanOperationError:
-        return can.CanOperationError(f"the CAN bus {self.channel} is shut down")
+        return can.CanOperationError(f"the CAN bus {self.channel} is shut down (its lease ended); it does "
+                                     "not connect again")
 
     def _connect(self) -> socket.socket:
         with self._lock:
@@ -130,6 +139,7 @@ class VmsidecarSlcanBus(can.BusABC):
                 sock.close()
                 raise
             self._sock = sock
+            self._forget_received()  # (a reader of an earlier connection may have queued since its drop)
             self._reader = threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
                                             name=f"slcan-{self.channel}")
             self._reader.start()
@@ -139,8 +149,33 @@ class VmsidecarSlcanBus(can.BusABC):
         with self._lock:
             if self._sock is sock:
                 self._sock = None
+                # the runtime ends a connection when the guest behind it changes (claim, recycle):
+                # what the old guest sent must not be the next one's first frames
+                self._forget_received()
         with contextlib.suppress(OSError):
             sock.close()
+
+    def _forget_received(self) -> None:
+        with self._rx_ready:
+            self._rx.clear()
+
+    def reconnect(self) -> None:
+        """Drop the connection and every frame received on it, then connect anew (quietly when the
+        socket is not served: the next use tries again).
+
+        The driver calls this when its tree has claimed the VM: nothing of the guest before the
+        claim is handed out after it, and what the lease's guest sends from then on is kept.
+        """
+        with self._lock:
+            sock, self._sock = self._sock, None
+            self._forget_received()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # ends its reader, which then finds it already dropped
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(OSError):
+            self._connect()
 
     @property
     def rx_limit(self) -> int:
@@ -176,7 +211,7 @@ class VmsidecarSlcanBus(can.BusABC):
                     if len(partial) > MAX_LINE:
                         self._overlong(len(partial))
                         partial, skipping = b"", True
-                replies = self._take(ended)
+                replies = self._take(ended, sock)
                 if replies:
                     sock.sendall(replies)
         except OSError:
@@ -184,8 +219,9 @@ class VmsidecarSlcanBus(can.BusABC):
         finally:
             self._drop(sock)
 
-    def _take(self, lines: list[bytes]) -> bytes:
-        """Queue the frames among ``lines``; the acknowledgements owed for the commands among them."""
+    def _take(self, lines: list[bytes], sock: socket.socket) -> bytes:
+        """Queue the frames among ``lines`` read from ``sock``; the acknowledgements owed for the
+        commands among them. Nothing when ``sock`` is no longer this bus's connection."""
         now = time.time()
         replies = 0
         frames = []
@@ -199,7 +235,9 @@ class VmsidecarSlcanBus(can.BusABC):
             elif line[:1] in b"SsOCVNFZMmLl":  # (an empty line too, as slcand expects)
                 replies += 1  # a command of the SLCAN host (slcand): acknowledge it
         if frames:
-            with self._rx_ready:
+            with self._rx_ready:  # (the lock _drop and reconnect empty the queue under)
+                if self._sock is not sock:
+                    return b""  # read just before its connection was dropped: an earlier guest's
                 pushed_out = max(0, len(self._rx) + len(frames) - RX_LIMIT)
                 self._rx.extend(frames)
                 self._rx_ready.notify_all()
@@ -308,11 +346,31 @@ class VmsidecarSlcanBus(can.BusABC):
     def flush_tx_buffer(self) -> None:
         """Nothing is buffered on this side: frames go to the socket at once."""
 
+    def _send_periodic_internal(
+        self,
+        msgs: Sequence[can.Message] | can.Message,
+        period: float,
+        duration: float | None = None,
+        autostart: bool = True,
+        modifier_callback: Callable[[can.Message], None] | None = None,
+    ) -> can.broadcastmanager.CyclicSendTaskABC:
+        with self._lock:  # (shutdown stops, under this lock, every task started before it)
+            if self._closed.is_set():
+                raise self._shut_down()
+            task = super()._send_periodic_internal(msgs, period, duration, autostart, modifier_callback)
+            self._cyclic.add(task)
+        return task
+
     def shutdown(self) -> None:
-        with self._lock:  # after this no _connect opens a socket
+        with self._lock:  # after this no _connect opens a socket, and no periodic send starts
             self._closed.set()
             sock, self._sock = self._sock, None
+            tasks = list(self._cyclic)
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                task.stop()
         with self._rx_ready:
+            self._rx.clear()
             self._rx_ready.notify_all()  # a recv waiting for a frame ends now
         if self.dropped_frames or self.dropped_lines:
             self._warn(final=True)  # the totals, whatever the rate limit held back

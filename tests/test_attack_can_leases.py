@@ -1,0 +1,212 @@
+"""Attack: a CAN bus carries nothing of one lease into the next (docs/security.md).
+
+jumpstarter 0.9.0 builds a lease's driver tree before its ``reset()`` claims the VM, and a claim or
+a recycle swaps the guest behind the same ``can/<bus>.sock``. Three ways lease N reached lease N+1:
+
+- lease N+1's bus, connected when its tree was built, queued what lease N's guest sent until the
+  claim and handed it out at its first ``recv``;
+- lease N's tree recycled before it shut its buses down: a periodic send of lease N reconnected
+  and sent into the restored guest of lease N+1;
+- a tree whose runtime was not up at ``reset()`` kept retrying the claim after its ``close()``: a
+  late claim would recycle the next lease's guest under it.
+
+Real guests under QEMU (the tiny image: ``cansend``, ``candump``, slcand on a virtio console); the
+one fake socket stands in for the runtime where what is tested is the bus's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import can
+import pytest
+
+from fixtures.runtime import RuntimeProcess
+from fixtures.vmdev import vm_runtime
+from fixtures.waiting import wait_until
+from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+from jumpstarter_driver_vmsidecar.slcan import VmsidecarSlcanBus
+from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import clean_environ
+from vmsidecar_images.console import Console
+
+# one xdist worker runs the module: its tests share one runtime and its generations
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("can-leases")]
+
+OLD_ID, NEW_ID, PERIODIC_ID = 0x7AA, 0x7BB, 0x5AA
+
+
+def _spec(image: Any) -> dict[str, Any]:
+    return {"image": f"file:{image.disk}", "memory": "256M", "can": [{"name": "can0", "bitrate": 250000}]}
+
+
+@pytest.fixture(scope="module")
+def can_rt(tiny_image: Any, image_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with vm_runtime(_spec(tiny_image), tmp_path_factory.mktemp("can-leases-rt"), image_cache) as rt:
+        yield rt
+
+
+def _tree(rt: Any, image: Any) -> VirtualMachine:
+    return VirtualMachine(socket=str(rt.socket), spec=_spec(image), recycle="InPlaceReuse")
+
+
+async def _in_guest(rt: Any, command: str, timeout: float = 60) -> str:
+    """Run ``command`` on the current guest's serial console once it is Ready."""
+    async with RuntimeClient(rt.socket) as client:
+        await client.wait_ready(180)
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        return await con.run(command, timeout=timeout)
+    finally:
+        await con.close()
+
+
+def _guest(rt: Any, command: str, timeout: float = 60) -> str:
+    return asyncio.run(_in_guest(rt, command, timeout))
+
+
+def _ids_for(bus: can.BusABC, seconds: float) -> list[int]:
+    """Every frame id ``bus`` hands out within ``seconds``."""
+    ids = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if (msg := bus.recv(min(left, 0.2))) is not None:
+            ids.append(msg.arbitration_id)
+    return ids
+
+
+def _claim_as_lease_n(rt: Any) -> None:
+    async def claim() -> None:
+        async with RuntimeClient(rt.socket) as client:
+            await client.claim()
+
+    asyncio.run(claim())
+
+
+# ---- item 1: what the previous guest sent never comes out of the next lease's bus -------------
+def test_frames_of_lease_n_never_come_out_of_lease_n_plus_1_bus(can_rt: Any, tiny_image: Any) -> None:
+    """Lease N's guest keeps sending 0x7AA; lease N+1's tree is built (as 0.9.0 does, before its
+    claim) and then claims, which recycles lease N's guest: its bus must hand out nothing of lease
+    N, and still what lease N+1's guest sends (0x7BB)."""
+    _claim_as_lease_n(can_rt)
+    loop = f"while true; do cansend can0 {OLD_ID:03X}#4C4541534520; sleep 0.05; done"
+    _guest(can_rt, f"({loop}) >/dev/null 2>&1 & true")
+    tree = _tree(can_rt, tiny_image)
+    try:
+        time.sleep(1)  # lease N's guest sends ~20 frames between the tree's construction and its claim
+        tree.reset()
+        bus = tree.children["can"].bus
+        queued = bus.backlog()
+        assert queued == 0, f"{queued} frames of lease N were queued on lease N+1's bus at its claim"
+        ids = _ids_for(bus, 2)
+        assert OLD_ID not in ids, f"lease N's frames came out of lease N+1's bus: {[hex(i) for i in ids]}"
+        _guest(can_rt, f"cansend can0 {NEW_ID:03X}#4E4557")
+        assert NEW_ID in _ids_for(bus, 10), "lease N+1's own guest's frame never arrived"
+    finally:
+        tree.close()
+
+
+def test_a_dropped_connection_takes_its_unread_frames_with_it(tmp_path: Path) -> None:
+    """The runtime drops a bus's socket (a claim or a recycle) while frames wait unread; the bus
+    reconnects to the next guest and hands out only what arrived on the new connection."""
+    path = tmp_path / "can0.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(2)
+    bus = VmsidecarSlcanBus(str(path))
+    try:
+        assert bus._sock is None, "the bus connected when it was built (before its tree's claim)"
+        assert bus.recv(0) is None  # first use: connects
+        old, _ = listener.accept()
+        old.sendall(b"t7AA1AA\rt7AA1BB\rt7A")  # two frames and an unfinished line of lease N
+        wait_until(lambda: bus.backlog() == 2, 10, "the bus to queue lease N's frames")
+        old.close()  # the runtime's claim disconnects every client
+        wait_until(lambda: bus._sock is None, 10, "the bus to see its socket end")
+        accepted: list[socket.socket] = []
+        threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+        assert bus.recv(0.5) is None, "a frame received before the drop came out after it"
+        wait_until(lambda: accepted, 10, "the bus to reconnect")
+        accepted[0].sendall(b"BB1CC\rt7BB1DD\r")  # would end lease N's "t7A" line as a frame 0x7AB
+        msg = bus.recv(5)
+        assert msg is not None and msg.arbitration_id == NEW_ID, f"not the new guest's frame: {msg}"
+        accepted[0].close()
+    finally:
+        bus.shutdown()
+        listener.close()
+
+
+# ---- item 2: an ended lease's tree sends nothing to the next guest ------------------------------
+def test_a_periodic_send_of_lease_n_never_reaches_the_guest_of_lease_n_plus_1(
+    can_rt: Any, tiny_image: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease N starts a periodic send (upstream ``Can._send_periodic_internal``: a thread with no
+    duration) and ends; its ``close()`` recycles. The next guest must receive nothing of it, and
+    the ended tree's bus must refuse to send."""
+    from jumpstarter_driver_can.common import CanMessage
+
+    rx = "cat /sys/class/net/can0/statistics/rx_packets"
+    a = _tree(can_rt, tiny_image)
+    a.reset()  # lease N claims (a fresh generation, or a recycle of the one before)
+    link_close = a.link.close
+
+    def descheduled_close() -> None:
+        # a loaded exporter: the thread ending the lease loses the CPU for a second after the
+        # recycle, which only widens the window the old order left between recycle and shutdown
+        time.sleep(1)
+        link_close()
+
+    monkeypatch.setattr(a.link, "close", descheduled_close)
+    pristine = _guest(can_rt, rx).strip()
+    frame = can.Message(arbitration_id=PERIODIC_ID, data=b"LEASE-N", is_extended_id=False)
+    a.children["can"]._send_periodic_internal([CanMessage.construct(frame)], 0.01)  # as CanClient calls it
+    time.sleep(0.5)
+    assert int(_guest(can_rt, rx)) > int(pristine), "lease N's periodic send never reached its own guest"
+    a.close()
+    b = _tree(can_rt, tiny_image)
+    try:
+        b.reset()  # lease N+1 claims the recycled generation
+        listen = f"timeout 2 candump -L can0,{PERIODIC_ID:03X}:7FF; {rx}"
+        out = _guest(can_rt, listen)
+        assert f"{PERIODIC_ID:03X}#" not in out and out.strip().splitlines()[-1] == pristine, (
+            f"lease N's periodic frames reached lease N+1's guest (pristine rx_packets {pristine}):\n{out}")
+        with pytest.raises(can.CanOperationError, match="shut down"):
+            a.children["can"].bus.send(frame, timeout=1)
+    finally:
+        b.close()
+
+
+# ---- item 3: a closed tree's claim retry stops ---------------------------------------------------
+def test_the_claim_retry_of_a_closed_tree_never_claims(
+    tiny_image: Any, image_cache: Path, tmp_path: Path
+) -> None:
+    """The runtime is not up at ``reset()``: the tree retries the claim in a thread. After its
+    ``close()`` (the lease ended) that thread must stop: a claim coming later would recycle the
+    next lease's guest."""
+    root = tmp_path / "late-rt"
+    spec = _spec(tiny_image)
+    tree = VirtualMachine(socket=str(root / "shared" / "api.sock"), spec=spec, recycle="InPlaceReuse")
+    before = set(threading.enumerate())
+    tree.reset()
+    retry = [t for t in threading.enumerate() if t not in before and t.name == "vmsidecar-spec"]
+    assert retry, "no claim retry started for a runtime that is not up"
+    tree.close()
+    rt = RuntimeProcess.start(root, spec=spec, cache=image_cache, args=["--grace", "20"], env=clean_environ())
+    try:
+        asyncio.run(rt.wait_serving())
+        time.sleep(3)  # absence of a claim: the retry looks every 0.5 s
+
+        async def claimed() -> bool:
+            async with RuntimeClient(rt.socket) as client:
+                return (await client.state()).claimed
+
+        assert not asyncio.run(claimed()), "the closed tree's retry thread claimed the VM after close()"
+        wait_until(lambda: not retry[0].is_alive(), 5, "the closed tree's retry thread to end")
+    finally:
+        rt.stop()
