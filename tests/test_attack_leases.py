@@ -319,3 +319,35 @@ async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_bein
         return s.snapshot.capture_seconds is not None
 
     await wait_until_async(captured, 60, "the next pristine boot to capture the snapshot")
+
+
+async def test_a_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_runtime: Any, tmp_path: Path) -> None:
+    """The exporter may still run lease N's tree while lease N+1's claims (its session ends with a
+    grace period, the next is handed out meanwhile): a call of N's tree that came after N+1's claim
+    was carried out on N+1's VM (here: N's tree changed N+1's spec). Each call now names its
+    lease's generation and is refused once the VM moved on; a runtime that restarted (its
+    generations begun anew, unclaimed) is claimed again by the tree, as before."""
+    from jumpstarter_driver_vmsidecar.link import RuntimeLink
+    from vmsidecar_contract.spec import load_spec
+
+    rt = await start_runtime({"memory": "256M"})
+    lease_n, lease_n1 = RuntimeLink(rt.socket), RuntimeLink(rt.socket)
+    try:
+        await lease_n.call(lambda c: c.state())  # claims generation 0
+        await lease_n1.call(lambda c: c.state())  # the next lease claims: generation 0 is recycled
+        assert lease_n1.claimed_generation == 1
+        with pytest.raises(ValueError) as refused:
+            await lease_n.call(lambda c: c.put_spec(load_spec({"memory": "300M"})))
+        assert "has ended" in str(refused.value), refused.value
+        spec = await lease_n1.call(lambda c: c.get_spec())
+        assert spec is not None and spec.memory == 256, spec  # MiB
+        # the runtime restarts: lease N+1's tree claims the new process's VM and goes on
+        assert rt.stop() == 0
+        again = await start_runtime({"memory": "256M"})
+        assert again.socket == rt.socket
+        state = await lease_n1.call(lambda c: c.state())
+        assert state.claimed and lease_n1.claimed_generation == state.generation == 0, state
+    finally:
+        for link in (lease_n, lease_n1):
+            if link._client is not None:
+                await link._client.close()

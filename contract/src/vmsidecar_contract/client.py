@@ -66,6 +66,16 @@ class RuntimeClient:
         self.socket_path = Path(socket_path)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
+        #: the generation the caller's lease claimed: every call but the claim names it
+        #: (``api.GENERATION_HEADER``) and fails with GenerationChangedError once the VM moved on
+        self.generation: int | None = None
+
+    def _bound(self, endpoint: Endpoint, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with the lease's generation among the headers, for a lease-bound row (not for a
+        call made with ``bound=False``)."""
+        if not kwargs.pop("bound", True) or self.generation is None or not endpoint.lease_bound:
+            return kwargs
+        return {**kwargs, "headers": {**kwargs.get("headers", {}), api.GENERATION_HEADER: str(self.generation)}}
 
     async def __aenter__(self) -> RuntimeClient:
         return self
@@ -97,7 +107,7 @@ class RuntimeClient:
         if _observer:
             _observer.request(method, path, kwargs.get("json"))
         try:
-            async with self._http().request(method, path, **kwargs) as resp:
+            async with self._http().request(method, path, **self._bound(endpoint, kwargs)) as resp:
                 raw = await resp.read()
                 if _observer:
                     _observer.response(method, path, resp.status, resp.headers, raw)
@@ -114,7 +124,7 @@ class RuntimeClient:
         method, path = endpoint.method, endpoint.path
         if _observer:
             _observer.request(method, path, kwargs.get("json"))
-        async with self._http().request(method, path, **kwargs) as resp:
+        async with self._http().request(method, path, **self._bound(endpoint, kwargs)) as resp:
             if resp.status != endpoint.status:
                 raw = await resp.read()
                 if _observer:
@@ -133,9 +143,9 @@ class RuntimeClient:
             yield json.loads(raw)
 
     # ---- state and spec ------------------------------------------------------------------
-    async def state(self) -> VmState:
-        """``GET /v1/vm``."""
-        return VmState.model_validate(await self._request(api.GET_VM))
+    async def state(self, *, bound: bool = True) -> VmState:
+        """``GET /v1/vm``; ``bound=False``: whatever the generation (the caller's lease may have ended)."""
+        return VmState.model_validate(await self._request(api.GET_VM, bound=bound))
 
     async def get_spec(self) -> VmSpec | None:
         """``GET /v1/vm/spec``; None when the runtime has none yet."""

@@ -26,6 +26,11 @@ MAX_JSON_BODY = 1 << 20
 MAX_EVENTS_TIMEOUT = 3600.0
 #: the longest wait a lease's call may ask for (a driver's timeout, a ``gpio.sock`` wait), seconds
 MAX_WAIT_S = 86400.0
+#: a caller bound to one lease (a driver tree) names its generation in this header on every call;
+#: the runtime answers 409 ``generation_changed`` once the VM has moved on, so a call of a lease
+#: that ended (the exporter may still run its tree while the next lease claims) acts on nothing of
+#: the next. Without the header a call is not bound (the CLI, the pool's own tools).
+GENERATION_HEADER = "Vmsidecar-Generation"
 
 
 def is_wait(value: object) -> TypeGuard[int | float]:
@@ -92,6 +97,8 @@ class Endpoint:
     errors: tuple[str, ...]
     body: Body | None = None
     query: tuple[Query, ...] = ()
+    #: takes :data:`GENERATION_HEADER` (all but the claim, which moves the generation, and the probes)
+    lease_bound: bool = True
 
     @property
     def status(self) -> int:
@@ -122,7 +129,7 @@ class Endpoint:
         """Each error status it may answer, with the codes sent with it."""
         found: dict[int, list[str]] = {}
         registry = errors.registry()
-        for code in self.errors:
+        for code in (*self.errors, *(("generation_changed",) if self.lease_bound else ())):
             found.setdefault(registry[code].http_status, []).append(code)
         if self.body is not None:
             found.setdefault(415, []).append("http_error")
@@ -174,7 +181,7 @@ POST_RECYCLE = Endpoint(
     "POST", "/v1/vm/recycle",
     "Back to pristine (overlay, flashed disk, scrollback discarded; generation bumped), then boot. "
     "Cancels the disk transfer under way (it belonged to the lease that ended). Any phase.",
-    (_STATE,), ("bad_request", "generation_changed", "host_error", "guest_error"),
+    (_STATE,), ("bad_request", "host_error", "guest_error"),
     body=Body("json", "RecycleRequest", required=False))
 POST_LEASE = Endpoint(
     "POST", "/v1/vm/lease",
@@ -182,7 +189,7 @@ POST_LEASE = Endpoint(
     "this generation it is recycled first (the answer then comes after the fresh boot has started); the disk "
     "transfer under way is cancelled; no memory snapshot is captured from then on (one under way finishes "
     "first). Any phase.",
-    (_STATE,), ("bad_request", "host_error", "guest_error"))
+    (_STATE,), ("bad_request", "host_error", "guest_error"), lease_bound=False)
 PUT_DISK = Endpoint(
     "PUT", "/v1/vm/disk",
     "Flash: the body is the image (qcow2/raw, optionally zstd/gzip/xz), streamed (no size limit but the image "
@@ -224,10 +231,11 @@ POST_SHUTDOWN = Endpoint(
     (Answer(202, "accepted", model="Accepted"),), ("bad_request",))
 GET_HEALTHZ = Endpoint(
     "GET", "/healthz", "Liveness: the runtime answers. Any phase.",
-    (Answer(200, "alive", model="Health"),), ("bad_request",))
+    (Answer(200, "alive", model="Health"),), ("bad_request",), lease_bound=False)
 GET_READYZ = Endpoint(
     "GET", "/readyz", "Readiness: 200 when Ready, else 503. Any phase.",
-    (Answer(200, "ready", model="Health"), Answer(503, "not ready", model="Health")), ("bad_request",))
+    (Answer(200, "ready", model="Health"), Answer(503, "not ready", model="Health")), ("bad_request",),
+    lease_bound=False)
 
 #: every operation of the API, in the order the document lists them
 ENDPOINTS: tuple[Endpoint, ...] = (GET_VM, GET_SPEC, PUT_SPEC, POST_POWER, POST_RECYCLE, POST_LEASE, PUT_DISK,

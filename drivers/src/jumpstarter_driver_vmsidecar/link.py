@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from vmsidecar_contract.client import RuntimeClient
-from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 
 T = TypeVar("T")
@@ -56,12 +57,14 @@ class RuntimeLink:
     _claim_mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def client(self) -> RuntimeClient:
-        """The API client bound to the running event loop."""
+        """The API client bound to the running event loop, and to the generation this tree claimed:
+        once the VM has moved on (the next lease claimed it) a call of this tree is refused."""
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             self._client = RuntimeClient(self.socket)
             self._loop = loop
             self._claim_lock = asyncio.Lock()
+        self._client.generation = self.claimed_generation
         return self._client
 
     async def call(self, fn: Callable[[RuntimeClient], Awaitable[T]], *, claim: bool = True) -> T:
@@ -75,6 +78,10 @@ class RuntimeLink:
                 await self.claim()
             try:
                 return await fn(self.client())
+            except GenerationChangedError:
+                if not await self._claim_again():
+                    raise
+                return await fn(self.client())
             except VmsidecarError as e:
                 if e.code != "no_spec" or self.spec is None:
                     raise
@@ -84,23 +91,45 @@ class RuntimeLink:
         except VmsidecarError as e:
             raise translate(e) from e
 
+    async def _claim_again(self) -> bool:
+        """The VM is no longer at this tree's generation: claim it again when no lease has it (the
+        runtime restarted, its generations begun anew), never when another lease does (this
+        tree's lease ended: the call must act on nothing of the next). True when claimed again."""
+        if self.claimed_generation is None or not self.claim_leases:
+            return False
+        state = await self.client().state(bound=False)
+        if state.claimed:
+            return False
+        async with self._locked_claim():
+            self.claimed_generation = None
+            await self._claim_locked(self.client(), "again: the runtime's generation moved on unclaimed")
+        return True
+
     async def claim(self) -> None:
         """Claim the VM once per driver tree."""
         if not self.claim_leases or self.claimed_generation is not None:
             return
         client = self.client()
+        async with self._locked_claim():
+            if self.claimed_generation is None:
+                await self._claim_locked(client, "at the first call of the lease")
+
+    @contextlib.asynccontextmanager
+    async def _locked_claim(self) -> AsyncIterator[None]:
+        """One claim at a time: this loop's and ``claim_now``'s thread (a late runtime)."""
         assert self._claim_lock is not None
         async with self._claim_lock:
-            while not self._claim_mutex.acquire(blocking=False):  # claim_now in a thread (a late runtime)
+            while not self._claim_mutex.acquire(blocking=False):
                 await asyncio.sleep(0.05)
             try:
-                if self.claimed_generation is None:
-                    if self.spec is not None:
-                        await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
-                    state = await client.claim()
-                    self._claimed(state.generation, "at the first call of the lease")
+                yield
             finally:
                 self._claim_mutex.release()
+
+    async def _claim_locked(self, client: RuntimeClient, when: str) -> None:
+        if self.spec is not None:
+            await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
+        self._claimed((await client.claim()).generation, when)
 
     def claim_now(self, timeout: float = CLAIM_TIMEOUT_S) -> None:
         """Claim from synchronous code: ``reset()`` of a tree the exporter hands to a lease (or the

@@ -12,7 +12,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from vmsidecar_contract.endpoints import ENDPOINTS, MAX_JSON_BODY, MEDIA_TYPES, Endpoint, Media, model
+from vmsidecar_contract.endpoints import (
+    ENDPOINTS,
+    GENERATION_HEADER,
+    MAX_JSON_BODY,
+    MEDIA_TYPES,
+    Endpoint,
+    Media,
+    model,
+)
 from vmsidecar_contract.errors import describe, registry
 from vmsidecar_contract.events import EVENTS
 
@@ -58,7 +66,12 @@ def _request_body(row: Endpoint) -> dict[str, Any]:
 
 def _parameters(row: Endpoint) -> list[dict[str, Any]]:
     names = ", ".join(t for t in EVENTS if t != "hello")  # hello comes first whatever the filter
-    params = []
+    params: list[dict[str, Any]] = []
+    if row.lease_bound:
+        params.append({"name": GENERATION_HEADER, "in": "header", "required": False,
+                       "schema": {"type": "string", "pattern": "^[0-9]{1,19}$"},
+                       "description": "the generation the caller's lease claimed: 409 generation_changed when "
+                                      "the VM is at another (the lease ended); without it the call is not bound"})
     for q in row.query:
         param: dict[str, Any] = {"name": q.name, "in": "query", "schema": dict(q.schema)}
         if q.description:
@@ -75,8 +88,8 @@ def _operation(row: Endpoint) -> dict[str, Any]:
         responses[str(status)] = {"description": f"{_STATUS[status]} ({', '.join(dict.fromkeys(codes))})",
                                   "content": _content("json", "ErrorBody")}
     op: dict[str, Any] = {"summary": row.summary}
-    if row.query:
-        op["parameters"] = _parameters(row)
+    if params := _parameters(row):
+        op["parameters"] = params
     if row.body:
         op["requestBody"] = _request_body(row)
     op["responses"] = responses

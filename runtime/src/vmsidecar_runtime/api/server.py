@@ -93,6 +93,28 @@ async def query_middleware(request: web.Request, handler: Handler) -> web.Stream
     return await handler(request)
 
 
+#: the row of each routed (method, path)
+_ROWS = {(row.method, row.path): row for row in api.ENDPOINTS}
+
+
+@web.middleware
+async def generation_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A call that names its lease's generation (:data:`api.GENERATION_HEADER`) acts only while that
+    lease's generation is the VM's: a driver tree of a lease that ended must not act on the next.
+
+    :raise GenerationChangedError: the VM is at another generation. :raise RequestError: not a number.
+    """
+    value = request.headers.get(api.GENERATION_HEADER)
+    resource = request.match_info.route.resource
+    row = _ROWS.get((request.method, resource.canonical)) if resource is not None else None
+    if value is not None and row is not None and row.lease_bound:
+        if not re.fullmatch(r"[0-9]{1,19}", value.strip()):  # (str.isdigit takes '²', which int() refuses)
+            raise RequestError(f"header {api.GENERATION_HEADER} is {value[:40]!r}; give the generation the lease "
+                               "claimed, a whole number")
+        request.app[CONTROLLER].require_lease_generation(int(value))
+    return await handler(request)
+
+
 def _vm(request: web.Request) -> VmController:
     return request.app[CONTROLLER]
 
@@ -339,7 +361,7 @@ ROUTES = routes()
 
 def make_app(vm: VmController) -> web.Application:
     """The API application for one controller."""
-    app = web.Application(middlewares=[audit_middleware, error_middleware, query_middleware],
+    app = web.Application(middlewares=[audit_middleware, error_middleware, query_middleware, generation_middleware],
                           client_max_size=MAX_JSON_BODY)
     app[CONTROLLER] = vm
     for method, path, handler in ROUTES:

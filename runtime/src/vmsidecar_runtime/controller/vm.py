@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, Phase, SnapshotInfo, VmState
 
@@ -218,6 +218,17 @@ class VmController:
             return self.state()
 
     # ---- leases --------------------------------------------------------------------------
+    def require_lease_generation(self, generation: int) -> None:
+        """A call bound to the lease that claimed ``generation`` (``GENERATION_HEADER``) goes on only
+        while the VM is at it.
+
+        :raise GenerationChangedError: naming both generations.
+        """
+        if generation != self.generation:
+            raise GenerationChangedError(
+                f"this call belongs to the lease of generation {generation}, which has ended (the VM is at "
+                f"generation {self.generation}); it was not carried out")
+
     async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """Back to pristine: guest stopped, overlay and flashed disks discarded, consoles cleared,
         generation bumped; then boot a fresh overlay of the spec's image.
