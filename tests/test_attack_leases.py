@@ -321,7 +321,8 @@ async def test_a_lease_handed_out_during_the_cold_boot_keeps_that_boot_from_bein
     await wait_until_async(captured, 60, "the next pristine boot to capture the snapshot")
 
 
-async def test_a_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_runtime: Any, tmp_path: Path) -> None:
+async def test_a_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_runtime: Any,
+                                                                   tmp_path: Path) -> None:
     """The exporter may still run lease N's tree while lease N+1's claims (its session ends with a
     grace period, the next is handed out meanwhile): a call of N's tree that came after N+1's claim
     was carried out on N+1's VM (here: N's tree changed N+1's spec). Each call now names its

@@ -165,11 +165,12 @@ class VirtualMachine(Driver):
         """Keep offering the spec (and the lease's claim) for a while in the background: in a pod
         the exporter may start before the runtime serves, and a standalone exporter has no "first
         use" until someone connects — without this the guest would not boot and the pod would
-        never be Ready. Ends with this tree's lease: a claim after ``close`` would recycle the next
-        lease's guest under it."""
+        never be Ready. A claim's retry ends with this tree's lease (a claim after ``close`` would
+        recycle the next lease's guest under it); a spec's goes on (0.9.0 closes the start-up tree at
+        once, and the spec is what boots the pod's guest: idempotent, it claims nothing)."""
         if spec is None and not claim:
             return
-        stop, gate = self._retry_stop, self._retry_gate
+        stop, gate = (self._retry_stop, self._retry_gate) if claim else (threading.Event(), threading.Lock())
 
         def attempt() -> bool:
             """One offer; True when it is over (taken, answered, or the tree closed)."""
@@ -212,7 +213,9 @@ class VirtualMachine(Driver):
         """End everything of this tree on its CAN buses: periodic sends, ``recv``, ``send``, and
         any reconnection (a shut-down bus refuses it)."""
         for child in self._can_children:  # upstream's Can never shuts its python-can bus down
-            for task in list(getattr(child, "_Can__tasks", {}).values()):  # (its periodic sends)
+            # upstream's Can starts periodic sends with the bus's _send_periodic_internal, which
+            # BusABC.shutdown does not stop: a native bus (python-can's) would go on sending
+            for task in list(getattr(child, "_Can__tasks", {}).values()):
                 with contextlib.suppress(Exception):
                     task.stop()
             with contextlib.suppress(Exception):
@@ -230,6 +233,7 @@ class VirtualMachine(Driver):
         if self._lease_began is not None:  # the lease ends with its session, before the recycle
             lease_ended(self._lease_began)
             self._lease_began = None
+        self.link.ended = True  # a call of this tree still under way claims nothing from now on
         self._stop_retry()
         # before the recycle: once it has restored the next guest, a bus of this tree that
         # reconnected (a periodic send, a recv under way) would reach that guest

@@ -49,6 +49,8 @@ class RuntimeLink:
     spec: VmSpec | None = None
     claim_leases: bool = True
     claimed_generation: int | None = None
+    #: set when the tree's lease ends (its ``close``): the link claims nothing from then on
+    ended: bool = False
     #: called once, right after this tree claimed the VM (ExitAndReplace hooks in here)
     on_claim: Callable[[], None] | None = None
     _client: RuntimeClient | None = field(default=None, repr=False)
@@ -92,31 +94,32 @@ class RuntimeLink:
             raise translate(e) from e
 
     async def _claim_again(self) -> bool:
-        """The VM is no longer at this tree's generation: claim it again when no lease has it (the
-        runtime restarted, its generations begun anew), never when another lease does (this
-        tree's lease ended: the call must act on nothing of the next). True when claimed again."""
-        if self.claimed_generation is None or not self.claim_leases:
+        """The VM is no longer at this tree's generation, or it is unclaimed: claim it again when no
+        lease has it and this tree's lease has not ended (the runtime restarted: its generations
+        begin anew), never when another lease has it (the call must act on nothing of the next).
+        True when claimed again."""
+        if self.claimed_generation is None or not self.claim_leases or self.ended:
             return False
-        state = await self.client().state(bound=False)
-        if state.claimed:
+        if (await self.client().state(bound=False)).claimed:
             return False
         async with self._locked_claim():
-            self.claimed_generation = None
-            await self._claim_locked(self.client(), "again: the runtime's generation moved on unclaimed")
+            if self.ended:  # (the tree's close began meanwhile: its recycle made the generation unclaimed)
+                return False
+            await self._claim_unbound("again: the runtime restarted (its generation unclaimed)")
         return True
 
     async def claim(self) -> None:
         """Claim the VM once per driver tree."""
         if not self.claim_leases or self.claimed_generation is not None:
             return
-        client = self.client()
         async with self._locked_claim():
-            if self.claimed_generation is None:
-                await self._claim_locked(client, "at the first call of the lease")
+            if self.claimed_generation is None and not self.ended:
+                await self._claim_unbound("at the first call of the lease")
 
     @contextlib.asynccontextmanager
     async def _locked_claim(self) -> AsyncIterator[None]:
         """One claim at a time: this loop's and ``claim_now``'s thread (a late runtime)."""
+        self.client()  # (the lock is the running loop's, made with its client)
         assert self._claim_lock is not None
         async with self._claim_lock:
             while not self._claim_mutex.acquire(blocking=False):
@@ -126,25 +129,24 @@ class RuntimeLink:
             finally:
                 self._claim_mutex.release()
 
-    async def _claim_locked(self, client: RuntimeClient, when: str) -> None:
+    async def _claim_unbound(self, when: str) -> None:
+        """Claim through a client of its own, bound to no generation (the tree's client names the one
+        it claims last, for the calls under way)."""
+        async with RuntimeClient(self.socket) as client:
+            self._claimed(await self._claim_with(client), when)
+
+    async def _claim_with(self, client: RuntimeClient) -> int:
         if self.spec is not None:
             await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
-        self._claimed((await client.claim()).generation, when)
+        return (await client.claim()).generation
 
     def claim_now(self, timeout: float = CLAIM_TIMEOUT_S) -> None:
         """Claim from synchronous code: ``reset()`` of a tree the exporter hands to a lease (or the
         thread that retries it while the runtime does not answer yet). Never twice: a second claim
         of one lease would recycle its own guest."""
-        spec = self.spec
-
-        async def claim(client: RuntimeClient) -> int:
-            if spec is not None:
-                await client.put_spec(spec)  # idempotent; covers a runtime that started without one
-            return (await client.claim()).generation
-
         with self._claim_mutex:
-            if self.claim_leases and self.claimed_generation is None:
-                self._claimed(self.run_sync(claim, timeout), "as the lease was handed out")
+            if self.claim_leases and self.claimed_generation is None and not self.ended:
+                self._claimed(self.run_sync(self._claim_with, timeout), "as the lease was handed out")
 
     def _claimed(self, generation: int, when: str) -> None:
         self.claimed_generation = generation

@@ -220,14 +220,15 @@ class VmController:
     # ---- leases --------------------------------------------------------------------------
     def require_lease_generation(self, generation: int) -> None:
         """A call bound to the lease that claimed ``generation`` (``GENERATION_HEADER``) goes on only
-        while the VM is at it.
+        while the VM is at it and it is claimed: an unclaimed one is no lease's yet (a recycle made
+        it, or the runtime restarted and counts its generations from 0 again).
 
         :raise GenerationChangedError: naming both generations.
         """
-        if generation != self.generation:
-            raise GenerationChangedError(
-                f"this call belongs to the lease of generation {generation}, which has ended (the VM is at "
-                f"generation {self.generation}); it was not carried out")
+        if generation != self.generation or not self._lease.claimed:
+            now = f"generation {self.generation}{'' if self._lease.claimed else ', claimed by no lease'}"
+            raise GenerationChangedError(f"this call belongs to the lease of generation {generation}, "
+                                         f"which has ended (the VM is at {now}); it was not carried out")
 
     async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """Back to pristine: guest stopped, overlay and flashed disks discarded, consoles cleared,
