@@ -114,8 +114,9 @@ def test_frames_of_lease_n_never_come_out_of_lease_n_plus_1_bus(can_rt: Any, tin
 
 
 def test_a_dropped_connection_takes_its_unread_frames_with_it(tmp_path: Path) -> None:
-    """The runtime drops a bus's socket (a claim or a recycle) while frames wait unread; the bus
-    reconnects to the next guest and hands out only what arrived on the new connection."""
+    """The runtime drops a bus's socket (a claim or a recycle) while frames wait unread: the bus
+    does not connect again by itself (the next lease's guest may be behind the socket), and once its
+    tree claims (``reconnect``) it hands out only what arrived on the new connection."""
     path = tmp_path / "can0.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
@@ -131,6 +132,12 @@ def test_a_dropped_connection_takes_its_unread_frames_with_it(tmp_path: Path) ->
         wait_until(lambda: bus._sock is None, 10, "the bus to see its socket end")
         accepted: list[socket.socket] = []
         threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+        with pytest.raises(can.CanOperationError, match="next claim"):
+            bus.recv(0.5)  # (before: it reconnected by itself, to whichever guest is there now)
+        with pytest.raises(can.CanOperationError, match="next claim"):
+            bus.send(can.Message(arbitration_id=OLD_ID, data=b"x", is_extended_id=False), timeout=0.5)
+        assert not accepted, "the bus connected again by itself after the runtime ended its connection"
+        bus.reconnect()  # its tree's claim
         assert bus.recv(0.5) is None, "a frame received before the drop came out after it"
         wait_until(lambda: accepted, 10, "the bus to reconnect")
         accepted[0].sendall(b"BB1CC\rt7BB1DD\r")  # would end lease N's "t7A" line as a frame 0x7AB
@@ -182,6 +189,33 @@ def test_a_periodic_send_of_lease_n_never_reaches_the_guest_of_lease_n_plus_1(
         b.close()
 
 
+def test_the_next_lease_claiming_before_the_last_tree_closes_gets_nothing_of_it(
+    can_rt: Any, tiny_image: Any
+) -> None:
+    """0.9.0 may hand out lease N+1 (its tree claims) before lease N's tree is closed: lease N's
+    periodic send, whose connection N+1's claim ended, must not connect again to N+1's guest."""
+    from jumpstarter_driver_can.common import CanMessage
+
+    rx = "cat /sys/class/net/can0/statistics/rx_packets"
+    a = _tree(can_rt, tiny_image)
+    a.reset()
+    frame = can.Message(arbitration_id=PERIODIC_ID, data=b"LEASE-N", is_extended_id=False)
+    a.children["can"]._send_periodic_internal([CanMessage.construct(frame)], 0.01)
+    b = _tree(can_rt, tiny_image)
+    try:
+        b.reset()  # lease N+1 claims: lease N's generation is recycled under its still open tree
+        pristine = _guest(can_rt, rx).strip()
+        time.sleep(1)  # lease N's periodic send goes on trying
+        listen = f"timeout 2 candump -L can0,{PERIODIC_ID:03X}:7FF; {rx}"
+        out = _guest(can_rt, listen)
+        assert f"{PERIODIC_ID:03X}#" not in out and out.strip().splitlines()[-1] == pristine, (
+            f"lease N's periodic frames reached lease N+1's guest (rx_packets at its Ready {pristine}):"
+            f"\n{out}")
+    finally:
+        a.close()
+        b.close()
+
+
 # ---- item 3: a closed tree's claim retry stops ---------------------------------------------------
 def test_the_claim_retry_of_a_closed_tree_never_claims(
     tiny_image: Any, image_cache: Path, tmp_path: Path
@@ -208,5 +242,34 @@ def test_the_claim_retry_of_a_closed_tree_never_claims(
 
         assert not asyncio.run(claimed()), "the closed tree's retry thread claimed the VM after close()"
         wait_until(lambda: not retry[0].is_alive(), 5, "the closed tree's retry thread to end")
+    finally:
+        rt.stop()
+
+
+def test_the_spec_retry_of_the_start_up_tree_outlives_its_close(
+    tiny_image: Any, image_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The counterpart: 0.9.0 closes its start-up tree right after registering, often before the
+    pod's runtime serves. That tree's retry hands over the spec (what boots the pod's guest) and
+    claims nothing: it must go on after ``close()``, or the pod is never Ready (a CI run's pod
+    waited 300 s when the claim's stop also stopped it)."""
+    import jumpstarter_driver_vmsidecar.driver as driver_module
+
+    monkeypatch.setattr(driver_module, "serves_a_lease", lambda: False)  # the tree Exporter.session builds
+    root = tmp_path / "late-rt"
+    spec = _spec(tiny_image)
+    tree = VirtualMachine(socket=str(root / "shared" / "api.sock"), spec=spec, recycle="InPlaceReuse")
+    tree.reset()
+    tree.close()
+    rt = RuntimeProcess.start(root, cache=image_cache, env=clean_environ(),
+                              args=["--grace", "20", "--allow-host-paths", str(Path(tiny_image.disk).parent)])
+    try:
+        asyncio.run(rt.wait_serving())
+
+        async def spec_arrived() -> bool:
+            async with RuntimeClient(rt.socket) as client:
+                return (await client.get_spec()) is not None and not (await client.state()).claimed
+
+        wait_until(lambda: asyncio.run(spec_arrived()), 20, "the start-up tree's spec to reach the runtime")
     finally:
         rt.stop()

@@ -9,12 +9,13 @@ the Unix socket ``<shared>/can/<bus>.sock`` served by the runtime, optionally fo
 ``;bitrate=N`` (the ``Can`` driver passes only a channel): frames are then sent no faster than a
 real bus of that bitrate carries them, which is also what keeps the guest from dropping them.
 
-The connection is opened at first use and re-opened after the runtime or the guest went away, so
-the bus can be created before the runtime is up (the exporter builds its driver tree at start).
-Behind the socket the guest changes at every claim and recycle: a lease's tree is built while the
-previous lease's guest still runs. So a connection's frames die with it: what was received on a
-connection that ended (or that ``reconnect`` dropped) is never handed out after it, and a bus that
-was shut down never connects again (its periodic sends included), whatever its lease left running.
+The connection is opened at the tree's claim (``reconnect``) or first use, so the bus can be created
+before the runtime is up (the exporter builds its driver tree at start). Behind the socket the guest
+changes at every claim and recycle: a lease's tree is built while the previous lease's guest still
+runs, and may still run when the next lease claims. So a connection's frames die with it: what was
+received on a connection that ended (or that ``reconnect`` dropped) is never handed out after it; a
+connection the runtime ended is not opened again but by the next claim; and a bus that was shut down
+never connects again (its periodic sends included), whatever its lease left running.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class VmsidecarSlcanBus(can.BusABC):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reader: threading.Thread | None = None
+        #: the runtime ended the connection (the guest behind it changed): none until ``reconnect``
+        self._ended = False
         #: periodic sends started on this bus, also those upstream's ``Can`` driver starts without
         #: ``send_periodic`` (BusABC.shutdown stops only the ones that one recorded)
         self._cyclic: weakref.WeakSet[can.broadcastmanager.CyclicSendTaskABC] = weakref.WeakSet()
@@ -127,11 +130,22 @@ class VmsidecarSlcanBus(can.BusABC):
                                      "not connect again")
 
     def _connect(self) -> socket.socket:
+        """This bus's connection, opened if it has none.
+
+        :raise can.CanOperationError: the bus is shut down, or its connection ended (the next
+            lease may be behind the socket by now: only the tree's claim connects again).
+        :raise OSError: the socket is not served (the runtime is not up).
+        """
         with self._lock:
             if self._closed.is_set():  # (under the lock: shutdown closes what was opened before)
                 raise self._shut_down()
             if self._sock is not None:
                 return self._sock
+            if self._ended:
+                raise can.CanOperationError(
+                    f"the connection to the CAN bus {self.channel} ended (the VM was recycled or the runtime "
+                    "restarted): the guest behind it is no longer this lease's; the bus connects again at "
+                    "its lease's next claim")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.channel)
@@ -149,8 +163,10 @@ class VmsidecarSlcanBus(can.BusABC):
         with self._lock:
             if self._sock is sock:
                 self._sock = None
+                self._ended = True
                 # the runtime ends a connection when the guest behind it changes (claim, recycle):
-                # what the old guest sent must not be the next one's first frames
+                # what the old guest sent must not be the next one's first frames, and what this
+                # bus sends must not reach the next one
                 self._forget_received()
         with contextlib.suppress(OSError):
             sock.close()
@@ -167,7 +183,7 @@ class VmsidecarSlcanBus(can.BusABC):
         claim is handed out after it, and what the lease's guest sends from then on is kept.
         """
         with self._lock:
-            sock, self._sock = self._sock, None
+            sock, self._sock, self._ended = self._sock, None, False
             self._forget_received()
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -328,7 +344,7 @@ class VmsidecarSlcanBus(can.BusABC):
                 raise self._shut_down()
             if self._sock is None:
                 with contextlib.suppress(OSError):
-                    self._connect()  # the runtime (or its socket) came back
+                    self._connect()  # the runtime (or its socket) is up now
             left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             with self._rx_ready:  # (closed looked at under the lock shutdown notifies with)
                 if not self._rx and left > 0 and not self._closed.is_set():
