@@ -327,7 +327,8 @@ def test_a_layer_digest_named_by_another_registry_is_not_a_licence(
     layer = inspect(ref, credentials=(AUTH_USER, AUTH_PASSWORD))["disk"]
     empty = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
     manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                           "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2, "digest": empty},
+                           "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
+                                      "digest": empty},
                            "layers": [{k: layer[k] for k in ("mediaType", "digest", "size")}]}).encode()
     blob_requests: list[str] = []
 
@@ -346,7 +347,8 @@ def test_a_layer_digest_named_by_another_registry_is_not_a_licence(
 
     with FakeRegistry(answer) as fake, pytest.raises(RegistryError) as refused:
         stolen = pull(f"{fake.host}/x/y:1", cache)
-        pytest.fail(f"the private disk {private.digest} was handed out for another registry's manifest: {stolen}")
+        pytest.fail(f"the private disk {private.digest} was handed out for another registry's manifest: "
+                    f"{stolen}")
     assert blob_requests, "the lease holder's registry was never asked for the blob"
     assert refused.value.code == "blob_not_found", refused.value.message
 
@@ -393,11 +395,12 @@ async def test_a_lease_cannot_flash_another_private_repository_with_the_pools_cr
     rt = await start_runtime(SPEC, env=env)
     refused = await flash(rt, f"oci://{private}")
     assert refused.code == "registry_unauthorized", refused.message
-    assert f"{auth_registry.host}/secret/other" in refused.message and "--lease-registry" in refused.message, \
-        refused.message
+    assert (f"{auth_registry.host}/secret/other" in refused.message
+            and "--lease-registry" in refused.message), refused.message
     assert (await rt.client().state()).image_digest is None
     # lent by the pool owner (a namespace): the same flash works, with the same credentials
-    lent = await start_runtime(SPEC, env={**env, "VMSIDECAR_LEASE_REGISTRIES": f"{auth_registry.host}/secret"},
+    lent = await start_runtime(SPEC, env={**env,
+                                          "VMSIDECAR_LEASE_REGISTRIES": f"{auth_registry.host}/secret"},
                                name="lent")
     assert (await lent.client().flash_reference(f"oci://{private}")).image_digest
 

@@ -356,7 +356,8 @@ async def test_a_lease_cannot_make_the_runtime_connect_to_a_pod_local_registry(s
 
     with accepting_port() as (port, got):
         rt = await start_runtime({"memory": "256M"}, env={"VMSIDECAR_INSECURE_REGISTRIES": ""})
-        for ref in (f"oci://127.0.0.1:{port}/x/y:1", f"oci://localhost:{port}/x/y:1", "oci://169.254.169.254/x/y:1"):
+        for ref in (f"oci://127.0.0.1:{port}/x/y:1", f"oci://localhost:{port}/x/y:1",
+                    "oci://169.254.169.254/x/y:1"):
             with pytest.raises(RegistryError) as refused:
                 await rt.client().flash_reference(ref)
             assert "this pod" in refused.value.message and "--lease-registry" in refused.value.message, \

@@ -61,7 +61,8 @@ def test_the_document_describes_exactly_the_table() -> None:
         op = doc["paths"][row.path][row.method.lower()]
         statuses = {a.status for a in row.answers} | set(row.error_statuses())
         assert set(op["responses"]) == {str(s) for s in statuses}, row
-        assert [q["name"] for q in op.get("parameters", []) if q["in"] == "query"] == list(row.query_names), row
+        assert ([q["name"] for q in op.get("parameters", []) if q["in"] == "query"]
+                == list(row.query_names)), row
         headers = [q["name"] for q in op.get("parameters", []) if q["in"] == "header"]
         assert headers == ([api.GENERATION_HEADER] if row.lease_bound else []), row
         assert ("requestBody" in op) == (row.body is not None), row

@@ -75,7 +75,8 @@ class RuntimeClient:
         call made with ``bound=False``)."""
         if not kwargs.pop("bound", True) or self.generation is None or not endpoint.lease_bound:
             return kwargs
-        return {**kwargs, "headers": {**kwargs.get("headers", {}), api.GENERATION_HEADER: str(self.generation)}}
+        return {**kwargs,
+                "headers": {**kwargs.get("headers", {}), api.GENERATION_HEADER: str(self.generation)}}
 
     async def __aenter__(self) -> RuntimeClient:
         return self

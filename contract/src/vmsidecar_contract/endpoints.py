@@ -212,8 +212,9 @@ POST_PULL = Endpoint(
     "Flash from a reference; answers an NDJSON stream of ProgressLine (progress…, then result or error). "
     "Stopped|Crashed|Error, or any phase with power_off. One disk transfer at a time (409 transfer_in_progress); "
     "cancelled (error line transfer_cancelled, nothing installed) by a recycle, the next claim or the client "
-    "going away; bounded by serve --pull-timeout (error line pull_timeout). The reference is the lease's: the "
-    "pool's registry credentials only for the spec's image's repository and serve --lease-registry scopes.",
+    "going away; bounded by serve --pull-timeout (error line pull_timeout). The reference is the lease's: "
+    "the pool's registry credentials only for the spec's image's repository and serve --lease-registry "
+    "scopes.",
     (Answer(200, "progress stream", "ndjson", "ProgressLine"),),
     ("bad_request", "host_path_not_allowed", "wrong_phase", "transfer_in_progress"),
     body=Body("json", "PullRequest"))

@@ -197,7 +197,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     from .oci import auth as registry_auth  # here: the client commands need no registry code
 
     # a wrong auth file or unscoped credentials stop the runtime now, not at its first pull
-    registry_auth.configure(auth_file=args.registry_auth, insecure=args.insecure_registry, lease=args.lease_registry)
+    registry_auth.configure(auth_file=args.registry_auth, insecure=args.insecure_registry,
+                            lease=args.lease_registry)
     overrides: dict[str, Any] = {"image": args.image, "arch": args.arch, "cpus": args.cpus, "memory": args.memory,
                                  "accel": args.accel, "backend": args.backend, "cpu": args.cpu,
                                  "snapshot_source": args.snapshot_source, "standby": args.standby}
@@ -306,8 +307,8 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
                         "none by default, not even loopback")
     s.add_argument("--lease-registry", action="append", default=[], metavar="HOST[:PORT][/NAMESPACE]",
                    help="lend the pool's credentials to a lease's flash (j vm storage flash oci://…) of the "
-                        "repositories under this scope (repeatable; also VMSIDECAR_LEASE_REGISTRIES); by default a "
-                        "lease's flash uses them only for the spec's image's repository")
+                        "repositories under this scope (repeatable; also VMSIDECAR_LEASE_REGISTRIES); "
+                        "by default a lease's flash uses them only for the spec's image's repository")
     s.add_argument(HEALTH_LISTEN_FLAG, metavar="HOST:PORT", default=os.environ.get(HEALTH_LISTEN_ENV) or None,
                    help="also serve GET /healthz, /readyz and /metrics, and nothing else, on this TCP "
                         "address for httpGet probes and scrapes (e.g. 0.0.0.0:8081 in a pod; default: none; "

@@ -50,10 +50,16 @@ class RotatingByteLog:
         self._fh = open(path, "wb")  # noqa: SIM115 - lives as long as the hub
 
     def reset(self) -> None:
-        """Empty the log and remove its rotated files."""
+        """Empty the log and remove its rotated files (the file replaced by an empty one when it
+        cannot be truncated: nothing of it may stay)."""
         self._remove_backups()
-        self._fh.seek(0)
-        self._fh.truncate()
+        try:
+            self._fh.seek(0)
+            self._fh.truncate()
+        except OSError:
+            self._fh.close()
+            self.path.unlink(missing_ok=True)
+            self._fh = open(self.path, "wb")  # noqa: SIM115
 
     def _remove_backups(self) -> None:
         for i in range(1, self.backups + 1):

@@ -53,13 +53,16 @@ class HostPathPolicy:
                  else "and the runtime allows no host paths over its API")
         raise HostPathError(f"{what} names the host path {str(path)!r} {where}; {_FIX}")
 
-    def check_reference(self, reference: str, what: str = "the image reference") -> None:
-        """Refuse ``file:`` and ``oci-layout:`` references outside the allowed directories.
+    def check_reference(self, reference: str, what: str = "the image reference", *,
+                        look: bool = False) -> None:
+        """Refuse ``file:`` and ``oci-layout:`` references outside the allowed directories. The host is
+        not looked at to tell what the reference is unless ``look`` (``parse_reference``): the answer
+        to a lease's flash must not say which host files exist.
 
         :raise HostPathError: for a host path that is not allowed.
         :raise BadReferenceError: for a reference that does not parse.
         """
-        ref = parse_reference(reference, look=False)  # the answer must not tell which host files exist
+        ref = parse_reference(reference, look=look)
         if ref.kind in ("file", "layout") and ref.path is not None:
             self.check_path(ref.path, what)
 
@@ -72,7 +75,9 @@ class HostPathPolicy:
         :raise HostPathError: for a new host path that is not allowed.
         """
         if spec.image and spec.image != (current.image if current else None):
-            self.check_reference(spec.image, "image")
+            # a spec comes from the exporter's config (no driver call sends one): its bare paths and
+            # ~ read as a shell user's, where a lease's flash reference may not probe the host
+            self.check_reference(spec.image, "image", look=True)
         for field in ("kernel", "initrd"):
             value = getattr(spec, field)
             if value is not None and value != (getattr(current, field) if current else None):

@@ -70,8 +70,9 @@ def _parameters(row: Endpoint) -> list[dict[str, Any]]:
     if row.lease_bound:
         params.append({"name": GENERATION_HEADER, "in": "header", "required": False,
                        "schema": {"type": "string", "pattern": "^[0-9]{1,19}$"},
-                       "description": "the generation the caller's lease claimed: 409 generation_changed when "
-                                      "the VM is at another (the lease ended); without it the call is not bound"})
+                       "description": "the generation the caller's lease claimed: 409 generation_changed "
+                                      "when the VM is at another (the lease ended); without it the call is "
+                                      "not bound"})
     for q in row.query:
         param: dict[str, Any] = {"name": q.name, "in": "query", "schema": dict(q.schema)}
         if q.description:

@@ -109,8 +109,8 @@ async def generation_middleware(request: web.Request, handler: Handler) -> web.S
     row = _ROWS.get((request.method, resource.canonical)) if resource is not None else None
     if value is not None and row is not None and row.lease_bound:
         if not re.fullmatch(r"[0-9]{1,19}", value.strip()):  # (str.isdigit takes '²', which int() refuses)
-            raise RequestError(f"header {api.GENERATION_HEADER} is {value[:40]!r}; give the generation the lease "
-                               "claimed, a whole number")
+            raise RequestError(f"header {api.GENERATION_HEADER} is {value[:40]!r}; give the generation the "
+                               "lease claimed, a whole number")
         request.app[CONTROLLER].require_lease_generation(int(value))
     return await handler(request)
 
@@ -361,7 +361,8 @@ ROUTES = routes()
 
 def make_app(vm: VmController) -> web.Application:
     """The API application for one controller."""
-    app = web.Application(middlewares=[audit_middleware, error_middleware, query_middleware, generation_middleware],
+    app = web.Application(middlewares=[audit_middleware, error_middleware, query_middleware,
+                                       generation_middleware],
                           client_max_size=MAX_JSON_BODY)
     app[CONTROLLER] = vm
     for method, path, handler in ROUTES:

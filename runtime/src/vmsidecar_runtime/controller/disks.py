@@ -63,7 +63,8 @@ class Disks:
 
         def pulling() -> Any:  # in the thread: the auth file is read at each pull
             config = lease_config(ref, spec.image) if reference else None
-            return pull_fn(ref, self.paths.cache, arch=spec.arch, progress=progress or (lambda done, total: None),
+            return pull_fn(ref, self.paths.cache, arch=spec.arch,
+                           progress=progress or (lambda done, total: None),
                            on_download=on_download, registry_config=config)
 
         started = time.monotonic()

@@ -97,21 +97,16 @@ class RegistryConfig:
 
     def credentials_for(self, registry: str, repository: str | None = None) -> Credentials | None:
         """The credentials of the most specific entry for ``registry`` (and ``repository``), if any."""
-        host = normalize_host(registry)
-        parts = (repository or "").split("/") if repository else []
-        for i in range(len(parts), 0, -1):
-            if found := self.auths.get(f"{host}/{'/'.join(parts[:i])}"):
-                return found
-        return self.auths.get(host)
+        return next((self.auths[key] for key in _keys_covering(registry, repository) if key in self.auths),
+                    None)
 
     def lends(self, registry: str, repository: str, spec_image: str | None = None) -> bool:
         """Whether a lease's pull of ``registry``/``repository`` may use the pool's credentials: the
         repository of the spec's image (``spec_image``: its guest runs it already), or one under a
         scope the pool owner lends."""
-        host, parts = normalize_host(registry), repository.split("/")
         own = _registry_repository(spec_image)
-        return own == (host, repository) or host in self.lease_scopes or any(
-            f"{host}/{'/'.join(parts[:i])}" in self.lease_scopes for i in range(1, len(parts) + 1))
+        return own == (normalize_host(registry), repository) or any(
+            key in self.lease_scopes for key in _keys_covering(registry, repository))
 
     def names_registry(self, registry: str, spec_image: str | None) -> bool:
         """Whether the pool owner named ``registry`` (``host[:port]``): listed as insecure, lent to a
@@ -131,10 +126,10 @@ class RegistryConfig:
         note = None
         if self.credentials_for(registry, repository) is not None:
             host = normalize_host(registry)
-            note = (f"the pool's credentials for {host} are not lent to a lease's flash of {host}/{repository} (only "
-                    f"for the spec's image's repository and what the pool owner lends: serve {LEASE_FLAG} "
-                    f"HOST[:PORT][/NAMESPACE] or {ENV_LEASE}); flash an image this registry serves without "
-                    "credentials, or ask the pool owner to lend this repository")
+            note = (f"the pool's credentials for {host} are not lent to a lease's flash of "
+                    f"{host}/{repository} (only for the spec's image's repository and what the pool owner "
+                    f"lends: serve {LEASE_FLAG} HOST[:PORT][/NAMESPACE] or {ENV_LEASE}); flash an image this "
+                    "registry serves without credentials, or ask the pool owner to lend this repository")
         return RegistryConfig(insecure=self.insecure, lease_scopes=self.lease_scopes, lease_note=note)
 
     def is_insecure(self, registry: str) -> bool:
@@ -156,15 +151,16 @@ def lease_config(reference: str, spec_image: str | None) -> RegistryConfig | Non
     :raise RegistryError: the registry is the pod's (loopback, link-local) and the pool owner did not
         name it: a lease's reference would make the runtime connect into the pod.
     """
-    ref = parse_reference(reference)
+    ref = parse_reference(reference, look=False)  # (classified as check_reference did: by its text)
     if ref.kind != "registry" or not ref.registry or not ref.repository:
         return None
     config = current_config()
     if not config.names_registry(ref.registry, spec_image) and _in_pod(ref.registry):
         raise RegistryError(
-            f"registry {ref.registry} is this pod (loopback) or a link-local address such as the cloud metadata "
-            "service, which a lease may not make the runtime connect to unless the pool owner names it (serve "
-            f"{LEASE_FLAG} HOST[:PORT], {INSECURE_FLAG} HOST[:PORT], or the spec's image); flash from another registry",
+            f"registry {ref.registry} is this pod (loopback) or a link-local address such as the cloud "
+            "metadata service, which a lease may not make the runtime connect to unless the pool owner names "
+            f"it (serve {LEASE_FLAG} HOST[:PORT], {INSECURE_FLAG} HOST[:PORT], or the spec's image); flash "
+            "from another registry",
             code="registry_error")
     return config.for_lease(ref.registry, ref.repository, spec_image)
 
@@ -175,6 +171,18 @@ def _in_pod(registry: str) -> bool:
     if not match:
         return False
     return resolves_to_pod(match.group("host").strip("[]"), int(match.group("port") or 443))
+
+
+def _keys_covering(registry: str, repository: str | None) -> list[str]:
+    """The keys that name ``registry``/``repository`` (``host/a/b``, ``host/a``, ``host``), the most
+    specific first: an auth file's, and the scopes lent to a lease."""
+    host, parts = normalize_host(registry), repository.split("/") if repository else []
+    return [f"{host}/{'/'.join(parts[:i])}" for i in range(len(parts), 0, -1)] + [host]
+
+
+def _names_a_host(text: str) -> bool:
+    """``HOST[:PORT]`` as in an image reference (a bare host names every port)."""
+    return _is_host(text) or _is_host(f"{text}:1")
 
 
 def _registry_repository(reference: str | None) -> tuple[str, str] | None:
@@ -209,14 +217,15 @@ def configure(*, auth_file: Path | None = None, insecure: Iterable[str] = (),
 
 
 @contextlib.contextmanager
-def settings(*, auth_file: Path | None = None, insecure: Iterable[str] = ()) -> Iterator[RegistryConfig]:
+def settings(*, auth_file: Path | None = None, insecure: Iterable[str] = (),
+             lease: Iterable[str] = ()) -> Iterator[RegistryConfig]:
     """:func:`configure` for the duration of a ``with`` (a CLI command run in-process), then back.
 
     :raise HostError: see :func:`load_config`.
     """
     previous = dict(_settings)
     try:
-        yield configure(auth_file=auth_file, insecure=insecure)
+        yield configure(auth_file=auth_file, insecure=insecure, lease=lease)
     finally:
         _settings.update(previous)
 
@@ -251,7 +260,7 @@ def load_config(
     auths.update(_env_credentials(env))
     hosts = [*insecure, *env.get(ENV_INSECURE, "").replace(",", " ").split()]
     for host in hosts:
-        if not _is_host(host.strip()) and not _is_host(f"{host.strip()}:1"):
+        if not _names_a_host(host.strip()):
             raise HostError(
                 f"insecure registry {host!r} ({INSECURE_FLAG} or {ENV_INSECURE}) is not HOST[:PORT]; write it "
                 "as in an image reference, e.g. 127.0.0.1:5000 or registry.lan (every port), without http://"
@@ -259,13 +268,15 @@ def load_config(
     scopes = [*lease, *env.get(ENV_LEASE, "").replace(",", " ").split()]
     for scope in scopes:
         host, _, namespace = scope.strip().partition("/")
-        if not (_is_host(host) or _is_host(f"{host}:1")) or (namespace and "" in namespace.split("/")):
+        if not _names_a_host(host) or (namespace and "" in namespace.split("/")):
             raise HostError(
-                f"lent registry scope {scope!r} ({LEASE_FLAG} or {ENV_LEASE}) is not HOST[:PORT][/NAMESPACE]; write "
-                "it as an auth file's key, e.g. registry.example:5000 or quay.io/team, without https://"
+                f"lent registry scope {scope!r} ({LEASE_FLAG} or {ENV_LEASE}) is not "
+                "HOST[:PORT][/NAMESPACE]; write it as an auth file's key, e.g. registry.example:5000 or "
+                "quay.io/team, without https://"
             )
     return RegistryConfig(auths=auths, insecure=frozenset(normalize_host(h) for h in hosts),
-                          lease_scopes=frozenset(_normalize_key(s) for s in scopes))
+                          # (repos: lower case)
+                          lease_scopes=frozenset(_normalize_key(s).lower() for s in scopes))
 
 
 def _auth_files(explicit: Path | None, env: Mapping[str, str]) -> list[Path]:

@@ -195,15 +195,18 @@ def _pull_oci(
     for layer in resolved.layers:
         # the same bytes declared another way (compression, tar or disk, format) are another disk
         kind = layer.kind
-        layer_key = f"layer:{origin}:{layer.digest}:{kind.kind}:{kind.compression or 'none'}:{kind.format or 'auto'}"
+        layer_key = (f"layer:{origin}:{layer.digest}:{kind.kind}:{kind.compression or 'none'}:"
+                     f"{kind.format or 'auto'}")
         where = f"layer {layer.digest} of {source.where}"
         if hit := cache.lookup(layer_key):
             _check_annotations(hit.disk, hit.size, layer, where)  # as a download would: this manifest's word
-            return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference, downloaded)
+            return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference,
+                           downloaded)
         with cache.lock(layer_key):
             if hit := cache.lookup(layer_key):
                 _check_annotations(hit.disk, hit.size, layer, where)
-                return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference, downloaded)
+                return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference,
+                               downloaded)
             try:
                 disk, count = _fetch_layer(source, layer, cache, progress, limits)
             except ImageError as exc:

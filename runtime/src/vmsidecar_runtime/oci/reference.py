@@ -151,8 +151,8 @@ def _host_path(ref: str, path: str, look: bool = True) -> Path:
         raise BadReferenceError(f"reference {ref!r} names a path with a NUL byte, which no file has; name "
                                 "the file")
     if not look and path.startswith("~"):
-        raise BadReferenceError(f"reference {ref!r} names a path in a home directory (~), which a reference over "
-                                "the API may not; write the absolute path")
+        raise BadReferenceError(f"reference {ref!r} names a path in a home directory (~), which a reference "
+                                "over the API may not; write the absolute path")
     try:
         return Path(path).expanduser()
     except RuntimeError:  # ~user of an unknown user
@@ -200,7 +200,7 @@ def _parse_registry(original: str, ref: str) -> Reference:
     if "/" not in ref or not _is_host(ref.split("/", 1)[0]):
         raise BadReferenceError(
             f"reference {original!r} has no registry host; add it in front, as in 127.0.0.1:5000/{ref} "
-            "(vmsidecar never defaults to Docker Hub)"
+            "(vmsidecar never defaults to Docker Hub); a file is file:PATH or ./PATH"
         )
     registry, path = ref.split("/", 1)
     tag = None

@@ -99,9 +99,10 @@ class _Session(requests.Session):
             if new.scheme.lower() == "http" and not self._config.is_insecure(_host_port(new)) and (
                     origin(resp.url) != origin(new.geturl())):
                 raise RegistryError(
-                    f"registry {current.netloc} answered with a redirect in plain HTTP to {_host_port(new)}, which is "
-                    f"not listed as insecure; list it if it is yours (serve {INSECURE_FLAG} HOST[:PORT] or "
-                    f"{ENV_INSECURE}; vmsidecar-oci {INSECURE_FLAG}), or use another registry", code="registry_error")
+                    f"registry {current.netloc} answered with a redirect in plain HTTP to {_host_port(new)}, "
+                    f"which is not listed as insecure; list it if it is yours (serve {INSECURE_FLAG} "
+                    f"HOST[:PORT] or {ENV_INSECURE}; vmsidecar-oci {INSECURE_FLAG}), or use another registry",
+                    code="registry_error")
             if new.hostname and resolves_to_pod(new.hostname, new.port or 443) and not resolves_to_pod(
                     current.hostname or "", current.port or 443):
                 raise RegistryError(
@@ -171,7 +172,8 @@ class OrasRegistry(oras.provider.Registry):
         if self.withheld:
             return self.withheld
         if self._credentials is None:
-            return self._config.lease_note or f"no credentials are configured for {self.host}; {HOW_TO_CONFIGURE}"
+            return (self._config.lease_note
+                    or f"no credentials are configured for {self.host}; {HOW_TO_CONFIGURE}")
         if self.sent_credentials:
             return f"the credentials for {self.host} from {self._credentials.source} were refused; check them"
         return (f"the credentials for {self.host} from {self._credentials.source} were not asked for (the registry "
