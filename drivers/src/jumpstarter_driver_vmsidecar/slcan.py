@@ -373,9 +373,19 @@ class VmsidecarSlcanBus(can.BusABC):
         with self._lock:  # (shutdown stops, under this lock, every task started before it)
             if self._closed.is_set():
                 raise self._shut_down()
-            task = super()._send_periodic_internal(msgs, period, duration, autostart, modifier_callback)
+            task = super()._send_periodic_internal(msgs, period, duration, False, modifier_callback)
+            if isinstance(task, can.broadcastmanager.ThreadBasedCyclicSendTask):
+                # a send that fails (the bus shut down, its connection ended) ends the task with a
+                # warning, not an exception left unhandled in its thread
+                task.on_error = self._periodic_send_failed
             self._cyclic.add(task)
+        if autostart:
+            task.start()
         return task
+
+    def _periodic_send_failed(self, exc: Exception) -> bool:
+        log.warning("a periodic send on the CAN bus %s stopped: %s", self.channel, exc)
+        return False
 
     def shutdown(self) -> None:
         with self._lock:  # after this no _connect opens a socket, and no periodic send starts
