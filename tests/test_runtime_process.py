@@ -63,3 +63,26 @@ async def test_the_api_answers_while_the_boot_pull_hangs(tmp_path: Path) -> None
             await rt.wait_serving(timeout=20)
             async with RuntimeClient(rt.socket) as client:
                 assert (await client.state()).phase == Phase.PULLING
+
+
+def test_a_runtimes_private_run_dir_never_outlives_it(tmp_path: Path) -> None:
+    """Each runtime keeps QEMU's sockets in a private directory under /tmp (short paths): one killed
+    (SIGKILL, OOM) left it behind, and so did one that refused its flags after making it; a day of CI
+    had left 281 on this machine. The next runtime to start removes those of runtimes that are gone."""
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    env = {**clean_environ(), "TMPDIR": str(tmp)}  # (this test's runtimes only: others share /tmp)
+    killed = RuntimeProcess.start(tmp_path / "one", cache=tmp_path / "cache", env=env)
+    killed.wait_serving_blocking()
+    [left] = list(tmp.glob("vmsidecar-*"))
+    killed.stop(signal.SIGKILL)
+    assert left.is_dir()  # nothing of the killed process ran
+    with RuntimeProcess.start(tmp_path / "two", cache=tmp_path / "cache", env=env) as rt:
+        rt.wait_serving_blocking()
+        assert not left.exists(), "a killed runtime's private run directory stayed"
+        assert len(list(tmp.glob("vmsidecar-*"))) == 1  # its own
+    assert list(tmp.glob("vmsidecar-*")) == []  # its own, at its exit
+    refused = RuntimeProcess.start(tmp_path / "three", cache=tmp_path / "cache", env=env,
+                                   args=["--health-listen", "nowhere"])
+    assert refused.proc.wait(60) == 2, refused.log_text()
+    assert list(tmp.glob("vmsidecar-*")) == [], "a runtime that refused its flags left its run directory"

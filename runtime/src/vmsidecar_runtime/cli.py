@@ -13,6 +13,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import termios
 import tty
@@ -208,20 +209,23 @@ def _serve_command(args: argparse.Namespace) -> int:
     spec_given = args.spec or any(v is not None for v in overrides.values()) or any(
         k.startswith("VMSIDECAR_") and k not in _process_env() | registry_auth.PROCESS_ENV for k in os.environ)
     spec = spec_from_sources(Path(args.spec) if args.spec else None, overrides) if spec_given else None
-    paths = default_paths(
-        Path(args.shared_dir) if args.shared_dir else None,
-        Path(args.cache_dir) if args.cache_dir else None,
-        Path(args.state_dir) if args.state_dir else None,
-    )
     host_paths = HostPathPolicy.from_sources(args.allow_host_paths)
     if args.health_listen:
         from .api.listen import parse_listen
 
         parse_listen(args.health_listen)  # a bad address stops the runtime now, not after it pulled and booted
-    runtime = serve(spec, paths, allow_extra_args=args.allow_extra_args, host_paths=host_paths, grace=args.grace,
-                    pull_timeout=args.pull_timeout, health_listen=args.health_listen)
-    _collect_again()
-    return asyncio.run(runtime)
+    paths = default_paths(  # (last: it makes the private run directory)
+        Path(args.shared_dir) if args.shared_dir else None,
+        Path(args.cache_dir) if args.cache_dir else None,
+        Path(args.state_dir) if args.state_dir else None,
+    )
+    try:
+        runtime = serve(spec, paths, allow_extra_args=args.allow_extra_args, host_paths=host_paths,
+                        grace=args.grace, pull_timeout=args.pull_timeout, health_listen=args.health_listen)
+        _collect_again()
+        return asyncio.run(runtime)
+    finally:
+        shutil.rmtree(paths.run, ignore_errors=True)  # (serve removes it too: this is for an exit before)
 
 
 #: whether ``main`` paused the garbage collector for the runtime's start-up (``_collect_again`` ends it)

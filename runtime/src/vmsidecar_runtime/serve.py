@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -81,9 +82,36 @@ def default_paths(shared: Path | None = None, cache: Path | None = None, state: 
     cache = cache or Path(env.get("VMSIDECAR_CACHE_DIR") or data_root() / "cache")
     instance = hashlib.sha256(str(shared.resolve()).encode()).hexdigest()[:12]
     state = state or Path(env.get("VMSIDECAR_STATE_DIR") or data_root() / "instances" / instance)
-    # QEMU's private sockets need short paths (108 bytes): a fresh dir under /tmp per process.
-    run = Path(tempfile.mkdtemp(prefix="vmsidecar-"))
-    return RuntimePaths(shared=shared, cache=cache, state=state, run=run)
+    return RuntimePaths(shared=shared, cache=cache, state=state, run=private_run_dir())
+
+
+#: the private run directories: ``vmsidecar-<pid>-<random>`` under the temporary directory
+RUN_DIR = re.compile(r"vmsidecar-(\d+)-[A-Za-z0-9_]+")
+
+
+def private_run_dir() -> Path:
+    """A fresh directory for QEMU's private sockets, which need short paths (108 bytes): under /tmp,
+    named with this process's pid. Those of this user's runtimes that are gone (killed: nothing of
+    theirs ran at their end) are removed first, with the sockets of their QEMUs; one named with this
+    very pid is an earlier process's (a pod's runtime is pid 1 after every restart, /tmp kept)."""
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob("vmsidecar-*-*"):
+        match = RUN_DIR.fullmatch(old.name)
+        with contextlib.suppress(OSError):
+            if match and old.is_dir() and old.lstat().st_uid == os.getuid() and (
+                    int(match[1]) == os.getpid() or not _alive(int(match[1]))):
+                shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"vmsidecar-{os.getpid()}-", dir=tmp))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 #: bytes of a unix socket's path on Linux (sockaddr_un.sun_path is 108, with the terminating NUL)
