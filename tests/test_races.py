@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator
@@ -52,6 +53,7 @@ async def test_a_forward_port_taken_before_qemu_binds_it_is_retried(
     finally:
         await vm.close()
         thief.close()
+        shutil.rmtree(paths.run, ignore_errors=True)  # (serve's job in a runtime; this test has none)
 
 
 async def test_wait_ready_gives_up_on_a_vm_that_stays_stopped(start_runtime: Any, tiny_image: Any) -> None:
