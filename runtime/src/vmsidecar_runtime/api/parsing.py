@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from vmsidecar_contract.endpoints import ENDPOINTS
+from vmsidecar_contract.endpoints import ENDPOINTS, Endpoint
 from vmsidecar_contract.errors import RequestError
 
 from .audit import BODY_KEY
@@ -36,10 +36,20 @@ class HttpRefusal(Exception):
         self.message = message
 
 
+#: the row of each operation, by (method, path)
+ROWS: dict[tuple[str, str], Endpoint] = {(e.method, e.path): e for e in ENDPOINTS}
+
+
+def row_of(request: web.Request) -> Endpoint | None:
+    """The endpoint-table row a routed request is for; None for an unrouted one (404, 405)."""
+    resource = request.match_info.route.resource
+    return ROWS.get((request.method, resource.canonical)) if resource is not None else None
+
+
 def check_query(request: web.Request) -> None:
     """Refuse a query parameter the operation does not have, or one given twice (which would win?)."""
-    resource = request.match_info.route.resource
-    known = QUERY_PARAMS.get((request.method, resource.canonical if resource else ""), ())
+    row = row_of(request)
+    known = row.query_names if row is not None else ()
     for name in request.query:
         if name not in known:
             use = f"it takes {', '.join(known)}" if known else "it takes no query parameters"

@@ -30,7 +30,15 @@ from ..perms import share
 from .audit import STREAM_ERROR_KEY, audit_middleware
 from .health import CONTROLLER, healthz, readyz  # the same handlers serve the health-only listener
 from .ndjson import client_gone, open_stream, progress_stream, write_line
-from .parsing import HttpRefusal, bool_query, check_query, json_body, parse, require_disk_image_type
+from .parsing import (
+    HttpRefusal,
+    bool_query,
+    check_query,
+    json_body,
+    parse,
+    require_disk_image_type,
+    row_of,
+)
 
 log = logging.getLogger(__name__)
 #: how often an idle event stream checks that its client is still there
@@ -93,10 +101,6 @@ async def query_middleware(request: web.Request, handler: Handler) -> web.Stream
     return await handler(request)
 
 
-#: the row of each routed (method, path)
-_ROWS = {(row.method, row.path): row for row in api.ENDPOINTS}
-
-
 @web.middleware
 async def generation_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A call that names its lease's generation (:data:`api.GENERATION_HEADER`) acts only while that
@@ -105,8 +109,7 @@ async def generation_middleware(request: web.Request, handler: Handler) -> web.S
     :raise GenerationChangedError: the VM is at another generation. :raise RequestError: not a number.
     """
     value = request.headers.get(api.GENERATION_HEADER)
-    resource = request.match_info.route.resource
-    row = _ROWS.get((request.method, resource.canonical)) if resource is not None else None
+    row = row_of(request)
     if value is not None and row is not None and row.lease_bound:
         if not re.fullmatch(r"[0-9]{1,19}", value.strip()):  # (str.isdigit takes '²', which int() refuses)
             raise RequestError(f"header {api.GENERATION_HEADER} is {value[:40]!r}; give the generation the "

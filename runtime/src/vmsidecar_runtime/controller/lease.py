@@ -40,6 +40,19 @@ class Lease:
             raise GenerationChangedError(
                 f"generation {if_generation} was already recycled (now {generation}); nothing to do")
 
+    def require_claimed(self, generation: int) -> None:
+        """A call bound to the lease that claimed ``generation`` goes on only while the VM is at it and
+        it is claimed: an unclaimed one is no lease's yet (a recycle made it, or the runtime restarted
+        and counts its generations from 0 again).
+
+        :raise GenerationChangedError: naming both generations.
+        """
+        current = self._events.generation
+        if generation != current or not self.claimed:
+            now = f"generation {current}{'' if self.claimed else ', claimed by no lease'}"
+            raise GenerationChangedError(f"this call belongs to the lease of generation {generation}, which "
+                                         f"has ended (the VM is at {now}); it was not carried out")
+
     def claim_unclaimed(self) -> bool:
         """Claim the current generation if no lease has it yet; False when an earlier lease claimed
         it (the claim then recycles first, so a new lease never sees the previous one)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
+from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, Phase, SnapshotInfo, VmState
 
@@ -219,16 +219,9 @@ class VmController:
 
     # ---- leases --------------------------------------------------------------------------
     def require_lease_generation(self, generation: int) -> None:
-        """A call bound to the lease that claimed ``generation`` (``GENERATION_HEADER``) goes on only
-        while the VM is at it and it is claimed: an unclaimed one is no lease's yet (a recycle made
-        it, or the runtime restarted and counts its generations from 0 again).
-
-        :raise GenerationChangedError: naming both generations.
-        """
-        if generation != self.generation or not self._lease.claimed:
-            now = f"generation {self.generation}{'' if self._lease.claimed else ', claimed by no lease'}"
-            raise GenerationChangedError(f"this call belongs to the lease of generation {generation}, "
-                                         f"which has ended (the VM is at {now}); it was not carried out")
+        """A call bound to the lease that claimed ``generation`` (``GENERATION_HEADER``): see
+        :meth:`Lease.require_claimed`. :raise GenerationChangedError: it ended."""
+        self._lease.require_claimed(generation)
 
     async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """Back to pristine: guest stopped, overlay and flashed disks discarded, consoles cleared,
