@@ -240,6 +240,97 @@ def test_stale_pin_names_package_versions_and_file(monkeypatch: pytest.MonkeyPat
     assert not list((tmp_path / "images").glob("tiny-*")), "a failed build must leave no image behind"
 
 
+def test_a_pin_the_archive_replaced_by_a_rebuild_of_the_same_release_is_taken_loudly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The archive keeps one revision of a package: a security rebuild (``-2`` -> ``-3``) removes the
+    pinned one and every fresh build stopped (it happened to ``linux-kbuild-6.1``). The fault is
+    real: apt is asked for a revision it has never had, of a release it offers."""
+    busybox = load_recipe("tiny").pins["x86_64"].busybox
+    assert busybox is not None
+    offered = debs.apt_versions(busybox.package)
+    assert busybox.version in offered
+    gone = Pin(busybox.package, f"{debs.upstream_release(busybox.version)}-0vmsidecar.gone1")
+    versions_file = tmp_path / "versions.toml"
+    with caplog.at_level("WARNING", logger="vmsidecar_images.debs"):
+        deb = debs.fetch(gone, "amd64", versions_file=versions_file, cache_dir=tmp_path / "debs")
+    assert deb.parent == tmp_path / "debs"
+    used = subprocess.run(["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True)
+    assert used.stdout.strip() in offered
+    assert debs.upstream_release(used.stdout.strip()) == debs.upstream_release(busybox.version)
+    said = caplog.text
+    assert gone.version in said and used.stdout.strip() in said and str(versions_file) in said
+    # another upstream release is not a rebuild: the build stops and names the file to edit
+    other = Pin(busybox.package, "1:0.1-1")
+    with pytest.raises(PinError, match="cannot be downloaded"):
+        debs.fetch(other, "amd64", versions_file=versions_file, cache_dir=tmp_path / "debs")
+
+
+def test_the_exact_pins_switch_stops_at_a_rebuild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    busybox = load_recipe("tiny").pins["x86_64"].busybox
+    assert busybox is not None
+    gone = Pin(busybox.package, f"{debs.upstream_release(busybox.version)}-0vmsidecar.gone1")
+    monkeypatch.setenv(debs.EXACT_PINS_ENV, "1")
+    with pytest.raises(PinError, match="cannot be downloaded"):
+        debs.fetch(gone, "amd64", versions_file=tmp_path / "versions.toml", cache_dir=tmp_path / "debs")
+    assert debs.offered(gone, versions_file=tmp_path / "versions.toml") == gone
+
+
+def test_the_debian_kernel_pin_follows_a_rebuild_of_its_release(caplog: pytest.LogCaptureFixture) -> None:
+    """mmdebstrap installs the kernel by ``PKG=VERSION``: a replaced revision is asked for as apt's."""
+    recipe = load_recipe("debian")
+    kernel = recipe.pins["x86_64"].kernel
+    if kernel.version in debs.apt_versions(kernel.package):  # the pin itself while apt has it
+        assert debs.offered(kernel, versions_file=recipe.versions_file) == kernel
+    gone = Pin(kernel.package, f"{debs.upstream_release(kernel.version)}-0vmsidecar.gone1")
+    with caplog.at_level("WARNING", logger="vmsidecar_images.debs"):
+        took = debs.offered(gone, versions_file=recipe.versions_file)
+    assert took.package == kernel.package
+    assert took.version in debs.apt_versions(kernel.package)
+    assert debs.upstream_release(took.version) == debs.upstream_release(kernel.version)
+    assert gone.version in caplog.text and took.version in caplog.text
+    other = Pin(kernel.package, "0.1-1")
+    assert debs.offered(other, versions_file=recipe.versions_file) == other  # mmdebstrap says "not found"
+
+
+def test_a_moved_archive_builds_the_debian_guest_with_a_warning_and_a_record(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The archive keeps one version of each package, so the snapshot of 139 goes stale with the next
+    security update: the build goes on with what apt installed, says so and records it; the exact
+    pins switch stops it, naming what moved."""
+    from vmsidecar_images import debian
+
+    recipe = load_recipe("debian")
+    pins = recipe.pins["x86_64"]
+    assert debian.check_snapshot(dict(pins.packages), pins, recipe) == {}
+    installed = dict(pins.packages)
+    installed["libc6"] = installed["libc6"] + "+vmsidecar1"
+    dropped = sorted(installed)[0]
+    del installed[dropped]
+    installed["vmsidecar-new-dependency"] = "1.0-1"
+    with caplog.at_level("WARNING", logger="vmsidecar_images.debian"):
+        moved = debian.check_snapshot(installed, pins, recipe)
+    assert moved == {
+        "libc6": [pins.packages["libc6"], installed["libc6"]],
+        dropped: [pins.packages[dropped], None],
+        "vmsidecar-new-dependency": [None, "1.0-1"],
+    }
+    assert "libc6" in caplog.text and str(recipe.versions_file) in caplog.text and "lock debian" in caplog.text
+    monkeypatch.setenv(debs.EXACT_PINS_ENV, "1")
+    with pytest.raises(PinError, match="libc6") as err:
+        debian.check_snapshot(installed, pins, recipe)
+    assert "vmsidecar-image lock debian" in str(err.value)
+
+
+def test_upstream_release_drops_only_the_debian_revision() -> None:
+    assert debs.upstream_release("6.1.192-2") == "6.1.192"
+    assert debs.upstream_release("1:1.35.0-4+deb12u1+b1") == "1:1.35.0"
+    assert debs.upstream_release("1:2.66-4+deb12u3+b1") == "1:2.66"
+    assert debs.upstream_release("1.0") == "1.0"  # a native package has no revision
+    assert debs.upstream_release("2.1-rc1-3") == "2.1-rc1"
+
+
 def test_failed_build_leaves_nothing_that_looks_complete(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from vmsidecar_contract.errors import VmsidecarError
@@ -35,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logging.basicConfig(format="vmsidecar-image: %(levelname)s: %(message)s", level=logging.WARNING)
     if args.out:
         import os
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from .errors import BuildError, PinError, ToolError
 from .recipe import Pin
+
+_log = logging.getLogger(__name__)
 
 
 def cache_home() -> Path:
@@ -105,9 +108,69 @@ def fetch(pin: Pin, deb_arch: str, *, versions_file: Path, cache_dir: Path | Non
         if not got.is_file() and (Path(tmp) / arch_all.name).is_file():
             got, target = Path(tmp) / arch_all.name, arch_all
         if proc.returncode != 0 or not got.is_file():
-            raise _pin_error(pin, deb_arch, qualified, proc.stderr, versions_file)
+            rebuild = _same_release_rebuild(pin, qualified)
+            if rebuild is None or exact_pins_required():
+                raise _pin_error(pin, deb_arch, qualified, proc.stderr, versions_file)
+            _warn_rebuild(qualified, pin, rebuild, versions_file)
+            return fetch(Pin(pin.package, rebuild), deb_arch, versions_file=versions_file, cache_dir=cache_dir)
         os.replace(got, target)
     return target
+
+
+#: set (not "0"): a pin the archive no longer offers stops the build, a rebuild of its release too
+EXACT_PINS_ENV = "VMSIDECAR_IMAGE_EXACT_PINS"
+
+
+def exact_pins_required() -> bool:
+    """Whether the build must use exactly the pinned versions (``$VMSIDECAR_IMAGE_EXACT_PINS``)."""
+    return os.environ.get(EXACT_PINS_ENV, "") not in ("", "0")
+
+
+def offered(pin: Pin, *, versions_file: Path) -> Pin:
+    """``pin`` if apt offers it, else apt's newest rebuild of the same upstream release (warned),
+    else ``pin`` itself (the tool that installs it then says it is not found)."""
+    versions = apt_versions(pin.package)
+    if pin.version in versions or exact_pins_required():
+        return pin
+    rebuild = _same_release_rebuild(pin, pin.package)
+    if rebuild is None:
+        return pin
+    _warn_rebuild(pin.package, pin, rebuild, versions_file)
+    return Pin(pin.package, rebuild)
+
+
+def _warn_rebuild(qualified: str, pin: Pin, rebuild: str, versions_file: Path) -> None:
+    _log.warning(
+        "pinned %s=%s is no longer offered by apt; using %s, a Debian rebuild of the same upstream release "
+        "(put it in %s to build exactly what was tested; %s=1 stops instead)",
+        qualified, pin.version, rebuild, versions_file, EXACT_PINS_ENV,
+    )
+
+
+def upstream_release(version: str) -> str:
+    """``[epoch:]upstream`` of a Debian version: what is left without the Debian revision (``-2``,
+    ``-4+deb12u1+b1``), which security updates, rebuilds and binNMUs change."""
+    return version.rsplit("-", 1)[0] if "-" in version else version
+
+
+def _same_release_rebuild(pin: Pin, qualified: str) -> str | None:
+    """The newest version apt offers of ``pin``'s package with the pin's upstream release, if any.
+
+    The archive keeps only its newest revision of a package (a security update of the same kernel
+    release removes the last one within hours), so an exact pin breaks every fresh build until it
+    is edited; a rebuild of the same release is taken instead, loudly. Another upstream release
+    (or a kernel ABI bump, which renames the package) still stops the build.
+    """
+    wanted = upstream_release(pin.version)
+    candidates = [v for v in apt_versions(qualified) if upstream_release(v) == wanted and v != pin.version]
+    if not candidates:
+        return None
+    newest = candidates[0]
+    for version in candidates[1:]:
+        newer = subprocess.run(["dpkg", "--compare-versions", version, "gt", newest], check=False)
+        if newer.returncode == 0:
+            newest = version
+    return newest
 
 
 def _pin_error(pin: Pin, deb_arch: str, qualified: str, stderr: str, versions_file: Path) -> BuildError:
