@@ -235,3 +235,48 @@ async def test_timeouts_in_range_still_work(gpio_tree: Tree) -> None:
         await led.wait_for_active(0.2)
     await led.wait_for_inactive(86400)  # already inactive: at once
     await led.wait_for_inactive(0)
+
+
+async def test_a_gpio_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_runtime: Any) -> None:
+    """0.9.0 hands the next lease out while the last one's session ends: lease N's tree opened
+    ``gpio.sock`` after lease N+1 claimed and drove N+1's button (``gpio.sock`` takes no API call, so
+    the generation check of the API never saw it). A request of a tree names its generation now,
+    and is refused once the VM moved on; a runtime that restarted (unclaimed) is claimed again."""
+    rt = await start_runtime({"memory": "256M", "gpio": LINES})
+    spec = {"memory": "256M", "gpio": LINES}
+    lease_n = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
+    lease_n1 = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
+    button_n = lease_n.children["gpio"].children["button"]
+    button_n1 = lease_n1.children["gpio"].children["button"]
+    try:
+        assert await button_n.read_pin() == 0  # lease N's first call claims
+        await lease_n1.link.call(lambda c: c.state())  # the next lease claims: N's generation is recycled
+        assert lease_n1.link.claimed_generation == (lease_n.link.claimed_generation or 0) + 1
+        with pytest.raises(ValueError, match="has ended"):
+            await button_n.on()
+        assert await button_n1.read_pin() == 0, "lease N's tree drove lease N+1's button"
+        await button_n1.on()
+        assert await button_n1.read_pin() == 1
+        # a raw request naming an ended (or a made-up) generation is refused the same way
+        ended = {"op": "set", "line": "button", "value": 0, "generation": lease_n.link.claimed_generation}
+        reader, writer = await _ask(rt.socket.parent / "gpio.sock", ended)
+        reply = json.loads(await asyncio.wait_for(reader.readline(), 5))
+        writer.close()
+        assert reply["ok"] is False and reply["error"] == "generation_changed", reply
+        for bad in ("1", -1, True, 1.5, 10**30):
+            reader, writer = await _ask(rt.socket.parent / "gpio.sock", {"op": "get", "line": "button",
+                                                                        "generation": bad})
+            reply = json.loads(await asyncio.wait_for(reader.readline(), 5))
+            writer.close()
+            assert reply["error"] == "bad_request" and "generation" in reply["message"], (bad, reply)
+        assert await button_n1.read_pin() == 1
+        # the runtime restarts: lease N+1's tree claims the new process's VM and goes on
+        assert rt.stop() == 0
+        await start_runtime(spec)
+        await button_n1.off()
+        state = await lease_n1.link.call(lambda c: c.state())
+        assert state.claimed and lease_n1.link.claimed_generation == state.generation == 0, state
+    finally:
+        for vm in (lease_n, lease_n1):
+            if vm.link._client is not None:
+                await vm.link._client.close()

@@ -65,17 +65,12 @@ class _Line(Driver):
             ) from e
 
     async def _call(self, request: dict[str, Any], timeout: float | None = 30.0) -> dict[str, Any]:
-        reader, writer = await self._connect()
-        try:
-            writer.write(json.dumps({**request, "line": self.line}).encode() + b"\n")
-            await writer.drain()
-            raw = await asyncio.wait_for(reader.readline(), None if timeout is None else timeout + 5)
-        finally:
-            writer.close()
-        if not raw:
-            raise RuntimeError("the runtime closed the GPIO control socket (the lease ended, the spec "
-                               "changed or the runtime is stopping)")
-        reply = json.loads(raw)
+        reply = await self._ask(request, timeout)
+        if reply.get("error") == "generation_changed":
+            # the runtime restarted (its generations begun anew, unclaimed): the link claims it again
+            # when no other lease has it, else its API call fails with the same sentence
+            await self.parent.link.call(lambda c: c.state())
+            reply = await self._ask(request, timeout)
         if not reply.get("ok"):
             if reply.get("error") == "timeout":
                 raise TimeoutError(reply.get("message"))
@@ -83,6 +78,25 @@ class _Line(Driver):
                 raise RuntimeError(reply.get("message"))
             raise ValueError(reply.get("message"))
         return reply
+
+    async def _ask(self, request: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """One request on its own connection, naming the lease's generation: a tree of an ended lease
+        (0.9.0 keeps it while it hands the next lease out) must act on nothing of the next."""
+        reader, writer = await self._connect()
+        generation = self.parent.link.claimed_generation
+        try:
+            named = {**request, "line": self.line}
+            if generation is not None:
+                named["generation"] = generation
+            writer.write(json.dumps(named).encode() + b"\n")
+            await writer.drain()
+            raw = await asyncio.wait_for(reader.readline(), None if timeout is None else timeout + 5)
+        finally:
+            writer.close()
+        if not raw:
+            raise RuntimeError("the runtime closed the GPIO control socket (the lease ended, the spec "
+                               "changed or the runtime is stopping)")
+        return dict(json.loads(raw))
 
     @export
     async def read_pin(self) -> int:

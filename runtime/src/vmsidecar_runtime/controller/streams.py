@@ -4,6 +4,7 @@ virtio-serial channels, SLCAN buses) and the GPIO device, opened to match the sp
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from vmsidecar_contract.spec import VmSpec
 
@@ -26,8 +27,10 @@ OUTPUT_READ = 0.5
 class GuestStreams:
     """Owns the hubs and the GPIO device; the controller decides when they attach, detach or clear."""
 
-    def __init__(self, paths: RuntimePaths) -> None:
+    def __init__(self, paths: RuntimePaths, require_generation: Callable[[int], None] | None = None) -> None:
         self.paths = paths
+        #: the lease's generation rule, for GPIO requests that name their lease (``gpio.sock`` has no API)
+        self._require_generation = require_generation
         self.hubs: dict[str, ConsoleHub] = {}
         #: the vhost-user virtio-gpio backend + <shared>/gpio.sock, when the spec has GPIO lines
         self.gpio: GpioDevice | None = None
@@ -54,7 +57,7 @@ class GuestStreams:
             await self.gpio.close()
             self.gpio = None
         if spec.gpio and self.gpio is None:
-            self.gpio = GpioDevice(spec.gpio)
+            self.gpio = GpioDevice(spec.gpio, self._require_generation)
             await self.gpio.listen_control(self.paths.shared / "gpio.sock")
 
     async def before_launch(self, plan: BootPlan) -> None:

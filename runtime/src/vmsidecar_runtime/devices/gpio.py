@@ -7,6 +7,7 @@ each boot gets a fresh vhost-user listener for its QEMU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from vmsidecar_contract.spec import GpioLine
@@ -19,10 +20,11 @@ from .virtio_gpio import Line, VirtioGpio
 class GpioDevice:
     """Ties the three layers together; the controller's only handle on GPIO."""
 
-    def __init__(self, lines: list[GpioLine]) -> None:
+    def __init__(self, lines: list[GpioLine],
+                 require_generation: Callable[[int], None] | None = None) -> None:
         self.model = VirtioGpio(lines)
         self.vhost = VhostUserSlave(self.model)
-        self.control = GpioControlServer(self.model)
+        self.control = GpioControlServer(self.model, require_generation)
 
     @property
     def lines(self) -> list[Line]:

@@ -8,8 +8,14 @@
     {"op": "wait", "line": NAME, "for": "rising"|"falling"|"active"|"inactive", "timeout": S|null}
                                                      -> {"ok": true, "value": 0|1} | {"ok": false, "error": "timeout", ...}
 
+A request may name the generation its lease claimed (``"generation": N``, as the API's
+``Vmsidecar-Generation`` header; the exporter's drivers always do): it is carried out only while the
+VM is at that generation and claimed, else ``generation_changed`` (a tree of an ended lease, which
+0.9.0 keeps running while it hands the next lease out, must act on nothing of the next).
+
 Errors: ``{"ok": false, "error": CODE, "message": SENTENCE}``, CODE one of bad_request, no_line,
-not_host_driven, bad_value, bad_wait, timeout, closed, busy (and internal for a bug). Directions are
+not_host_driven, bad_value, bad_wait, timeout, closed, busy, generation_changed (and internal for a
+bug). Directions are
 the guest's view: ``in`` lines are driven by the host, ``out`` lines by the guest. The exporter's
 drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
 
@@ -69,8 +75,10 @@ class _Waiter:
 class GpioControlServer:
     """Serves ``gpio.sock`` for one :class:`~.virtio_gpio.VirtioGpio`."""
 
-    def __init__(self, model: VirtioGpio) -> None:
+    def __init__(self, model: VirtioGpio, require_generation: Callable[[int], None] | None = None) -> None:
         self.model = model
+        #: raises ``GenerationChangedError`` unless the VM is at this claimed generation (the lease's rule)
+        self._require_generation = require_generation
         self._server: asyncio.Server | None = None
         self._path: Path | None = None
         self._clients: set[asyncio.StreamWriter] = set()
@@ -192,6 +200,8 @@ class GpioControlServer:
     async def _request(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
         rid = {"id": req["id"]} if "id" in req else {}
+        if "generation" in req:
+            self._check_generation(req["generation"])
         if op == "list":
             return {"ok": True, "lines": self.describe(), **rid}
         if op == "get":
@@ -202,6 +212,15 @@ class GpioControlServer:
             value = await self.wait(str(req.get("line")), str(req.get("for")), _timeout(req.get("timeout")))
             return {"ok": True, "value": value, **rid}
         raise RequestError(f"op {op!r} is unknown; use list, get, set or wait")
+
+
+    def _check_generation(self, value: object) -> None:
+        """:raise RequestError: not a generation.
+        :raise GenerationChangedError: not the VM's generation, or unclaimed."""
+        if type(value) is not int or not 0 <= value < 1 << 63:  # (bool is an int to isinstance)
+            raise RequestError(f"generation must be the whole number the lease claimed; got {value!r:.40}")
+        if self._require_generation is not None:
+            self._require_generation(value)
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
