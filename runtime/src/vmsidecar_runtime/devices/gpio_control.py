@@ -15,9 +15,8 @@ VM is at that generation and claimed, else ``generation_changed`` (a tree of an 
 
 Errors: ``{"ok": false, "error": CODE, "message": SENTENCE}``, CODE one of bad_request, no_line,
 not_host_driven, bad_value, bad_wait, timeout, closed, busy, generation_changed (and internal for a
-bug). Directions are
-the guest's view: ``in`` lines are driven by the host, ``out`` lines by the guest. The exporter's
-drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
+bug). Directions are the guest's view: ``in`` lines are driven by the host, ``out`` lines by the
+guest. The exporter's drivers (``jumpstarter_driver_vmsidecar.gpio``) open one connection per call.
 
 A wait's ``timeout`` is 0 to ``MAX_WAIT_S`` seconds (the contract's ``endpoints.is_wait``), or null:
 until the condition holds. Either way the wait ends (and its connection with it) when its client
@@ -212,7 +211,6 @@ class GpioControlServer:
             value = await self.wait(str(req.get("line")), str(req.get("for")), _timeout(req.get("timeout")))
             return {"ok": True, "value": value, **rid}
         raise RequestError(f"op {op!r} is unknown; use list, get, set or wait")
-
 
     def _check_generation(self, value: object) -> None:
         """:raise RequestError: not a generation.
