@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import stat
 import struct
 import subprocess
@@ -24,7 +25,7 @@ from vmsidecar_images.build import BuiltImage, build_image, list_images
 from vmsidecar_images.cli import main as cli_main
 from vmsidecar_images.cpio import Entry, read_cpio, write_cpio
 from vmsidecar_images.errors import BuildError, PinError
-from vmsidecar_images.recipe import Pin, load_recipe
+from vmsidecar_images.recipe import ArchPins, Pin, load_recipe
 
 
 def _raw(image: BuiltImage, tmp_path: Path) -> Path:
@@ -397,3 +398,94 @@ def test_aarch64_builds_for_direct_kernel_boot(tmp_path: Path) -> None:
     assert {"virtio_mmio", "gpio_keys"} <= set(boot)
     parts = disk.read_partitions(_raw(image, tmp_path).read_bytes())
     assert [(p["type"], p["bootable"]) for p in parts] == [(0x0E, False), (0x83, False)]
+
+
+def _with_abi(pins: ArchPins, abi: str, version: str) -> ArchPins:
+    """``pins`` as written before a kernel ABI bump: every ABI-named package at ``abi``, every kernel
+    package (image, headers, kbuild, source) at ``version``."""
+    old = re.search(r"\d+\.\d+\.\d+-\d+", pins.kernel.package)
+    assert old is not None
+
+    def aged(pin: Pin) -> Pin:
+        return Pin(pin.package.replace(old[0], abi), version)
+
+    return dataclasses.replace(pins, kernel=aged(pins.kernel),
+                               module_build={k: aged(p) for k, p in pins.module_build.items()})
+
+
+def _kernel_apt_installs(metapackage: str) -> str:
+    """The ABI package ``metapackage`` depends on today, as apt says it."""
+    out = subprocess.run(["apt-cache", "depends", metapackage], capture_output=True, text=True, check=True)
+    lines = (ln.strip() for ln in out.stdout.splitlines())
+    return next(ln.split()[-1] for ln in lines if ln.startswith("Depends: linux-image-"))
+
+
+def _ge(version: str, other: str) -> bool:
+    return subprocess.run(["dpkg", "--compare-versions", version, "ge", other], check=False).returncode == 0
+
+
+def test_a_kernel_abi_bump_is_followed_loudly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An ABI bump renames the kernel packages (``linux-image-6.1.0-56-amd64`` -> ``-57-``) and the
+    archive drops the old ones: the build takes the ABI ``linux-image-amd64`` depends on now, with
+    headers of the same ABI, and says so. The fault is real: apt is asked for an ABI it does not have."""
+    real = load_recipe("tiny").pins["x86_64"]
+    stale = _with_abi(real, "6.1.0-1", "6.1.4-1")
+    assert debs.apt_versions(stale.kernel.package) == []
+    versions_file = tmp_path / "versions.toml"
+    with caplog.at_level("WARNING", logger="vmsidecar_images.debs"):
+        followed = debs.follow_kernel_abi(stale, versions_file=versions_file)
+    current = _kernel_apt_installs("linux-image-amd64")
+    assert followed.kernel.package == current
+    assert followed.kernel.version in debs.apt_versions(current)
+    abi = followed.kernel_release.removesuffix("-amd64")
+    assert followed.module_build["headers"].package == f"linux-headers-{abi}-amd64"
+    assert followed.module_build["headers_common"].package == f"linux-headers-{abi}-common"
+    assert followed.module_build["kbuild"].package == real.module_build["kbuild"].package
+    assert followed.module_build["source"].package == real.module_build["source"].package
+    for key, pin in followed.module_build.items():
+        offered = debs.apt_versions(pin.package)
+        assert pin.version in offered, key
+        if followed.kernel.version in offered:  # the kernel's version, else apt's newest
+            assert pin.version == followed.kernel.version, key
+        else:
+            assert all(_ge(pin.version, v) for v in offered), key
+    assert (followed.deb_arch, followed.busybox, followed.tools) == (real.deb_arch, real.busybox, real.tools)
+    said = caplog.text
+    assert stale.kernel.package in said and followed.kernel.spec in said
+    assert str(versions_file) in said and debs.EXACT_PINS_ENV in said
+    assert stale.module_build["headers"].package in said and followed.module_build["headers"].package in said
+
+
+def test_the_debian_kernel_follows_an_abi_bump_and_keeps_its_snapshot() -> None:
+    """The cloud flavour (``linux-image-<abi>-cloud-amd64``): no module build, the snapshot untouched
+    (the bootstrap installs the followed kernel, check_snapshot reports the difference)."""
+    real = load_recipe("debian").pins["x86_64"]
+    stale = _with_abi(real, "6.1.0-1", "6.1.4-1")
+    followed = debs.follow_kernel_abi(stale, versions_file=Path("versions.toml"))
+    assert followed.kernel.package == _kernel_apt_installs("linux-image-cloud-amd64")
+    assert followed.kernel.version in debs.apt_versions(followed.kernel.package)
+    assert (followed.packages, followed.module_build) == (real.packages, {})
+
+
+def test_a_kernel_apt_offers_is_not_an_abi_bump(caplog: pytest.LogCaptureFixture) -> None:
+    """Pins of the kernel apt offers come back as they are, at any version (a replaced revision is
+    fetch's rebuild fallback). The kernel is today's (the metapackage's), so this holds after an ABI
+    bump too, when the recipes' own pins are the stale ones."""
+    for recipe, flavour in (("tiny", "amd64"), ("debian", "cloud-amd64")):
+        pins = load_recipe(recipe).pins["x86_64"]
+        current = _kernel_apt_installs(f"linux-image-{flavour}")
+        for version in (debs.apt_versions(current)[0], "0.0.1-0vmsidecar.gone1"):
+            today = dataclasses.replace(pins, kernel=Pin(current, version))
+            with caplog.at_level("WARNING", logger="vmsidecar_images.debs"):
+                assert debs.follow_kernel_abi(today, versions_file=Path("versions.toml")) == today
+    assert caplog.text == ""
+
+
+def test_the_exact_pins_switch_stops_at_an_abi_bump(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stale = _with_abi(load_recipe("tiny").pins["x86_64"], "6.1.0-1", "6.1.4-1")
+    monkeypatch.setenv(debs.EXACT_PINS_ENV, "1")
+    with caplog.at_level("WARNING", logger="vmsidecar_images.debs"):
+        assert debs.follow_kernel_abi(stale, versions_file=Path("versions.toml")) == stale
+    assert caplog.text == ""

@@ -242,7 +242,8 @@ def _build_initramfs_guest(
     out: Path, work: Path, *, recipe: Recipe, arch: str, label: str, step: Callable[[str], None]
 ) -> dict[str, object]:
     """The tiny guest: busybox initramfs (+ tools, out-of-tree modules) on the BIOS disk."""
-    pins = recipe.arch_pins(arch)
+    # what is built: after a kernel ABI bump, the kernel apt offers now (the manifest records it)
+    pins = debs.follow_kernel_abi(recipe.arch_pins(arch), versions_file=recipe.versions_file)
     arch_cfg = recipe.arch_config(arch)
     release = pins.kernel_release
     if pins.busybox is None:

@@ -218,6 +218,8 @@ def build(
     pins = recipe.arch_pins(arch)
     if not pins.packages:
         raise PinError(f"{recipe.versions_file} has no package snapshot for {arch}; run `vmsidecar-image lock {recipe.name}`")
+    # after a kernel ABI bump, the kernel apt offers now: installed, copied out of /boot, recorded
+    pins = debs.follow_kernel_abi(pins, versions_file=recipe.versions_file)
     tar = bootstrap(recipe, pins, label, work)
     step("bootstrap")
     resolved = resolved_packages(tar)

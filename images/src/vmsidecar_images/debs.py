@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from .errors import BuildError, PinError, ToolError
-from .recipe import Pin
+from .recipe import ArchPins, Pin
 
 _log = logging.getLogger(__name__)
 
@@ -159,18 +161,87 @@ def _same_release_rebuild(pin: Pin, qualified: str) -> str | None:
     The archive keeps only its newest revision of a package (a security update of the same kernel
     release removes the last one within hours), so an exact pin breaks every fresh build until it
     is edited; a rebuild of the same release is taken instead, loudly. Another upstream release
-    (or a kernel ABI bump, which renames the package) still stops the build.
+    still stops the build (a kernel ABI bump, which renames the package, is :func:`follow_kernel_abi`'s).
     """
     wanted = upstream_release(pin.version)
     candidates = [v for v in apt_versions(qualified) if upstream_release(v) == wanted and v != pin.version]
-    if not candidates:
-        return None
-    newest = candidates[0]
-    for version in candidates[1:]:
+    return _newest(candidates) if candidates else None
+
+
+def _newest(versions: list[str]) -> str:
+    """The highest of ``versions`` as dpkg orders them (``dpkg --compare-versions``)."""
+    newest = versions[0]
+    for version in versions[1:]:
         newer = subprocess.run(["dpkg", "--compare-versions", version, "gt", newest], check=False)
         if newer.returncode == 0:
             newest = version
     return newest
+
+
+#: ``linux-image-<abi>-<flavour>``: ``linux-image-6.1.0-56-cloud-amd64`` -> ``6.1.0-56``, ``cloud-amd64``
+_KERNEL_ABI = re.compile(r"linux-image-(\d+\.\d+\.\d+-\d+)-(.+)")
+
+
+def follow_kernel_abi(pins: ArchPins, *, versions_file: Path) -> ArchPins:
+    """``pins`` with the kernel moved to the ABI apt's ``linux-image-<flavour>`` depends on now, when apt
+    no longer offers the pinned kernel package at all (warned); else ``pins`` itself.
+
+    A kernel ABI bump renames the package (``linux-image-6.1.0-56-amd64`` -> ``-57-``) and the archive
+    drops the old one, so every fresh build stopped until versions.toml was edited. The module build
+    pins follow the kernel: ABI-named packages are renamed, each takes the kernel's version if apt offers
+    it, else the newest apt offers. Not with ``$VMSIDECAR_IMAGE_EXACT_PINS``, nor when the metapackage
+    names nothing usable (the download then stops with a :class:`PinError` naming the file to edit).
+    """
+    kernel = pins.kernel
+    if exact_pins_required() or apt_versions(_qualified(kernel.package, pins.deb_arch)):
+        return pins  # a replaced version of an offered package is fetch's (and offered's) business
+    old = _KERNEL_ABI.fullmatch(kernel.package)
+    current = _metapackage_kernel(f"linux-image-{old[2]}", pins.deb_arch) if old else None
+    new = _KERNEL_ABI.fullmatch(current) if current else None
+    if old is None or new is None or new[2] != old[2] or new[1] == old[1]:
+        return pins  # not an ABI package, or apt names no other ABI of the same flavour
+    versions = apt_versions(_qualified(new[0], pins.deb_arch))
+    if not versions:
+        return pins
+    followed = Pin(new[0], _newest(versions))
+    module_build = {key: _follow_module_pin(pin, old[1], new[1], followed.version)
+                    for key, pin in pins.module_build.items()}
+    moved = [f"{pin.spec} -> {module_build[key].spec}" for key, pin in pins.module_build.items()
+             if module_build[key] != pin]
+    _log.warning(
+        "pinned kernel %s is no longer offered by apt (a kernel ABI bump renames the package); using %s, "
+        "which linux-image-%s depends on now%s (put them in %s to build exactly what was tested; %s=1 stops "
+        "instead)",
+        kernel.spec, followed.spec, old[2], f", with {', '.join(moved)}" if moved else "", versions_file,
+        EXACT_PINS_ENV,
+    )
+    return dataclasses.replace(pins, kernel=followed, module_build=module_build)
+
+
+def _qualified(package: str, deb_arch: str) -> str:
+    """``package`` as apt names it for ``deb_arch`` (``:<arch>`` for a foreign architecture)."""
+    return package if deb_arch == _host_deb_arch() else f"{package}:{deb_arch}"
+
+
+def _metapackage_kernel(metapackage: str, deb_arch: str) -> str | None:
+    """The ``linux-image-*`` package ``metapackage`` depends on (``apt-cache depends``), if any."""
+    proc = subprocess.run(["apt-cache", "depends", _qualified(metapackage, deb_arch)],
+                          capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        found = re.match(r"\s*\|?Depends:\s+(linux-image-[^\s:<>]+)", line)
+        if found:
+            return found[1]
+    return None
+
+
+def _follow_module_pin(pin: Pin, old_abi: str, new_abi: str, kernel_version: str) -> Pin:
+    """``pin`` renamed to ``new_abi`` (if its name carries ``old_abi``) at a version apt offers: the
+    kernel's if it has that, else its newest (``linux-kbuild`` and ``linux-source`` may be ahead)."""
+    package = re.sub(rf"(?<![\d.]){re.escape(old_abi)}(?!\d)", new_abi, pin.package)
+    versions = apt_versions(package)
+    if kernel_version in versions:
+        return Pin(package, kernel_version)
+    return Pin(package, _newest(versions) if versions else pin.version)
 
 
 def _pin_error(pin: Pin, deb_arch: str, qualified: str, stderr: str, versions_file: Path) -> BuildError:
