@@ -96,7 +96,7 @@ def fetch(pin: Pin, deb_arch: str, *, versions_file: Path, cache_dir: Path | Non
             f"{target.name} is not in {cache_dir} and apt-get is missing; build on Debian/Ubuntu or "
             "copy the .deb there"
         )
-    qualified = pin.package if deb_arch == _host_deb_arch() else f"{pin.package}:{deb_arch}"
+    qualified = _qualified(pin.package, deb_arch)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".dl-") as tmp:
         os.chmod(tmp, 0o755)  # apt's _apt sandbox user must be able to write here
         proc = subprocess.run(
@@ -110,9 +110,10 @@ def fetch(pin: Pin, deb_arch: str, *, versions_file: Path, cache_dir: Path | Non
         if not got.is_file() and (Path(tmp) / arch_all.name).is_file():
             got, target = Path(tmp) / arch_all.name, arch_all
         if proc.returncode != 0 or not got.is_file():
-            rebuild = _same_release_rebuild(pin, qualified)
-            if rebuild is None or exact_pins_required():
-                raise _pin_error(pin, deb_arch, qualified, proc.stderr, versions_file)
+            offered_now = apt_versions(qualified)
+            rebuild = None if exact_pins_required() else _same_release_rebuild(pin, offered_now)
+            if rebuild is None:
+                raise _pin_error(pin, deb_arch, qualified, proc.stderr, versions_file, offered_now)
             _warn_rebuild(qualified, pin, rebuild, versions_file)
             return fetch(Pin(pin.package, rebuild), deb_arch, versions_file=versions_file, cache_dir=cache_dir)
         os.replace(got, target)
@@ -131,10 +132,12 @@ def exact_pins_required() -> bool:
 def offered(pin: Pin, *, versions_file: Path) -> Pin:
     """``pin`` if apt offers it, else apt's newest rebuild of the same upstream release (warned),
     else ``pin`` itself (the tool that installs it then says it is not found)."""
-    versions = apt_versions(pin.package)
-    if pin.version in versions or exact_pins_required():
+    if exact_pins_required():
         return pin
-    rebuild = _same_release_rebuild(pin, pin.package)
+    versions = apt_versions(pin.package)
+    if pin.version in versions:
+        return pin
+    rebuild = _same_release_rebuild(pin, versions)
     if rebuild is None:
         return pin
     _warn_rebuild(pin.package, pin, rebuild, versions_file)
@@ -155,8 +158,9 @@ def upstream_release(version: str) -> str:
     return version.rsplit("-", 1)[0] if "-" in version else version
 
 
-def _same_release_rebuild(pin: Pin, qualified: str) -> str | None:
-    """The newest version apt offers of ``pin``'s package with the pin's upstream release, if any.
+def _same_release_rebuild(pin: Pin, offered: list[str]) -> str | None:
+    """The newest of ``offered`` (apt's versions of ``pin``'s package) with the pin's upstream
+    release, if any.
 
     The archive keeps only its newest revision of a package (a security update of the same kernel
     release removes the last one within hours), so an exact pin breaks every fresh build until it
@@ -164,7 +168,7 @@ def _same_release_rebuild(pin: Pin, qualified: str) -> str | None:
     still stops the build (a kernel ABI bump, which renames the package, is :func:`follow_kernel_abi`'s).
     """
     wanted = upstream_release(pin.version)
-    candidates = [v for v in apt_versions(qualified) if upstream_release(v) == wanted and v != pin.version]
+    candidates = [v for v in offered if upstream_release(v) == wanted and v != pin.version]
     return _newest(candidates) if candidates else None
 
 
@@ -244,8 +248,8 @@ def _follow_module_pin(pin: Pin, old_abi: str, new_abi: str, kernel_version: str
     return Pin(package, _newest(versions) if versions else pin.version)
 
 
-def _pin_error(pin: Pin, deb_arch: str, qualified: str, stderr: str, versions_file: Path) -> BuildError:
-    offered = apt_versions(qualified)
+def _pin_error(pin: Pin, deb_arch: str, qualified: str, stderr: str, versions_file: Path,
+               offered: list[str]) -> BuildError:
     apt_said = next((ln for ln in stderr.splitlines() if ln.startswith("E:")), stderr.strip()[-200:])
     if pin.version in offered:
         return BuildError(

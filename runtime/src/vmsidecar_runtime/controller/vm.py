@@ -56,7 +56,7 @@ class VmController:
         self.host_paths = host_paths or HostPathPolicy()
         self.shutdown_requested = asyncio.Event()
         self.disks = Disks(paths, pull_fn)
-        self.streams = GuestStreams(paths, lambda generation: self._lease.require_claimed(generation))
+        self.streams = GuestStreams(paths, self.require_lease_generation)
         self._phases = PhaseMachine(self.events)
         #: the VM's one disk transfer slot (``Transfers``: begin, end, cancel)
         self.transfers = Transfers(self.disks, self.events, pull_timeout)
