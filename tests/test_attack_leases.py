@@ -352,3 +352,76 @@ async def test_a_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_runtim
         for link in (lease_n, lease_n1):
             if link._client is not None:
                 await link._client.close()
+
+
+async def test_a_console_opened_as_the_next_lease_claims_is_not_the_ended_leases(
+        start_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A console connection of lease N's tree checks the generation with an API call, then opens the
+    socket: when lease N+1 claimed between the two, N's stream was attached to N+1's console (its
+    output, its input). The one seam: N+1's claim is made to land in that instant. The tree now checks
+    again once connected (the claim drops every client it sees, and one it did not see is refused)."""
+    from jumpstarter_driver_vmsidecar import console as console_mod
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    rt = await start_runtime({"memory": "256M"})
+    lease_n = VirtualMachine(socket=str(rt.socket), recycle="InPlaceReuse")
+    lease_n1 = VirtualMachine(socket=str(rt.socket), recycle="InPlaceReuse")
+    real_connect = console_mod.connect_unix
+
+    async def next_lease_claims_first(path: str) -> Any:
+        await lease_n1.link.call(lambda c: c.state())  # lease N+1 claims: N's generation is recycled
+        return await real_connect(path)
+
+    try:
+        await lease_n.link.call(lambda c: c.state())  # lease N claims
+        monkeypatch.setattr(console_mod, "connect_unix", next_lease_claims_first)
+        with pytest.raises(ValueError, match="has ended"):
+            async with lease_n.children["console"].connect():
+                pytest.fail("lease N's tree got a console stream of lease N+1's VM")
+        assert lease_n1.link.claimed_generation == (lease_n.link.claimed_generation or 0) + 1
+        monkeypatch.setattr(console_mod, "connect_unix", real_connect)
+        async with lease_n1.children["console"].connect():  # the next lease's own console opens
+            pass
+    finally:
+        for vm in (lease_n, lease_n1):
+            if vm.link._client is not None:
+                await vm.link._client.close()
+
+
+async def test_a_forward_opened_as_the_next_lease_claims_is_not_the_ended_leases(
+        start_runtime: Any, tiny_image: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same instant on a port forward: lease N's tree asked the API for the forward's address,
+    lease N+1 claimed (its guest booted on the same fixed host port), and N's connection reached N+1's
+    guest. The tree checks again once connected (a claim after that stops the QEMU the connection
+    goes through)."""
+    from fixtures.ports import free_port
+    from jumpstarter_driver_vmsidecar import network as network_mod
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
+            "network": {"forwards": [{"name": "web", "guest_port": 80, "host_port": free_port()}]}}
+    rt = await start_runtime(spec)
+    lease_n = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
+    lease_n1 = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
+    real_connect = network_mod.connect_tcp
+
+    async def next_lease_claims_first(host: str, port: int) -> Any:
+        await lease_n1.link.call(lambda c: c.state())  # lease N+1 claims: its guest boots on the port
+        async def forwarded() -> bool:
+            return "web" in (await rt.client().state()).forwards
+
+        await wait_until_async(forwarded, 60, "lease N+1's guest to run")
+        return await real_connect(host, port)
+
+    try:
+        await rt.client().wait_ready(240)
+        await lease_n.link.call(lambda c: c.state())  # lease N claims
+        monkeypatch.setattr(network_mod, "connect_tcp", next_lease_claims_first)
+        with pytest.raises(ValueError, match="has ended"):
+            async with lease_n.children["web"].connect():
+                pytest.fail("lease N's tree got a connection to lease N+1's guest")
+        assert lease_n1.link.claimed_generation == (lease_n.link.claimed_generation or 0) + 1
+    finally:
+        for vm in (lease_n, lease_n1):
+            if vm.link._client is not None:
+                await vm.link._client.close()

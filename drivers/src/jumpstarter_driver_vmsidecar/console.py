@@ -46,6 +46,10 @@ class VmConsole(Driver):
                 "and the runtime serves it while it runs"
             ) from e
         async with stream:
+            # checked again once connected: a claim of the next lease between the call above and the
+            # connect would otherwise hand this (ended) lease the next one's console; a claim after
+            # this check drops the connection with every other client
+            await self.parent.link.call(lambda c: c.state())
             yield stream
 
     # PySerial compatibility: a virtual console has no modem lines; these are accepted no-ops.
