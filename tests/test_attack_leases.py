@@ -354,6 +354,45 @@ async def test_a_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_runtim
                 await link._client.close()
 
 
+@contextlib.asynccontextmanager
+async def _two_lease_trees(socket: Path, spec: dict[str, Any] | None = None
+                           ) -> AsyncIterator[tuple[Any, Any]]:
+    """The exporter's driver trees of lease N and lease N+1 on one runtime (InPlaceReuse)."""
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    trees = tuple(VirtualMachine(socket=str(socket), spec=spec, recycle="InPlaceReuse") for _ in range(2))
+    try:
+        yield trees
+    finally:
+        for vm in trees:
+            if vm.link._client is not None:
+                await vm.link._client.close()
+
+
+async def _connect_as_the_next_lease_claims(trees: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch,
+                                            module: Any, name: str, connect: Callable[[], Any],
+                                            then: Callable[[], Any]) -> None:
+    """Lease N claims; its ``connect()`` is refused when lease N+1's claim (and ``then()``) lands
+    between N's API call and the ``module.name`` connect it makes next (the one seam)."""
+    lease_n, lease_n1 = trees
+    real = getattr(module, name)
+
+    async def next_lease_claims_first(*args: Any) -> Any:
+        await lease_n1.link.call(lambda c: c.state())  # lease N+1 claims: N's generation is recycled
+        await then()
+        return await real(*args)
+
+    await lease_n.link.call(lambda c: c.state())  # lease N claims
+    monkeypatch.setattr(module, name, next_lease_claims_first)
+    try:
+        with pytest.raises(ValueError, match="has ended"):
+            async with connect():
+                pytest.fail(f"lease N's tree got a {name} stream of lease N+1's VM")
+    finally:
+        monkeypatch.setattr(module, name, real)
+    assert lease_n1.link.claimed_generation == (lease_n.link.claimed_generation or 0) + 1
+
+
 async def test_a_console_opened_as_the_next_lease_claims_is_not_the_ended_leases(
         start_runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A console connection of lease N's tree checks the generation with an API call, then opens the
@@ -361,31 +400,17 @@ async def test_a_console_opened_as_the_next_lease_claims_is_not_the_ended_leases
     output, its input). The one seam: N+1's claim is made to land in that instant. The tree now checks
     again once connected (the claim drops every client it sees, and one it did not see is refused)."""
     from jumpstarter_driver_vmsidecar import console as console_mod
-    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
 
     rt = await start_runtime({"memory": "256M"})
-    lease_n = VirtualMachine(socket=str(rt.socket), recycle="InPlaceReuse")
-    lease_n1 = VirtualMachine(socket=str(rt.socket), recycle="InPlaceReuse")
-    real_connect = console_mod.connect_unix
 
-    async def next_lease_claims_first(path: str) -> Any:
-        await lease_n1.link.call(lambda c: c.state())  # lease N+1 claims: N's generation is recycled
-        return await real_connect(path)
+    async def nothing() -> None:
+        pass
 
-    try:
-        await lease_n.link.call(lambda c: c.state())  # lease N claims
-        monkeypatch.setattr(console_mod, "connect_unix", next_lease_claims_first)
-        with pytest.raises(ValueError, match="has ended"):
-            async with lease_n.children["console"].connect():
-                pytest.fail("lease N's tree got a console stream of lease N+1's VM")
-        assert lease_n1.link.claimed_generation == (lease_n.link.claimed_generation or 0) + 1
-        monkeypatch.setattr(console_mod, "connect_unix", real_connect)
-        async with lease_n1.children["console"].connect():  # the next lease's own console opens
+    async with _two_lease_trees(rt.socket) as trees:
+        await _connect_as_the_next_lease_claims(trees, monkeypatch, console_mod, "connect_unix",
+                                                trees[0].children["console"].connect, nothing)
+        async with trees[1].children["console"].connect():  # the next lease's own console opens
             pass
-    finally:
-        for vm in (lease_n, lease_n1):
-            if vm.link._client is not None:
-                await vm.link._client.close()
 
 
 async def test_a_forward_opened_as_the_next_lease_claims_is_not_the_ended_leases(
@@ -396,32 +421,18 @@ async def test_a_forward_opened_as_the_next_lease_claims_is_not_the_ended_leases
     goes through)."""
     from fixtures.ports import free_port
     from jumpstarter_driver_vmsidecar import network as network_mod
-    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
 
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off",
             "network": {"forwards": [{"name": "web", "guest_port": 80, "host_port": free_port()}]}}
     rt = await start_runtime(spec)
-    lease_n = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
-    lease_n1 = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
-    real_connect = network_mod.connect_tcp
 
-    async def next_lease_claims_first(host: str, port: int) -> Any:
-        await lease_n1.link.call(lambda c: c.state())  # lease N+1 claims: its guest boots on the port
-        async def forwarded() -> bool:
+    async def forwarded() -> None:
+        async def running() -> bool:
             return "web" in (await rt.client().state()).forwards
 
-        await wait_until_async(forwarded, 60, "lease N+1's guest to run")
-        return await real_connect(host, port)
+        await wait_until_async(running, 60, "lease N+1's guest to run")  # on the same host port
 
-    try:
-        await rt.client().wait_ready(240)
-        await lease_n.link.call(lambda c: c.state())  # lease N claims
-        monkeypatch.setattr(network_mod, "connect_tcp", next_lease_claims_first)
-        with pytest.raises(ValueError, match="has ended"):
-            async with lease_n.children["web"].connect():
-                pytest.fail("lease N's tree got a connection to lease N+1's guest")
-        assert lease_n1.link.claimed_generation == (lease_n.link.claimed_generation or 0) + 1
-    finally:
-        for vm in (lease_n, lease_n1):
-            if vm.link._client is not None:
-                await vm.link._client.close()
+    await rt.client().wait_ready(240)
+    async with _two_lease_trees(rt.socket, spec) as trees:
+        await _connect_as_the_next_lease_claims(trees, monkeypatch, network_mod, "connect_tcp",
+                                                trees[0].children["web"].connect, forwarded)
