@@ -36,7 +36,7 @@ class VmConsole(Driver):
     @asynccontextmanager
     async def connect(self) -> AsyncGenerator[Any, None]:
         """A byte stream to and from the guest console."""
-        await self.parent.link.call(lambda c: c.state())  # claims the VM; clear error when the runtime is down
+        await self.parent.link.check()  # claims the VM; clear error when the runtime is down
         path = self.parent.link.socket.parent / self.socket_name
         try:
             stream = await connect_unix(str(path))
@@ -46,10 +46,7 @@ class VmConsole(Driver):
                 "and the runtime serves it while it runs"
             ) from e
         async with stream:
-            # checked again once connected: a claim of the next lease between the call above and the
-            # connect would otherwise hand this (ended) lease the next one's console; a claim after
-            # this check drops the connection with every other client
-            await self.parent.link.call(lambda c: c.state())
+            await self.parent.link.check()  # again: a later claim drops this client with every other
             yield stream
 
     # PySerial compatibility: a virtual console has no modem lines; these are accepted no-ops.

@@ -50,12 +50,12 @@ class _Line(Driver):
         """
         link = self.parent.link
         if link.claimed_generation is None:
-            await link.call(lambda c: c.state())
+            await link.check()
         path = link.socket.parent / "gpio.sock"
         try:
             return await asyncio.open_unix_connection(str(path))
         except OSError:
-            await link.call(lambda c: c.state())
+            await link.check()
         try:
             return await asyncio.open_unix_connection(str(path))
         except OSError as e:
@@ -69,7 +69,7 @@ class _Line(Driver):
         if reply.get("error") == "generation_changed":
             # the runtime restarted (its generations begun anew, unclaimed): the link claims it again
             # when no other lease has it, else its API call fails with the same sentence
-            await self.parent.link.call(lambda c: c.state())
+            await self.parent.link.check()
             reply = await self._ask(request, timeout)
         if not reply.get("ok"):
             if reply.get("error") == "timeout":

@@ -93,6 +93,13 @@ class RuntimeLink:
         except VmsidecarError as e:
             raise translate(e) from e
 
+    async def check(self) -> None:
+        """One API call bound to this tree's lease (its claim, at a lease's first call), for what
+        reaches the guest past the API (console, forward and GPIO sockets): it fails, as every call of
+        the tree does, once the VM moved on to the next lease. Streams call it before they open their
+        socket and again once connected: a claim landing in between would hand them the next lease's."""
+        await self.call(lambda c: c.state())
+
     async def _claim_again(self) -> bool:
         """The VM is no longer at this tree's generation, or it is unclaimed: claim it again when no
         lease has it and this tree's lease has not ended (the runtime restarted: its generations

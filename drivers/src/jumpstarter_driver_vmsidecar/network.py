@@ -42,10 +42,7 @@ class VmForward(NetworkInterface, Driver):
         """A TCP stream to the guest port."""
         host, port = await self._host_port()
         async with await connect_tcp(host, port) as stream:
-            # checked again once connected: a claim of the next lease in between would otherwise give
-            # this (ended) lease a connection to the next one's guest; a claim after this check stops
-            # the QEMU the connection goes through
-            await self.parent.link.call(lambda c: c.state())
+            await self.parent.link.check()  # again: a later claim stops the QEMU this goes through
             yield stream
 
     @export
