@@ -36,6 +36,8 @@ def published(registry: Any, tiny_image: Any, tiny_b_image: Any) -> dict[str, st
 @pytest.fixture
 def pod(request: pytest.FixtureRequest) -> Iterator[Pod]:
     p = Pod(f"vms-e2e-{request.node.name.split('[')[0][-12:].strip('_').replace('_', '-')}")
+    # a run killed mid-test leaves its pod, which `up` refuses to replace: remove it first
+    subprocess.run(["scripts/pod", "down", "--name", p.name], cwd=ROOT, env=ENV, capture_output=True)
     yield p
     subprocess.run(["scripts/pod", "down", "--name", p.name], cwd=ROOT, env=ENV, capture_output=True)
 

@@ -14,7 +14,7 @@ import pytest
 from fixtures.jmp import PIPE_UNTIL, jmp_env
 from fixtures.ports import free_port
 
-from .podman import ENV, VM_TYPE, Pod, run
+from .podman import ENV, ROOT, VM_TYPE, Pod, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -106,3 +106,15 @@ pipe_until 'check-4-done' two.txt '\nls /data/secret; echo check-$((2+2))-done\n
     assert "No such file or directory" in check and "lease1-secret" not in check
     assert pod.state("exporter")["Status"] == "running" and pod.state("runtime")["Status"] == "running"
     pod.down()
+
+
+def test_up_never_replaces_a_pod_of_its_name(pod: Pod) -> None:
+    """A second `up` (or one after a run stopped before its `down`) says what to do, and leaves the pod
+    it found alone: someone may be in a shell on it."""
+    run("podman", "pod", "create", "--name", pod.name)
+    refused = subprocess.run(["scripts/pod", "up", "--name", pod.name, "--image", "127.0.0.1:1/vm/none:1"],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1, refused.stderr
+    assert f"a pod named {pod.name} exists already" in refused.stderr, refused.stderr
+    assert f"scripts/pod down --name {pod.name} first" in refused.stderr, refused.stderr
+    assert subprocess.run(["podman", "pod", "exists", pod.name], env=ENV).returncode == 0

@@ -76,8 +76,10 @@ def test_upstream_provisioner_pod_shape(images: dict[str, str], published: dict[
     manifest.write_text(_render(name, images, config))
     pod = Pod(name)
     # podman 4.3 plays an emptyDir as a named volume called by the volume's name ("shared"), kept after
-    # the pod: remove it, and the config map's volume, before and after, so the pod starts empty
+    # the pod: remove it, and the config map's volume, before and after, so the pod starts empty; a run
+    # killed mid-test leaves its pod too (a container stuck "stopping"), which kube play would refuse
     volumes = ["shared", f"exporter-config-{name}"]
+    subprocess.run(["podman", "pod", "rm", "-f", "--ignore", name], env=ENV, capture_output=True, timeout=120)
     subprocess.run(["podman", "volume", "rm", "-f", *volumes], env=ENV, capture_output=True, timeout=60)
     try:
         started = time.monotonic()
