@@ -436,3 +436,22 @@ async def test_a_forward_opened_as_the_next_lease_claims_is_not_the_ended_leases
     async with _two_lease_trees(rt.socket, spec) as trees:
         await _connect_as_the_next_lease_claims(trees, monkeypatch, network_mod, "connect_tcp",
                                                 trees[0].children["web"].connect, forwarded)
+
+
+async def test_the_next_lease_reads_no_count_of_the_last_leases_boots(start_runtime: Any,
+                                                                     tiny_image: Any) -> None:
+    """``boot`` in the state a lease reads (the driver's ``state()``) counted every boot since the
+    runtime started: lease N+1 read how often lease N power-cycled or its guest rebooted. It counts
+    the generation's boots: the boot that hands a lease its guest is 1."""
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"})
+    client = rt.client()
+    await client.wait_ready(240)
+    assert (await client.claim()).boot == 1  # lease N
+    for boots in (2, 3):
+        assert (await client.power("reset")).boot == boots  # N's power cycles
+    async with collecting(client, ["boot"]) as events:
+        state = await client.claim()  # lease N+1: recycled, booted anew
+        assert state.generation == 1 and state.boot == 1, state
+        await events.wait_for("boot", 30)
+    assert [e["data"]["boot"] for e in events] == [1], events.events
+    assert (await client.power("reset")).boot == 2  # N+1's own power cycle

@@ -86,7 +86,8 @@ class GenerationData(EventData):
 
 
 class BootData(EventData):
-    """``boot``: a boot began (power-on, reset, guest reboot); ``boot`` counts them."""
+    """``boot``: a boot began (power-on, reset, guest reboot); ``boot`` counts the generation's
+    boots (``VmState.boot``)."""
 
     boot: int
     reason: str

@@ -127,8 +127,8 @@ class VmState(BaseModel):
 
     phase: Phase
     generation: int
-    #: boots since the runtime started (power-on, reset, guest reboot); console scrollback and
-    #: ``timings`` belong to this boot only
+    #: boots of this generation (power-on, reset, guest reboot; the one that begins it is 1):
+    #: console scrollback and ``timings`` belong to this boot only
     boot: int = 0
     #: a lease has used this generation (the next lease gets a recycled guest)
     claimed: bool = False

@@ -66,8 +66,9 @@ class Machine:
         self.expect_exit = False
         self.last_exit: ExitInfo | None = None
         self.timings = Timings()
-        #: boots since the runtime started (power-on, reset, guest reboot): scrollback, first-byte
-        #: time and readiness belong to one boot, so a reader can never take the last boot for this one
+        #: boots of this lease's generation (power-on, reset, guest reboot): scrollback, first-byte
+        #: time and readiness belong to one boot, so a reader can never take the last boot for this
+        #: one; counted per generation, or the next lease would read how often the last one booted
         self.boot_count = 0
         self._boot_started = 0.0
         self._boot_runs_firmware = True
@@ -128,9 +129,10 @@ class Machine:
         self.timings = self.timings.model_copy(update={"pull": seconds})
 
     def forget_lease(self) -> None:
-        """A new lease: no timing or exit of the previous one shows."""
+        """A new lease: no timing, exit or boot count of the previous one shows."""
         self.timings = Timings()
         self.last_exit = None
+        self.boot_count = 0
 
     # ---- the backend ---------------------------------------------------------------------
     async def launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
