@@ -8,6 +8,8 @@ import contextlib
 import errno
 import fcntl
 import os
+import select
+import socket
 import stat
 from pathlib import Path
 
@@ -254,3 +256,32 @@ def test_log_rotation(tmp_path: Path) -> None:
     log.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.log", "c.log.1", "c.log.2"]
     assert (tmp_path / "c.log").stat().st_size <= 100
+
+
+async def test_what_a_client_typed_before_it_went_away_reaches_the_guest(tmp_path: Path) -> None:
+    """A client that writes a command and closes with output unread (`printf 'cmd\\n' | nc -U`, a
+    test's console) resets its connection. When the hub sent it more output before reading its
+    input, the failed send ended the connection and the command was lost (a test's guest never got
+    its command). The output here is handed to the client's queue in the instant between its close
+    and the hub's read."""
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("ttyS0", tmp_path / "console.sock")
+    await hub.listen()
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    chardev.emit(b"vm# ")
+    await wait_until_async(lambda: hub.bytes_seen == 4, 5, "the hub to read the prompt")
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(str(hub.listen_path))
+    client.setblocking(False)
+    await wait_until_async(lambda: select.select([client], [], [], 0)[0], 5,
+                           "the scrollback to reach the client")
+    # no await from here: the client types, goes away with the prompt unread, and the guest prints
+    client.sendall(b"typed-then-gone\n")
+    client.close()
+    hub._feed(b"\x1b[6n")  # what the guest printed meanwhile (the tiny guest's shell asks the cursor)
+    await wait_until_async(lambda: b"typed-then-gone\n" in chardev.received, 5,
+                           "the command to reach the guest",
+                           detail=lambda: f"the guest got {bytes(chardev.received)!r}")
+    await hub.close()

@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 import struct
 import termios
 from collections.abc import AsyncIterator, Callable
@@ -87,11 +88,15 @@ class RotatingByteLog:
 
 
 class _ClientQueue(asyncio.Queue[bytes | None]):
-    """One client's backlog, bounded in chunks and in bytes (:meth:`offer` raises ``QueueFull``)."""
+    """One client's backlog, bounded in chunks and in bytes (:meth:`offer` raises ``QueueFull``),
+    and its connection."""
 
-    def __init__(self) -> None:
+    def __init__(self, conn: socket.socket) -> None:
         super().__init__(CLIENT_QUEUE_CHUNKS)
         self.pending = 0
+        self.conn = conn
+        #: the hub let go of this client (too slow, or a new lease): none of its input goes on
+        self.dropped = False
 
     def offer(self, data: bytes) -> None:
         if self.pending + len(data) > CLIENT_QUEUE_BYTES:
@@ -132,11 +137,15 @@ async def _open_pipes(pipe: StreamPipe) -> tuple[asyncio.StreamReader, asyncio.S
     return reader, asyncio.StreamWriter(input_transport, protocol, None, loop), output_transport
 
 
-def _end_queue(queue: asyncio.Queue[bytes | None]) -> None:
-    """Replace whatever a client has not read yet with the end marker: its pump stops at once."""
+def _drop(queue: _ClientQueue) -> None:
+    """Let go of a client: what it has not read yet is replaced by the end marker, nothing it
+    typed is sent on from now on, and its connection is shut (a send it is stalled in fails)."""
+    queue.dropped = True
     while not queue.empty():
         queue.get_nowait()
     queue.put_nowait(None)
+    with contextlib.suppress(OSError):
+        queue.conn.shutdown(socket.SHUT_RDWR)
 
 
 class ConsoleHub:
@@ -165,7 +174,9 @@ class ConsoleHub:
         self._log_task: asyncio.Task[None] | None = None
         self._clients: set[_ClientQueue] = set()
         self._watchers: set[Callable[[bytes], None]] = set()
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._client_tasks: set[asyncio.Task[None]] = set()
         self._upstream: asyncio.StreamWriter | None = None
         #: the output pipe's transport when the backend serves this stream through pipes
         self._upstream_output: asyncio.BaseTransport | None = None
@@ -183,17 +194,44 @@ class ConsoleHub:
             self.listen_path.unlink()
         # no umask juggling (it is per process: a worker thread's mkdir would lose its x bits); the
         # process umask keeps others from connecting until share() sets 0660 (perms.restrict_umask)
-        self._server = await asyncio.start_unix_server(self._serve_client, path=str(self.listen_path))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.setblocking(False)
+            listener.bind(str(self.listen_path))
+            listener.listen(100)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
         share(self.listen_path, 0o660)
+        self._accepting = asyncio.create_task(self._accept(listener), name=f"accept-{self.name}")
 
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue = _ClientQueue()
+    async def _accept(self, listener: socket.socket) -> None:
+        # Plain sockets rather than asyncio's streams: a stream transport whose send fails (the
+        # client went away with output unread) stops reading at once, and what the client typed
+        # before it went away, still in the socket, was lost. Here input is read to its end.
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of descriptors: the clients that have one go on
+                log.warning("console %s: cannot accept a client: %s", self.name, e)
+                await asyncio.sleep(0.5)
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve_client(conn))
+            self._client_tasks.add(task)
+            task.add_done_callback(self._client_tasks.discard)
+
+    async def _serve_client(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        queue = _ClientQueue(conn)
         if self.replay and self._buffer:
             queue.offer(bytes(self._buffer[-CLIENT_QUEUE_BYTES:]))
         self._clients.add(queue)
-        pump = asyncio.create_task(self._pump_to_client(queue, writer))
+        pump = asyncio.create_task(self._pump_to_client(queue))
         try:
-            while data := await reader.read(4096):
+            while (data := await loop.sock_recv(conn, 4096)) and not queue.dropped:
                 if self._held is not None:
                     self._held += data[: max(0, HELD_INPUT_BYTES - len(self._held))]
                 elif self._upstream is not None and not self._upstream.is_closing():
@@ -209,18 +247,16 @@ class ConsoleHub:
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
-            writer.close()
+            conn.close()
 
-    async def _pump_to_client(self, queue: _ClientQueue, writer: asyncio.StreamWriter) -> None:
-        try:
+    async def _pump_to_client(self, queue: _ClientQueue) -> None:
+        """Send the client its output until it goes away or is dropped. A failed send ends only
+        this: what the client typed before it went away is still read (``_serve_client``)."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ConnectionError, OSError):
             while (chunk := await queue.get()) is not None:
                 queue.taken(chunk)
-                writer.write(chunk)
-                await writer.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
+                await loop.sock_sendall(queue.conn, chunk)
 
     # ---- the guest side ------------------------------------------------------------------
     async def attach(self, upstream: Path | StreamPipe, *, timeout: float = 10.0) -> None:
@@ -264,7 +300,7 @@ class ConsoleHub:
                 log.warning("console %s: dropping a client that stopped reading", self.name)
                 metrics.console_dropped_readers.inc()
                 self._clients.discard(queue)
-                _end_queue(queue)
+                _drop(queue)
 
     def forget_log(self) -> None:
         """Empty the log file (a new lease): what is not written yet is dropped, and the file is
@@ -401,7 +437,7 @@ class ConsoleHub:
         if disconnect_clients:
             for queue in list(self._clients):
                 self._clients.discard(queue)
-                _end_queue(queue)
+                _drop(queue)
 
     @contextlib.contextmanager
     def watch(self, callback: Callable[[bytes], None]) -> AsyncIterator[None]:  # type: ignore[misc]
@@ -416,10 +452,15 @@ class ConsoleHub:
         """Stop everything and remove the shared socket."""
         await self.detach()
         self.clear(disconnect_clients=True)
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._client_tasks):  # each ends once its dropped client's pump has
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+                await asyncio.wait_for(asyncio.shield(task), 2)
         with contextlib.suppress(FileNotFoundError):
             self.listen_path.unlink()
         if self._log_task is not None:
