@@ -378,11 +378,11 @@ async def _connect_as_the_next_lease_claims(trees: tuple[Any, Any], monkeypatch:
     real = getattr(module, name)
 
     async def next_lease_claims_first(*args: Any) -> Any:
-        await lease_n1.link.call(lambda c: c.state())  # lease N+1 claims: N's generation is recycled
+        await lease_n1.link.check()  # lease N+1 claims: N's generation is recycled
         await then()
         return await real(*args)
 
-    await lease_n.link.call(lambda c: c.state())  # lease N claims
+    await lease_n.link.check()  # lease N claims
     monkeypatch.setattr(module, name, next_lease_claims_first)
     try:
         with pytest.raises(ValueError, match="has ended"):
