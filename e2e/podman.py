@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ ENV = {**os.environ, "CONTAINERS_CONF": str(ROOT / "container" / "containers.con
 VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
 
 
-def run(*argv: str, timeout: float = 900) -> str:
-    result = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(*argv: str, timeout: float = 900, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(argv, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{argv}: {result.stderr[-3000:]}"
     return result.stdout
 
@@ -55,8 +56,11 @@ class Pod:
         hosts = [h for h in os.environ.get("VMSIDECAR_INSECURE_REGISTRIES", "").split(",") if h]
         insecure = [arg for h in hosts for arg in ("--insecure-registry", h)]
         # the host's network: a free loopback port for the health listener, as for the exporter's
-        run("scripts/pod", "up", "--name", self.name, "--host-network", "--health-port", str(free_port()), *insecure,
-            *args)
+        with tempfile.TemporaryDirectory(prefix="vms-e2e-tmp-") as scratch:
+            run("scripts/pod", "up", "--name", self.name, "--host-network", "--health-port", str(free_port()),
+                *insecure, *args, env={**ENV, "TMPDIR": scratch})
+            # what `up` renders goes to podman, not into a file that outlives the pod
+            assert os.listdir(scratch) == [], f"scripts/pod up left {os.listdir(scratch)} in TMPDIR"
         return started
 
     def wait_ready(self, timeout: float = 300) -> None:
