@@ -40,7 +40,14 @@ from vmsidecar_runtime.oci.registry import RegistryClient
 from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
 from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, complete, fetch_snapshot, stage_before_pull
 from vmsidecar_runtime.oci.snapshot_push import push_snapshot
-from vmsidecar_runtime.snapshot_identity import PREFIX, SnapshotIdentity, identify, identify_before_pull
+from vmsidecar_runtime.snapshot_identity import (
+    IMAGE_FIELDS,
+    PREFIX,
+    SnapshotIdentity,
+    host_cpu,
+    identify,
+    identify_before_pull,
+)
 from vmsidecar_runtime.snapshots import SnapshotMeta, SnapshotStore
 
 pytestmark = pytest.mark.timeout(240)
@@ -388,3 +395,52 @@ async def test_an_early_fetch_no_boot_uses_is_removed(published: Published, tmp_
     staged = task.result().snap.path
     assert staged.name.startswith(".incoming-") and not staged.exists(), "what the fetch staged stayed"
     assert not list((cache / "snapshots").iterdir()), list((cache / "snapshots").iterdir())
+
+
+#: /proc/cpuinfo of a node with another CPU than this machine's (two processors, as the kernel prints them)
+OTHER_NODE_CPUINFO = "".join(
+    f"processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: Intel(R) Xeon(R)\n"
+    f"stepping\t: 7\nmicrocode\t: 0x5003604\nflags\t\t: fpu vme de pse tsc msr pae sse sse2 avx avx2 avx512f\n\n"
+    for n in range(2))
+
+
+@pytest.mark.parametrize("model", [None, "host", "max"])
+def test_a_snapshot_of_the_host_cpu_passed_through_never_restores_on_a_node_of_another_cpu(
+    published: Published, monkeypatch: pytest.MonkeyPatch, model: str | None
+) -> None:
+    """Under KVM, ``host`` (the default) and ``max`` hand the guest the node's own CPU: its state,
+    restored on a node of another CPU, runs instructions that CPU lacks. The identity names the CPU
+    behind them, so a node of another kind refuses the other's artifact (and its own cache entry,
+    were the cache moved): another node is simulated by its /proc/cpuinfo, which this machine cannot
+    change. TCG's models and a named model are the same on every node, as before."""
+    spec = load_spec({**published.spec, "cpu": model})
+    here = identify_before_pull(spec, "kvm")
+    with monkeypatch.context() as other_node:
+        other_node.setattr("vmsidecar_runtime.snapshot_identity.read_cpuinfo", lambda: OTHER_NODE_CPUINFO,
+                           raising=False)
+        there = identify_before_pull(spec, "kvm")
+        named = identify_before_pull(load_spec({**published.spec, "cpu": "EPYC-v3"}), "kvm")
+        tcg = identify_before_pull(load_spec(published.spec), "tcg")
+    why = here.mismatch(there.annotations(), ignore=IMAGE_FIELDS)
+    assert why is not None and why.startswith("its CPU model is "), why
+    assert repr(here.cpu) in why and repr(there.cpu) in why, why  # both CPUs named
+    assert there.cpu == f"{model or 'host'} (GenuineIntel 6 85 7, features {there.cpu[-13:-1]})", there
+    vendors = {line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("vendor_id")}
+    assert all(vendor in here.cpu for vendor in vendors), (vendors, here)
+    assert here.cpu.startswith(f"{model or 'host'} (") and there.cpu.startswith(f"{model or 'host'} ("), there
+    assert named == identify_before_pull(load_spec({**published.spec, "cpu": "EPYC-v3"}), "kvm")
+    assert named.cpu == "EPYC-v3"
+    assert tcg == identify_before_pull(load_spec(published.spec), "tcg") and tcg.cpu == "max"
+
+
+def test_the_host_cpu_of_an_arm_node_with_two_kinds_of_core_is_both_kinds() -> None:
+    core = ("processor\t: {n}\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 {extra}\n"
+            "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x{variant}\nCPU part\t: 0x{part}\n"
+            "CPU revision\t: 0\n\n")
+    little, big = {"variant": 2, "part": "d05", "extra": ""}, {"variant": 1, "part": "d0b", "extra": "atomics"}
+    both = host_cpu("".join(core.format(n=n, **(little if n < 4 else big)) for n in range(8)))
+    kinds = both.split(" + ")
+    assert [k.split(",")[0] for k in kinds] == ["0x41 8 0x1 0xd0b 0", "0x41 8 0x2 0xd05 0"], both
+    assert kinds[0].split("features ")[1] != kinds[1].split("features ")[1], "the features differ"
+    assert host_cpu("") == "unknown"

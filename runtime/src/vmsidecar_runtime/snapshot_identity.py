@@ -11,9 +11,11 @@ disagree on a key.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from vmsidecar_contract.spec import VmSpec
 
@@ -36,6 +38,49 @@ FIELDS = {
     "readiness": "readiness (the instant of capture)",
     "key": "spec (devices, memory, CPUs …)",
 }
+
+
+#: CPU models that hand the guest the node's own CPU under KVM (``max`` is ``host`` and more): their
+#: state runs only on a node whose CPU is of the same kind
+PASSTHROUGH_MODELS = frozenset({"host", "max"})
+#: the /proc/cpuinfo fields that name a kind of processor (x86_64; aarch64), and those that list its features
+_CPU_NAME_FIELDS = ("vendor_id", "cpu family", "model", "stepping",
+                    "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision")
+_CPU_FEATURE_FIELDS = ("flags", "Features")
+
+
+@functools.cache
+def read_cpuinfo() -> str:
+    """This node's /proc/cpuinfo ("" where there is none)."""
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def host_cpu(cpuinfo: str) -> str:
+    """Each kind of processor ``cpuinfo`` (/proc/cpuinfo's text) lists, by its name fields and a hash of
+    its features (``AuthenticAMD 25 17 1, features 3f0c9a…``); kinds joined by `` + `` (big.LITTLE)."""
+    kinds = set()
+    for block in cpuinfo.split("\n\n"):
+        fields = {name.strip(): value.strip()
+                  for name, sep, value in (line.partition(":") for line in block.splitlines()) if sep}
+        named = " ".join(fields[f] for f in _CPU_NAME_FIELDS if f in fields)
+        features = next((fields[f] for f in _CPU_FEATURE_FIELDS if f in fields), None)
+        if named or features is not None:
+            listed = " ".join(sorted((features or "").split()))
+            kinds.add(f"{named}, features {hashlib.sha256(listed.encode()).hexdigest()[:12]}")
+    return " + ".join(sorted(kinds)) or "unknown"
+
+
+def snapshot_cpu(model: str, accel: str) -> str:
+    """The CPU a snapshot's state belongs to: ``model``, and where KVM passes the node's CPU through
+    (:data:`PASSTHROUGH_MODELS`) that CPU after it, so that a node of another kind never restores it
+    (the guest would run instructions its CPU lacks). TCG's models are QEMU's own, and a named model
+    is the pool owner's choice of what every node provides: the same on every node."""
+    if accel == "kvm" and model in PASSTHROUGH_MODELS:
+        return f"{model} ({host_cpu(read_cpuinfo())})"
+    return model
 
 
 @functools.cache
@@ -96,7 +141,7 @@ def identify_before_pull(spec: VmSpec, accel: str) -> SnapshotIdentity:
         image_digest="",
         qemu_version=qemu_version(spec.arch),
         machine=spec.machine or MACHINE[spec.arch],
-        cpu=effective_cpu(spec, accel),
+        cpu=snapshot_cpu(effective_cpu(spec, accel), accel),
         accelerator=accel,
         readiness="",
         runtime_version=runtime_version(),
