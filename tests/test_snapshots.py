@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -259,6 +260,34 @@ async def test_warm_start_restores_from_the_cache(start_runtime: Any, tiny_image
     fourth = await start_runtime(spec, name="fourth")
     assert (await fourth.client().wait_ready(120, poll=0.02)).snapshot.boot == "restored"
     assert "hashed against its seal" not in fourth.log_text(), fourth.log_text()[-2000:]
+
+
+async def test_a_kernel_or_initrd_rebuilt_at_its_path_is_booted_not_the_snapshot_of_the_one_before(
+    start_runtime: Any, tiny_image: Any, tiny_b_image: Any, tmp_path: Path
+) -> None:
+    """A spec that boots a kernel and initrd from files (a kernel developer's loop: rebuild, run
+    again) is captured under a key with those files' contents: the initrd rebuilt at the same path
+    boots, where the snapshot of the one before came back; the same files again restore."""
+    initrd = tmp_path / "initrd.gz"
+    shutil.copyfile(tiny_image.initrd, initrd)
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "kernel": str(tiny_image.kernel),
+            "initrd": str(initrd), "cmdline": tiny_image.manifest["cmdline"]}
+    cache = tmp_path / "cache"  # its own: nothing of another test's key in it
+    first = await start_runtime(spec, name="first", cache=cache)
+    await first.client().wait_ready(240)
+    assert (await first.client().wait_stored()).snapshot.available
+    assert first.stop() == 0
+    shutil.copyfile(tiny_b_image.initrd, initrd)  # rebuilt: another label in its init
+    second = await start_runtime(spec, name="second", cache=cache)
+    state = await second.client().wait_ready(240)
+    replay, _ = await _probe(second.shared / "console.sock")
+    assert state.snapshot.boot != "restored" and "VMSIDECAR-READY image=tiny-b " in replay, (state.snapshot, replay)
+    assert (await second.client().wait_stored()).snapshot.available
+    assert second.stop() == 0
+    third = await start_runtime(spec, name="third", cache=cache)  # the same files: the new capture serves
+    state = await third.client().wait_ready(120)
+    replay, _ = await _probe(third.shared / "console.sock")
+    assert state.snapshot.boot == "restored" and "VMSIDECAR-READY image=tiny-b " in replay, (state.snapshot, replay)
 
 
 async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runtime: Any, tiny_image: Any,

@@ -36,7 +36,7 @@ FIELDS = {
     "cpu": "CPU model",
     "accelerator": "accelerator",
     "readiness": "readiness (the instant of capture)",
-    "key": "spec (devices, memory, CPUs …)",
+    "key": "spec (devices, memory, CPUs, kernel and initrd files …)",
 }
 
 

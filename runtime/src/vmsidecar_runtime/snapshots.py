@@ -118,7 +118,33 @@ def snapshot_key(spec: VmSpec, image_digest: str, accel: str, cpu: str, readines
         "accel": accel,
         "cpu": cpu,
     }
+    if files := boot_file_digests(spec):  # only where there are: the keys of other specs stay as they were
+        material["boot_files"] = files
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+
+
+#: path -> (stat seal, digest) of the files specs boot from, so a recycle hashes nothing again
+_BOOT_FILE_DIGESTS: dict[str, tuple[dict, str]] = {}
+
+
+def boot_file_digests(spec: VmSpec) -> dict[str, str]:
+    """The content of each file ``spec`` boots from (``kernel``, ``initrd``: a path in the spec), by
+    field: a file rebuilt at its path is another key, not the snapshot of the one before. Hashed
+    again only when its stat seal moved; a file that cannot be read is "missing" (its boot fails)."""
+    digests = {}
+    for name, path in (("kernel", spec.kernel), ("initrd", spec.initrd)):
+        if path is None:
+            continue
+        try:
+            seal = stat_seal(os.stat(path))
+        except OSError:
+            digests[name] = "missing"
+            continue
+        known = _BOOT_FILE_DIGESTS.get(str(path))
+        if known is None or known[0] != seal:
+            known = _BOOT_FILE_DIGESTS[str(path)] = (seal, hash_file(Path(path)))
+        digests[name] = known[1]
+    return digests
 
 
 def snapshot_form(spec: VmSpec) -> tuple[str, str | None]:
