@@ -346,6 +346,25 @@ def test_file_references(oci_qcow2: Path, tmp_path: Path, suffix: str, compress:
     assert (again.cached, again.bytes_downloaded, again.path) == (True, 0, disk.path)
 
 
+def test_a_file_rewritten_in_place_with_its_times_kept_is_read_again(tmp_path: Path) -> None:
+    """A raw disk edited in place keeps its inode and size; `rsync --inplace --times`, `touch -r` or a
+    tool that restores the times keeps its mtime too: the cache must not hand back the old disk. Its
+    ctime, which nothing sets back, moved."""
+    src = tmp_path / "disk.raw"
+    old = b"\xaa" * (256 * 1024)
+    src.write_bytes(old)
+    cache = tmp_path / "cache"
+    first = pull(f"file:{src}", cache)
+    st = src.stat()
+    with open(src, "r+b") as f:  # in place: same inode, same size
+        f.write(b"\x55" * 4096)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))  # the times as they were
+    assert (src.stat().st_ino, src.stat().st_size, src.stat().st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    again = pull(f"file:{src}", cache)
+    assert not again.cached and again.digest != first.digest, (again, first)
+    assert again.path.read_bytes() == src.read_bytes() and first.path.read_bytes() == old
+
+
 def test_raw_file_and_image_volume_directory(tmp_path: Path) -> None:
     data = os.urandom(256 * 1024)
     volume = tmp_path / "volume"

@@ -346,7 +346,9 @@ def _find_file(reference: Reference) -> Path:
 def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None, limits: Limits) -> PulledDisk:
     path = _find_file(reference).resolve()
     st = path.stat()
-    key = f"file:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    # ctime too: a file rewritten in place can keep its inode, size and mtime (rsync --inplace --times,
+    # touch -r), never its ctime
+    key = f"file:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
     if hit := cache.lookup(key):
         return _cached(hit, cache, reference)
     with cache.lock(key):
@@ -372,7 +374,7 @@ def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None
                     limits=limits,
                 )
             after = os.stat(path)
-            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
                 raise ImageError(
                     f"disk file {path} changed while it was read; pull again once nothing writes to it",
                     code="file_changed",
