@@ -399,8 +399,9 @@ async def test_an_early_fetch_no_boot_uses_is_removed(published: Published, tmp_
 
 #: /proc/cpuinfo of a node with another CPU than this machine's (two processors, as the kernel prints them)
 OTHER_NODE_CPUINFO = "".join(
-    f"processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: Intel(R) Xeon(R)\n"
-    f"stepping\t: 7\nmicrocode\t: 0x5003604\nflags\t\t: fpu vme de pse tsc msr pae sse sse2 avx avx2 avx512f\n\n"
+    f"processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\n"
+    f"model name\t: Intel(R) Xeon(R)\nstepping\t: 7\nmicrocode\t: 0x5003604\n"
+    f"flags\t\t: fpu vme de pse tsc msr pae sse sse2 avx avx2 avx512f\n\n"
     for n in range(2))
 
 
@@ -435,10 +436,12 @@ def test_a_snapshot_of_the_host_cpu_passed_through_never_restores_on_a_node_of_a
 
 
 def test_the_host_cpu_of_an_arm_node_with_two_kinds_of_core_is_both_kinds() -> None:
-    core = ("processor\t: {n}\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 {extra}\n"
+    core = ("processor\t: {n}\nBogoMIPS\t: 50.00\n"
+            "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 {extra}\n"
             "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x{variant}\nCPU part\t: 0x{part}\n"
             "CPU revision\t: 0\n\n")
-    little, big = {"variant": 2, "part": "d05", "extra": ""}, {"variant": 1, "part": "d0b", "extra": "atomics"}
+    little = {"variant": 2, "part": "d05", "extra": ""}
+    big = {"variant": 1, "part": "d0b", "extra": "atomics"}
     both = host_cpu("".join(core.format(n=n, **(little if n < 4 else big)) for n in range(8)))
     kinds = both.split(" + ")
     assert [k.split(",")[0] for k in kinds] == ["0x41 8 0x1 0xd0b 0", "0x41 8 0x2 0xd05 0"], both

@@ -359,7 +359,8 @@ def test_a_file_rewritten_in_place_with_its_times_kept_is_read_again(tmp_path: P
     with open(src, "r+b") as f:  # in place: same inode, same size
         f.write(b"\x55" * 4096)
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))  # the times as they were
-    assert (src.stat().st_ino, src.stat().st_size, src.stat().st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    now = src.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
     again = pull(f"file:{src}", cache)
     assert not again.cached and again.digest != first.digest, (again, first)
     assert again.path.read_bytes() == src.read_bytes() and first.path.read_bytes() == old

@@ -281,13 +281,15 @@ async def test_a_kernel_or_initrd_rebuilt_at_its_path_is_booted_not_the_snapshot
     second = await start_runtime(spec, name="second", cache=cache)
     state = await second.client().wait_ready(240)
     replay, _ = await _probe(second.shared / "console.sock")
-    assert state.snapshot.boot != "restored" and "VMSIDECAR-READY image=tiny-b " in replay, (state.snapshot, replay)
+    assert state.snapshot.boot != "restored", state.snapshot
+    assert "VMSIDECAR-READY image=tiny-b " in replay, replay
     assert (await second.client().wait_stored()).snapshot.available
     assert second.stop() == 0
     third = await start_runtime(spec, name="third", cache=cache)  # the same files: the new capture serves
     state = await third.client().wait_ready(120)
     replay, _ = await _probe(third.shared / "console.sock")
-    assert state.snapshot.boot == "restored" and "VMSIDECAR-READY image=tiny-b " in replay, (state.snapshot, replay)
+    assert state.snapshot.boot == "restored", state.snapshot
+    assert "VMSIDECAR-READY image=tiny-b " in replay, replay
 
 
 async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runtime: Any, tiny_image: Any,

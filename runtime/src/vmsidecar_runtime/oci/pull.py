@@ -374,7 +374,8 @@ def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None
                     limits=limits,
                 )
             after = os.stat(path)
-            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            times = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != times:
                 raise ImageError(
                     f"disk file {path} changed while it was read; pull again once nothing writes to it",
                     code="file_changed",
