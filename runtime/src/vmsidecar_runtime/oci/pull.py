@@ -16,7 +16,7 @@ from vmsidecar_runtime.image.sniff import DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk
 
 from .auth import RegistryConfig, normalize_host
-from .cache import CacheEntry, DiskCache
+from .cache import CacheEntry, DiskCache, stat_seal
 from .mediatypes import DISK_SUFFIXES, answers_of, title_format
 from .reference import Reference, parse_reference
 from .resolve import (
@@ -346,9 +346,10 @@ def _find_file(reference: Reference) -> Path:
 def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None, limits: Limits) -> PulledDisk:
     path = _find_file(reference).resolve()
     st = path.stat()
-    # ctime too: a file rewritten in place can keep its inode, size and mtime (rsync --inplace --times,
-    # touch -r), never its ctime
-    key = f"file:{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    # the stat seal (inode, size, mtime, ctime): a file rewritten in place can keep its inode, size and
+    # mtime (rsync --inplace --times, touch -r), never its ctime
+    seal = stat_seal(st)
+    key = f"file:{path}:{st.st_dev}:" + ":".join(str(v) for v in seal.values())
     if hit := cache.lookup(key):
         return _cached(hit, cache, reference)
     with cache.lock(key):
@@ -373,9 +374,7 @@ def _pull_file(reference: Reference, cache: DiskCache, progress: Progress | None
                     resend=f"point file: at the result instead of {path.name}",
                     limits=limits,
                 )
-            after = os.stat(path)
-            times = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != times:
+            if stat_seal(os.stat(path)) != seal:
                 raise ImageError(
                     f"disk file {path} changed while it was read; pull again once nothing writes to it",
                     code="file_changed",
