@@ -20,12 +20,15 @@ import pytest
 
 from fixtures.attack import max_state_latency, memory_kib
 from fixtures.vmdev import vm_client
+from fixtures.waiting import wait_until_async
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.plan import GUEST_AGENT_PORT
 
 pytestmark = pytest.mark.timeout(300)
 
 FLOOD_SECONDS = 5
+#: what the runtime logs as its console hub drops a reader that fell too far behind
+DROPPED = "console ttyS0: dropping a client that stopped reading"
 LINES = [{"name": "button", "direction": "in"}, {"name": "led", "direction": "out"}]
 #: each channel flooded by a background job of the guest's shell
 FLOODS = {
@@ -72,6 +75,7 @@ async def test_a_guest_flooding_every_channel(
                       "echo $((b + 1)) > /sys/class/gpio/export; echo low > /sys/class/gpio/led/direction")
         assert (await con.run("ls /sys/class/gpio")).count("button") == 1
         rt_before, ex_before = memory_kib(rt.proc.pid), memory_kib(me)
+        dropped = rt.log_text().count(DROPPED)  # before the flood: the hub may drop us while we measure
 
         con.writer.write(f"AGENT=/dev/$(basename $(dirname {agent})); {' '.join(FLOODS.values())}\n".encode())
         await con.writer.drain()
@@ -84,9 +88,13 @@ async def test_a_guest_flooding_every_channel(
         overlong = [r.getMessage() for r in caplog.records if "overlong" in r.getMessage()]
         assert overlong, "the exporter did not report the endless CAN line it dropped"
         # what went through each channel: stop the ttyS0 flood (job 1) to read the console; the
-        # other four keep flooding through the lease's end
-        # the hub let go of the slow reader we were: what it had sent, then the end (a reader that
-        # stayed connected would wait on a console that says nothing more)
+        # other four keep flooding through the lease's end.
+        # First, not reading, until the hub has let go of us (mostly while the latencies were
+        # measured; on a slow host the reads above kept up with the flood, and a reader that keeps up
+        # is never dropped: reading to the end never ended), then what it had sent, and the end (a
+        # reader left connected would wait on a console that says nothing more)
+        await wait_until_async(lambda: rt.log_text().count(DROPPED) > dropped, 120,
+                               "the hub to drop the console reader that stopped reading")
         while await asyncio.wait_for(con.reader.read(1 << 20), 10):
             pass
         await con.close()
