@@ -550,3 +550,74 @@ def test_a_tar_header_claiming_a_huge_long_name_is_refused_before_it_is_read(tmp
     peak_mib = int(lines[1]) // 1024
     assert peak_mib < 256, f"the pull's process peaked at {peak_mib} MiB for a {len(layer)}-byte layer"
     assert lines[0].startswith("refused") and "extended tar header" in lines[0], lines[0]
+
+
+# ---- a qcow2 whose check would take the host's memory or time -------------------------------------
+
+_CHECK_AND_PEAK = """
+import resource, sys
+from pathlib import Path
+from vmsidecar_contract.errors import ImageError
+from vmsidecar_runtime.image import checks
+from vmsidecar_runtime.image.limits import Origin
+for name, value in (a.split("=") for a in sys.argv[2:]):  # the bounds, lowered by a test
+    setattr(checks, name, float(value) if "TIMEOUT" in name else int(value))
+try:
+    checks.check_image(Path(sys.argv[1]), "qcow2", Origin("the flashed image", "flash the result"))
+    print("passed")
+except ImageError as e:
+    print("refused", e.code, e.message.replace("\\n", " "))
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB: the largest qemu-img it ran
+"""
+
+
+def _check_in_a_child(disk: Path, *bounds: str) -> tuple[str, int]:
+    """:func:`check_image` of ``disk`` in a process of its own: its verdict, and the peak memory of
+    the qemu-img it ran (MiB)."""
+    out = subprocess.run([sys.executable, "-c", _CHECK_AND_PEAK, str(disk), *bounds],
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2, out
+    return lines[0], int(lines[1]) // 1024
+
+
+def _sparse_qcow2(path: Path, options: str) -> Path:
+    """A 60 GiB qcow2 whose *file* is 60 GiB long too (sparse: a few MiB on the host, a few KiB
+    compressed): qemu-img check sizes its refcount array by the file."""
+    _qemu_img("create", "-q", "-f", "qcow2", "-o", options, str(path), "60G")
+    os.truncate(path, 60 << 30)
+    return path
+
+
+def test_a_qcow2_whose_check_would_take_a_gigabyte_is_refused_before_qemu_img_checks_it(tmp_path: Path) -> None:
+    """``qemu-img check`` keeps one refcount per cluster of the file: 512-byte clusters with 64-bit
+    refcounts over a 60 GiB file made it allocate 1 GiB (RSS 1,021 MB in 1.5 s) on every pull,
+    flash or ``file:`` boot of the image, in the runtime's memory budget, for a disk that is a few
+    KiB compressed."""
+    disk = _sparse_qcow2(tmp_path / "greedy.qcow2", "cluster_size=512,refcount_bits=64")
+    verdict, peak_mib = _check_in_a_child(disk)
+    assert verdict.startswith("refused unsafe_disk"), verdict
+    assert "60 GiB file in 512-byte clusters with 64-bit refcounts" in verdict, verdict
+    assert "would take 960 MiB of memory, more than 256 MiB" in verdict, verdict
+    assert "qemu-img convert -O qcow2 IN OUT" in verdict and "flash the result" in verdict, verdict
+    assert peak_mib < 200, f"a qemu-img of {peak_mib} MiB ran"
+    # the same geometry over a file of ordinary length passes: the refusal is the memory, not the options
+    small = tmp_path / "small.qcow2"
+    _qemu_img("create", "-q", "-f", "qcow2", "-o", "cluster_size=512,refcount_bits=64", str(small), "60G")
+    assert _check_in_a_child(small)[0] == "passed"
+
+
+def test_qemu_img_is_held_to_a_memory_and_a_time_bound_whatever_the_image(tmp_path: Path) -> None:
+    """What the header does not tell: every qemu-img run on an image runs with the kernel holding its
+    memory (RLIMIT_DATA) and the runtime its time. Both bounds lowered here so that a real image
+    (16-bit refcounts: a 240 MiB array, under the refusal above) meets them for real."""
+    disk = _sparse_qcow2(tmp_path / "hungry.qcow2", "cluster_size=512")
+    verdict, peak_mib = _check_in_a_child(disk, f"QEMU_IMG_MEMORY={96 << 20}")
+    assert verdict.startswith("refused unsafe_disk"), verdict
+    assert "qemu-img check needed more than 96 MiB of memory" in verdict, verdict
+    assert "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
+    assert peak_mib < 200, f"a qemu-img of {peak_mib} MiB ran"
+    verdict, _ = _check_in_a_child(disk, "QEMU_IMG_TIMEOUT=0.001")
+    assert verdict.startswith("refused unsafe_disk"), verdict
+    assert "did not finish within 0.001 s" in verdict and "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
+    assert _check_in_a_child(disk)[0] == "passed"  # the runtime's own bounds let an honest odd disk pass

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import struct
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_runtime import procs
 
-from .limits import DEFAULT_LIMITS, KIB, Limits, Origin, human_size
+from .limits import DEFAULT_LIMITS, KIB, MIB, Limits, Origin, human_size
 from .sniff import QCOW2_MAGIC, SNIFF_BYTES, DiskFormat, refuse_disguised_raw
 
 #: qcow2 v3 incompatible feature bit 2: the guest's data lives in another file the header names
@@ -31,6 +33,20 @@ _QCOW2_V2_HEADER = 72
 _QCOW2_V3_HEADER = 104
 #: the header, its extensions and (where qemu-img writes it) the backing file name fit in here
 _QCOW2_HEAD = 64 * KIB
+_QCOW2_MIN_CLUSTER_BITS, _QCOW2_MAX_CLUSTER_BITS = 9, 21  # what QEMU opens
+_QCOW2_V2_REFCOUNT_ORDER = 4  # 16-bit refcounts, the only width before v3
+
+#: ``qemu-img check`` holds one refcount per cluster of the *file* in memory: a header can ask for
+#: 512-byte clusters with 64-bit refcounts, and a sparse file 60 GiB long then costs 1 GiB (a few KiB
+#: compressed). Refused before qemu-img runs above this; a real 64 GiB disk with the default 64 KiB
+#: clusters needs 2 MiB, one with 512-byte clusters and 16-bit refcounts 256 MiB.
+MAX_CHECK_REFCOUNT_MEMORY = 256 * MIB
+#: the memory every qemu-img run on an image may take (heap and mappings: RLIMIT_DATA, set by the
+#: kernel through ``prlimit``), for whatever else in an image's metadata the header does not tell;
+#: the check above plus qemu-img's 32 MiB of metadata caches fit
+QEMU_IMG_MEMORY = 512 * MIB
+#: and the time: qemu-img reads only metadata, a second or two for a 64 GiB disk
+QEMU_IMG_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,8 @@ class Qcow2Header:
     data_file: str | None
     backing_offset: int = 0
     backing_size: int = 0
+    cluster_bits: int = 16
+    refcount_order: int = _QCOW2_V2_REFCOUNT_ORDER
 
 
 def parse_qcow2_header(data: bytes, origin: Origin) -> Qcow2Header:
@@ -58,6 +76,7 @@ def parse_qcow2_header(data: bytes, origin: Origin) -> Qcow2Header:
     if len(data) < _QCOW2_V2_HEADER:
         raise _too_short(origin)
     version, backing_offset, backing_size = struct.unpack_from(">IQI", data, 4)
+    (cluster_bits,) = struct.unpack_from(">I", data, 20)
     (virtual_size,) = struct.unpack_from(">Q", data, 24)
     if version not in (2, 3):
         raise ImageError(
@@ -70,15 +89,18 @@ def parse_qcow2_header(data: bytes, origin: Origin) -> Qcow2Header:
         end = backing_offset + backing_size
         backing = _printable(data[backing_offset:end]) if end <= len(data) else ""
     data_file: str | None = None
+    refcount_order = _QCOW2_V2_REFCOUNT_ORDER
     if version == 3:
         if len(data) < _QCOW2_V3_HEADER:
             raise _too_short(origin)
         (incompatible,) = struct.unpack_from(">Q", data, 72)
+        (refcount_order,) = struct.unpack_from(">I", data, 96)
         if incompatible & QCOW2_EXTERNAL_DATA_FILE:
             (header_length,) = struct.unpack_from(">I", data, 100)
             name = _extension(data, max(header_length, _QCOW2_V3_HEADER), _QCOW2_DATA_FILE_EXTENSION)
             data_file = _printable(name) if name is not None else ""
-    return Qcow2Header(version, virtual_size, backing, data_file, backing_offset, backing_size)
+    return Qcow2Header(version, virtual_size, backing, data_file, backing_offset, backing_size, cluster_bits,
+                       refcount_order)
 
 
 def check_qcow2_header(header: Qcow2Header, origin: Origin, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -111,8 +133,28 @@ def check_virtual_size(size: int, origin: Origin, limits: Limits = DEFAULT_LIMIT
         )
 
 
+def check_refcount_memory(header: Qcow2Header, file_size: int, origin: Origin) -> None:
+    """Refuse a qcow2 whose ``qemu-img check`` would hold more than :data:`MAX_CHECK_REFCOUNT_MEMORY`
+    of refcounts (one per cluster of the file, of the header's width).
+
+    :raise ImageError: (code ``unsafe_disk``) naming the geometry, the memory and the fix.
+    """
+    if not _QCOW2_MIN_CLUSTER_BITS <= header.cluster_bits <= _QCOW2_MAX_CLUSTER_BITS or header.refcount_order > 6:
+        return  # QEMU refuses such a header itself: qemu-img info says why
+    clusters = -(-file_size >> header.cluster_bits)
+    need = clusters * (1 << header.refcount_order) // 8
+    if need > MAX_CHECK_REFCOUNT_MEMORY:
+        raise ImageError(
+            f"{origin.what} is a {human_size(file_size)} file in {1 << header.cluster_bits}-byte clusters with "
+            f"{1 << header.refcount_order}-bit refcounts: checking it would take {human_size(need)} of memory, "
+            f"more than {human_size(MAX_CHECK_REFCOUNT_MEMORY)}; rewrite it with the default geometry "
+            f"(`qemu-img convert -O qcow2 IN OUT`: 64 KiB clusters, 16-bit refcounts) and {origin.resend}",
+            code="unsafe_disk",
+        )
+
+
 #: bump when :func:`check_image` refuses something it passed before: every cache entry is checked again
-CHECKS_VERSION = 1
+CHECKS_VERSION = 2
 
 
 def verdict(fmt: DiskFormat | str, limits: Limits = DEFAULT_LIMITS) -> str:
@@ -151,6 +193,7 @@ def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limit
             f.seek(header.backing_offset)
             header = dataclasses.replace(header, backing_file=_printable(f.read(min(header.backing_size, 4096))))
     check_qcow2_header(header, origin, limits)
+    check_refcount_memory(header, size, origin)
     # The header is the format's own word; qemu-img's reading of it is the one QEMU will act on.
     info = _qemu_img_info(path, origin)
     backing = info.get("full-backing-filename") or info.get("backing-filename")
@@ -164,7 +207,7 @@ def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limit
     virtual_size = info.get("virtual-size")
     if isinstance(virtual_size, int):
         check_virtual_size(virtual_size, origin, limits)
-    rc, out, err = _qemu_img("check", "-f", "qcow2", "--output=json", str(path))
+    rc, out, err = _qemu_img("check", "-f", "qcow2", "--output=json", str(path), origin=origin)
     # rc 3 = only leaked clusters: wasted space, harmless for a read-only base
     if rc not in (0, 3):
         raise _corrupt(origin, _check_detail(rc, out, err))
@@ -176,7 +219,7 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
     :raise ImageError: (code ``bad_disk``) when qemu-img cannot read it.
     :raise HostError: when qemu-img is not installed.
     """
-    rc, out, err = _qemu_img("info", "-f", "qcow2", "--output=json", str(path))
+    rc, out, err = _qemu_img("info", "-f", "qcow2", "--output=json", str(path), origin=origin)
     if rc != 0:
         raise _corrupt(origin, _last_line(err or out) or f"qemu-img info rc {rc}")
     try:
@@ -188,15 +231,36 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
     return info
 
 
-def _qemu_img(*args: str) -> tuple[int, str, str]:
-    """Run qemu-img (blocking).
+def _qemu_img(*args: str, origin: Origin) -> tuple[int, str, str]:
+    """Run qemu-img (blocking) on an image, held to :data:`QEMU_IMG_MEMORY` and :data:`QEMU_IMG_TIMEOUT`.
 
-    :raise HostError: when it is not installed.
+    :raise ImageError: (code ``unsafe_disk``) when qemu-img ran out of either.
+    :raise HostError: when qemu-img or prlimit is not installed.
     """
+    qemu_img, prlimit = shutil.which("qemu-img"), shutil.which("prlimit")
+    if qemu_img is None:
+        raise HostError("qemu-img is not installed; install qemu-utils")
+    if prlimit is None:
+        raise HostError("prlimit is not installed; install util-linux")
     try:
-        return procs.run("qemu-img", *args)
-    except FileNotFoundError:
-        raise HostError("qemu-img is not installed; install qemu-utils") from None
+        rc, out, err = procs.run(prlimit, f"--data={QEMU_IMG_MEMORY}", "--", qemu_img, *args,
+                                 timeout=QEMU_IMG_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise _exhausting(origin, f"qemu-img {args[0]} did not finish within {QEMU_IMG_TIMEOUT:g} s") from None
+    if rc != 0 and any(m in err for m in _OUT_OF_MEMORY):
+        raise _exhausting(origin, f"qemu-img {args[0]} needed more than {human_size(QEMU_IMG_MEMORY)} of memory "
+                                  f"({_last_line(err)})")
+    return rc, out, err
+
+
+#: how qemu-img (its errno text, its own messages, GLib's abort) says that an allocation failed
+_OUT_OF_MEMORY = ("Cannot allocate memory", "Could not allocate", "failed to allocate")
+
+
+def _exhausting(origin: Origin, what: str) -> ImageError:
+    """The refusal of an image whose metadata takes qemu-img past its bounds."""
+    return ImageError(f"{origin.what} has metadata built to exhaust the host: {what}; rewrite it with "
+                      f"`qemu-img convert -O qcow2 IN OUT` and {origin.resend}", code="unsafe_disk")
 
 
 def _check_detail(rc: int, out: str, err: str) -> str:
