@@ -589,7 +589,9 @@ def _sparse_qcow2(path: Path, options: str) -> Path:
     return path
 
 
-def test_a_qcow2_whose_check_would_take_a_gigabyte_is_refused_before_qemu_img_checks_it(tmp_path: Path) -> None:
+def test_a_qcow2_whose_check_would_take_a_gigabyte_is_refused_before_qemu_img_checks_it(
+    tmp_path: Path,
+) -> None:
     """``qemu-img check`` keeps one refcount per cluster of the file: 512-byte clusters with 64-bit
     refcounts over a 60 GiB file made it allocate 1 GiB (RSS 1,021 MB in 1.5 s) on every pull,
     flash or ``file:`` boot of the image, in the runtime's memory budget, for a disk that is a few
@@ -619,5 +621,50 @@ def test_qemu_img_is_held_to_a_memory_and_a_time_bound_whatever_the_image(tmp_pa
     assert peak_mib < 200, f"a qemu-img of {peak_mib} MiB ran"
     verdict, _ = _check_in_a_child(disk, "QEMU_IMG_TIMEOUT=0.001")
     assert verdict.startswith("refused unsafe_disk"), verdict
-    assert "did not finish within 0.001 s" in verdict and "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
+    assert "did not finish within 0.001 s" in verdict, verdict
+    assert "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
     assert _check_in_a_child(disk)[0] == "passed"  # the runtime's own bounds let an honest odd disk pass
+
+
+def _leaky_qcow2(path: Path, cluster_bits: int, file_size: int) -> Path:
+    """A qcow2 whose refcounts say every cluster of a ``file_size``-long file is in use while nothing
+    references them (every refcount table entry names one refcount block full of 1s; the file a
+    sparse tail): ``qemu-img check`` prints a "Leaked cluster" line for each."""
+    import struct
+
+    cluster = 1 << cluster_bits
+    _qemu_img("create", "-q", "-f", "qcow2", "-o", f"cluster_size={cluster}", str(path), "1G")
+    with open(path, "r+b") as f:
+        (reftable_offset,) = struct.unpack_from(">Q", f.read(104), 48)
+        f.seek(reftable_offset)
+        (refblock,) = struct.unpack(">Q", f.read(8))
+        f.seek(refblock)
+        f.write(struct.pack(">H", 1) * (cluster // 2))
+        table = struct.pack(">Q", refblock) * -(-(file_size // cluster) // (cluster // 2))
+        offset = -(-os.fstat(f.fileno()).st_size // cluster) * cluster
+        f.seek(offset)
+        f.write(table)
+        f.seek(48)
+        f.write(struct.pack(">QI", offset, -(-len(table) // cluster)))
+    os.truncate(path, file_size)
+    return path
+
+
+_CHECK_AND_OWN_PEAK = _CHECK_AND_PEAK.replace(
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)",
+    'print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))')
+
+
+def test_what_qemu_img_prints_about_a_disk_is_read_bounded(tmp_path: Path) -> None:
+    """``qemu-img check`` prints a line per cluster whose refcount is off: a crafted qcow2 of 4 KiB
+    clusters over a 16 GiB file (a few KB compressed) made it print 4 million lines, and the runtime,
+    reading them whole (``communicate``), held them twice (bytes and text)."""
+    disk = _leaky_qcow2(tmp_path / "leaky.qcow2", 12, 16 << 30)
+    out = subprocess.run([sys.executable, "-c", _CHECK_AND_OWN_PEAK, str(disk)],
+                         capture_output=True, text=True, timeout=200)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 2, out
+    verdict, peak_mib = lines[0], int(lines[1]) // 1024
+    assert verdict.startswith("refused bad_disk"), verdict
+    assert "corrupt qcow2 (2048 corruptions, 4194297 leaks)" in verdict, verdict
+    assert peak_mib < 150, f"the checking process peaked at {peak_mib} MiB"

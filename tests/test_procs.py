@@ -148,3 +148,22 @@ def test_the_pid_1_reaper_never_takes_a_child_of_ours_that_exits_before_it_is_re
     procs.reap_orphans()
     with pytest.raises(ChildProcessError):
         os.waitpid(orphan.pid, os.WNOHANG)  # already reaped: the reaper still does its job
+
+
+def test_a_helper_that_prints_without_end_is_killed_and_its_stderr_kept_to_its_tail() -> None:
+    """``run`` reads a helper's output as it comes: stdout past its bound kills the helper
+    (``OutputTooLarge``), of stderr only the last bytes are kept (``qemu-img check`` prints a line per
+    bad cluster: millions for a crafted disk), and either way nothing of it is left running."""
+    before = set(procs.OWN)
+    started = time.monotonic()
+    with pytest.raises(procs.OutputTooLarge) as exc:
+        procs.run("yes", max_output=1 << 16)  # prints for ever
+    assert exc.value.limit == 1 << 16 and "yes printed more than 65536 bytes" in str(exc.value)
+    assert time.monotonic() - started < 10 and not procs.OWN - before
+    chatty = "seq 1 200000 >&2; echo last words >&2; echo answer"
+    rc, out, err = procs.run("sh", "-c", chatty, max_output=1000)
+    assert (rc, out) == (0, "answer\n")
+    assert err.endswith("199999\n200000\nlast words\n") and len(err) == 1000, (len(err), err[:40])
+    with pytest.raises(subprocess.TimeoutExpired):
+        procs.run("sleep", "30", timeout=0.5)
+    assert not procs.OWN - before

@@ -41,9 +41,10 @@ async def test_corrupt_qcow2_is_refused(start_runtime: Any, tiny_image: Any, tmp
 
 
 async def test_missing_qemu_binary_names_the_package(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"  # a PATH with qemu-img but no QEMU system emulator
+    bin_dir = tmp_path / "bin"  # qemu-img (and prlimit, which bounds it) but no QEMU system emulator
     bin_dir.mkdir()
-    os.symlink(shutil.which("qemu-img"), bin_dir / "qemu-img")
+    for tool in ("qemu-img", "prlimit"):
+        os.symlink(shutil.which(tool), bin_dir / tool)  # type: ignore[arg-type]
     rt = await start_runtime({"image": f"file:{tiny_image.disk}"}, env={"PATH": str(bin_dir)})
     state = await wait_phase(rt.client(), "Error", timeout=60)
     assert "qemu-system-x86_64 is not installed" in state.last_error["message"]

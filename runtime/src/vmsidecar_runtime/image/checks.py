@@ -139,14 +139,14 @@ def check_refcount_memory(header: Qcow2Header, file_size: int, origin: Origin) -
 
     :raise ImageError: (code ``unsafe_disk``) naming the geometry, the memory and the fix.
     """
-    if not _QCOW2_MIN_CLUSTER_BITS <= header.cluster_bits <= _QCOW2_MAX_CLUSTER_BITS or header.refcount_order > 6:
+    bits, order = header.cluster_bits, header.refcount_order
+    if not _QCOW2_MIN_CLUSTER_BITS <= bits <= _QCOW2_MAX_CLUSTER_BITS or order > 6:
         return  # QEMU refuses such a header itself: qemu-img info says why
-    clusters = -(-file_size >> header.cluster_bits)
-    need = clusters * (1 << header.refcount_order) // 8
+    need = -(-file_size >> bits) * (1 << order) // 8
     if need > MAX_CHECK_REFCOUNT_MEMORY:
         raise ImageError(
-            f"{origin.what} is a {human_size(file_size)} file in {1 << header.cluster_bits}-byte clusters with "
-            f"{1 << header.refcount_order}-bit refcounts: checking it would take {human_size(need)} of memory, "
+            f"{origin.what} is a {human_size(file_size)} file in {1 << bits}-byte clusters with "
+            f"{1 << order}-bit refcounts: checking it would take {human_size(need)} of memory, "
             f"more than {human_size(MAX_CHECK_REFCOUNT_MEMORY)}; rewrite it with the default geometry "
             f"(`qemu-img convert -O qcow2 IN OUT`: 64 KiB clusters, 16-bit refcounts) and {origin.resend}",
             code="unsafe_disk",
@@ -232,9 +232,10 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
 
 
 def _qemu_img(*args: str, origin: Origin) -> tuple[int, str, str]:
-    """Run qemu-img (blocking) on an image, held to :data:`QEMU_IMG_MEMORY` and :data:`QEMU_IMG_TIMEOUT`.
+    """Run qemu-img (blocking) on an image, held to :data:`QEMU_IMG_MEMORY` and :data:`QEMU_IMG_TIMEOUT`
+    (and :func:`procs.run`'s bound on what it prints).
 
-    :raise ImageError: (code ``unsafe_disk``) when qemu-img ran out of either.
+    :raise ImageError: (code ``unsafe_disk``) when qemu-img ran out of any of them.
     :raise HostError: when qemu-img or prlimit is not installed.
     """
     qemu_img, prlimit = shutil.which("qemu-img"), shutil.which("prlimit")
@@ -242,13 +243,16 @@ def _qemu_img(*args: str, origin: Origin) -> tuple[int, str, str]:
         raise HostError("qemu-img is not installed; install qemu-utils")
     if prlimit is None:
         raise HostError("prlimit is not installed; install util-linux")
+    tool = f"qemu-img {args[0]}"
     try:
         rc, out, err = procs.run(prlimit, f"--data={QEMU_IMG_MEMORY}", "--", qemu_img, *args,
                                  timeout=QEMU_IMG_TIMEOUT)
     except subprocess.TimeoutExpired:
-        raise _exhausting(origin, f"qemu-img {args[0]} did not finish within {QEMU_IMG_TIMEOUT:g} s") from None
+        raise _exhausting(origin, f"{tool} did not finish within {QEMU_IMG_TIMEOUT:g} s") from None
+    except procs.OutputTooLarge as e:  # a snapshot or bitmap table of tens of thousands of entries
+        raise _exhausting(origin, f"{tool} printed more than {human_size(e.limit)} about it") from None
     if rc != 0 and any(m in err for m in _OUT_OF_MEMORY):
-        raise _exhausting(origin, f"qemu-img {args[0]} needed more than {human_size(QEMU_IMG_MEMORY)} of memory "
+        raise _exhausting(origin, f"{tool} needed more than {human_size(QEMU_IMG_MEMORY)} of memory "
                                   f"({_last_line(err)})")
     return rc, out, err
 
@@ -264,9 +268,8 @@ def _exhausting(origin: Origin, what: str) -> ImageError:
 
 
 def _check_detail(rc: int, out: str, err: str) -> str:
-    """One line from ``qemu-img check``: its error, else the counts from its JSON report."""
-    if err.strip():
-        return _last_line(err)
+    """One line from ``qemu-img check``: the counts of its JSON report, else its error (stderr's last
+    line would be one of possibly millions of per-cluster lines)."""
     try:
         report = json.loads(out)
     except ValueError:
@@ -275,7 +278,7 @@ def _check_detail(rc: int, out: str, err: str) -> str:
         counts = [f"{report[k]} {k}" for k in ("corruptions", "leaks", "check-errors") if report.get(k)]
         if counts:
             return ", ".join(counts)
-    return _last_line(out) or f"qemu-img check rc {rc}"
+    return _last_line(err) or _last_line(out) or f"qemu-img check rc {rc}"
 
 
 def _last_line(text: str) -> str:
