@@ -668,3 +668,43 @@ def test_what_qemu_img_prints_about_a_disk_is_read_bounded(tmp_path: Path) -> No
     assert verdict.startswith("refused bad_disk"), verdict
     assert "corrupt qcow2 (2048 corruptions, 4194297 leaks)" in verdict, verdict
     assert peak_mib < 150, f"the checking process peaked at {peak_mib} MiB"
+
+
+def _many_snapshots(path: Path, count: int) -> Path:
+    """A qcow2 of ``count`` internal snapshots: one made by qemu-img, its table entry repeated."""
+    import struct
+
+    _qemu_img("create", "-q", "-f", "qcow2", str(path), "1G")
+    _qemu_img("snapshot", "-c", "s", str(path))
+    with open(path, "r+b") as f:
+        nb, offset = struct.unpack_from(">IQ", f.read(72), 60)
+        assert nb == 1
+        f.seek(offset)
+        fixed = f.read(40)
+        extra = f.read(struct.unpack_from(">I", fixed, 36)[0])
+        entries = bytearray()
+        for i in range(count):
+            ident, name = str(i + 1).encode(), f"s{i}".encode()
+            entry = bytearray(fixed)
+            struct.pack_into(">HH", entry, 12, len(ident), len(name))
+            entry += extra + ident + name
+            entries += entry + bytes(-len(entry) % 8)
+        table = -(-os.fstat(f.fileno()).st_size // 65536) * 65536
+        f.seek(table)
+        f.write(entries)
+        f.seek(60)
+        f.write(struct.pack(">IQ", count, table))
+    return path
+
+
+def test_a_qcow2_that_makes_qemu_img_print_megabytes_is_refused_for_it(tmp_path: Path) -> None:
+    """10,000 internal snapshots (a 1.2 MB file; QEMU takes up to 65,536) make ``qemu-img info``
+    print 2.7 MB of JSON: the runtime reads 1 MiB of it, stops qemu-img and says why."""
+    verdict, _ = _check_in_a_child(_many_snapshots(tmp_path / "snapshots.qcow2", 10_000))
+    assert verdict.startswith("refused unsafe_disk"), verdict
+    assert "qemu-img info printed more than 1 MiB about it" in verdict, verdict
+    few = tmp_path / "few.qcow2"  # an honest disk with internal snapshots passes
+    _qemu_img("create", "-q", "-f", "qcow2", str(few), "1G")
+    for name in ("a", "b", "c"):
+        _qemu_img("snapshot", "-c", name, str(few))
+    assert _check_in_a_child(few)[0] == "passed"
