@@ -166,4 +166,8 @@ def test_a_helper_that_prints_without_end_is_killed_and_its_stderr_kept_to_its_t
     assert err.endswith("199999\n200000\nlast words\n") and len(err) == 1000, (len(err), err[:40])
     with pytest.raises(subprocess.TimeoutExpired):
         procs.run("sleep", "30", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):  # its pipes closed, still running: the same deadline
+        procs.run("sh", "-c", "exec sleep 30 >/dev/null 2>&1", timeout=0.5)
+    assert time.monotonic() - started < 10
     assert not procs.OWN - before

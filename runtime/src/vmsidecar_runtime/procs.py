@@ -160,9 +160,11 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT) 
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=child_env())
         OWN.add(proc.pid)
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         out, err = _read_bounded(proc, timeout, max_output)
-        proc.wait()
+        # its pipes closed, it may still run (a daemon's fork, say): the same deadline
+        proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except BaseException:
         proc.kill()
         proc.wait()
@@ -176,7 +178,8 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT) 
 
 
 def _read_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -> tuple[bytes, bytes]:
-    """Both pipes of ``proc`` to their end: all of stdout (at most ``limit`` bytes), the tail of stderr."""
+    """Both pipes of ``proc`` to their end (within ``timeout`` seconds): all of stdout (at most
+    ``limit`` bytes), the tail of stderr."""
     assert proc.stdout is not None and proc.stderr is not None
     deadline = None if timeout is None else time.monotonic() + timeout
     out = bytearray()
