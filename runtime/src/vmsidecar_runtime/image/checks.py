@@ -207,7 +207,7 @@ def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limit
     virtual_size = info.get("virtual-size")
     if isinstance(virtual_size, int):
         check_virtual_size(virtual_size, origin, limits)
-    rc, out, err = _qemu_img("check", "-f", "qcow2", "--output=json", str(path), origin=origin)
+    rc, out, err = run_qemu_img("check", "-f", "qcow2", "--output=json", str(path), origin=origin)
     # rc 3 = only leaked clusters: wasted space, harmless for a read-only base
     if rc not in (0, 3):
         raise _corrupt(origin, _check_detail(rc, out, err))
@@ -219,7 +219,7 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
     :raise ImageError: (code ``bad_disk``) when qemu-img cannot read it.
     :raise HostError: when qemu-img is not installed.
     """
-    rc, out, err = _qemu_img("info", "-f", "qcow2", "--output=json", str(path), origin=origin)
+    rc, out, err = run_qemu_img("info", "-f", "qcow2", "--output=json", str(path), origin=origin)
     if rc != 0:
         raise _corrupt(origin, _last_line(err or out) or f"qemu-img info rc {rc}")
     try:
@@ -231,9 +231,9 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
     return info
 
 
-def _qemu_img(*args: str, origin: Origin) -> tuple[int, str, str]:
-    """Run qemu-img (blocking) on an image, held to :data:`QEMU_IMG_MEMORY` and :data:`QEMU_IMG_TIMEOUT`
-    (and :func:`procs.run`'s bound on what it prints).
+def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None) -> tuple[int, str, str]:
+    """Run qemu-img (blocking) on an image the runtime did not make, held to :data:`QEMU_IMG_MEMORY`,
+    ``timeout`` (default :data:`QEMU_IMG_TIMEOUT`) and :func:`procs.run`'s bound on what it prints.
 
     :raise ImageError: (code ``unsafe_disk``) when qemu-img ran out of any of them.
     :raise HostError: when qemu-img or prlimit is not installed.
@@ -243,12 +243,12 @@ def _qemu_img(*args: str, origin: Origin) -> tuple[int, str, str]:
         raise HostError("qemu-img is not installed; install qemu-utils")
     if prlimit is None:
         raise HostError("prlimit is not installed; install util-linux")
-    tool = f"qemu-img {args[0]}"
+    tool, timeout = f"qemu-img {args[0]}", QEMU_IMG_TIMEOUT if timeout is None else timeout
     try:
         rc, out, err = procs.run(prlimit, f"--data={QEMU_IMG_MEMORY}", "--", qemu_img, *args,
-                                 timeout=QEMU_IMG_TIMEOUT)
+                                 timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise _exhausting(origin, f"{tool} did not finish within {QEMU_IMG_TIMEOUT:g} s") from None
+        raise _exhausting(origin, f"{tool} did not finish within {timeout:g} s") from None
     except procs.OutputTooLarge as e:  # a snapshot or bitmap table of tens of thousands of entries
         raise _exhausting(origin, f"{tool} printed more than {human_size(e.limit)} about it") from None
     if rc != 0 and any(m in err for m in _OUT_OF_MEMORY):

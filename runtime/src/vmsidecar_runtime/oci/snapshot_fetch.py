@@ -23,18 +23,22 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vmsidecar_contract.errors import DigestMismatchError, ImageError, RegistryError, VmsidecarError
+from vmsidecar_contract.errors import (
+    DigestMismatchError,
+    HostError,
+    ImageError,
+    RegistryError,
+    VmsidecarError,
+)
 
-from .. import procs
 from ..disk import DiskImage
-from ..image.checks import check_virtual_size, parse_qcow2_header
+from ..image.checks import check_virtual_size, parse_qcow2_header, run_qemu_img
 from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC
@@ -407,10 +411,14 @@ def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits
         check_virtual_size(header.virtual_size, origin, limits)
     except ImageError as e:
         raise SourceRefused("too_large", e.message) from None
-    qemu_img = shutil.which("qemu-img") or "qemu-img"
     # -u: only the header's backing name changes; the image is never opened through the old name
-    rc, _, err = procs.run(qemu_img, "rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
-                           str(staged.disk), timeout=60)
+    try:
+        rc, _, err = run_qemu_img("rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
+                                  str(staged.disk), origin=origin, timeout=60)
+    except ImageError as e:  # it took qemu-img past a bound
+        raise SourceRefused("bad_artifact", e.message) from None
+    except HostError as e:
+        raise SourceRefused("host_error", e.message) from None
     if rc != 0:
         raise SourceRefused("bad_artifact", f"{origin.what} cannot be rebased onto {base.path} "
                             f"({err.strip()[:200]}); {RESEND}")
