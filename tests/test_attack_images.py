@@ -10,6 +10,8 @@ refused with a message naming the cause and the fix, and that the previous disk 
 * The disk size limit is a runtime setting (64 GiB by default); zstd windows and xz
   dictionaries are capped, so a few bytes cannot make the runtime allocate gigabytes.
 * Manifests, indexes and configs nested 100000 deep are a ``bad_manifest``, never a 500.
+* A qcow2 built to make qemu-img take a gigabyte, print gigabytes or run for ever is refused,
+  and qemu-img itself runs bounded (security.md, row 26).
 
 No guest is booted except in the argv test (the tiny guest, only until QEMU runs).
 """
