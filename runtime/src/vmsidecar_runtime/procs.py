@@ -82,6 +82,15 @@ def _setpriv() -> str:
     return path
 
 
+@functools.cache
+def _prlimit() -> str:
+    path = shutil.which("prlimit")
+    if path is None:
+        raise HostError("prlimit is not installed; apt-get install util-linux (the runtime holds qemu-img "
+                        "to a memory bound through `prlimit --data` while it reads an image)")
+    return path
+
+
 def die_with_parent_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
     """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies."""
     return (_setpriv(), *DEATH_SIGNAL, *argv)
@@ -125,6 +134,9 @@ def inherited_path(fd: int) -> Path:
     return Path(f"/proc/self/fd/{fd}")
 
 
+#: the stack of a helper held to ``max_memory``, and of each of its threads (QEMU runs its block
+#: layer's work on coroutines with stacks of their own)
+THREAD_STACK = 2 << 20
 #: what :func:`run` keeps of a helper's output by default: far more than the helpers print about an
 #: honest input, far less than a hostile one can make them print (below)
 MAX_OUTPUT = 1 << 20
@@ -138,9 +150,15 @@ class OutputTooLarge(Exception):
         self.program, self.limit = program, limit
 
 
-def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT) -> tuple[int, str, str]:
+def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
+        max_memory: int | None = None) -> tuple[int, str, str]:
     """Run a helper program to completion from a worker thread: ``(rc, stdout, stderr)``; past
-    ``timeout`` seconds it is killed.
+    ``timeout`` seconds it is killed. ``max_memory``: the bytes of heap and private mappings the
+    kernel lets it take (RLIMIT_DATA, through util-linux's ``prlimit``, which sets the limit on
+    itself and execs the program in place, like setpriv: no Python between fork and exec). Thread
+    stacks are such mappings, 8 MiB each by default (qemu-img's I/O pool grows to 64 threads under
+    load: 512 MiB, which failed an honest check in a CI run): with ``max_memory`` the default stack
+    is :data:`THREAD_STACK` (RLIMIT_STACK, which glibc takes as the threads' default).
 
     Its output is read as it comes, never whole: ``qemu-img check`` prints a line per cluster whose
     refcount is off, and a crafted qcow2 of a few KB makes that gigabytes (``subprocess``'s
@@ -153,16 +171,20 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT) 
     The child gets :func:`child_env`.
 
     :raise FileNotFoundError: when the program is not installed.
+    :raise HostError: ``max_memory`` asked for and prlimit is not installed.
     :raise subprocess.TimeoutExpired: past ``timeout`` (the program killed and reaped).
     :raise OutputTooLarge: past ``max_output`` bytes of stdout (the program killed and reaped).
     """
+    program = os.path.basename(argv[0])
+    if max_memory is not None:
+        argv = (_prlimit(), f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
     with _starting_child():
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=child_env())
         OWN.add(proc.pid)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        out, err = _read_bounded(proc, timeout, max_output)
+        out, err = _read_bounded(proc, timeout, max_output, program)
         # its pipes closed, it may still run (a daemon's fork, say): the same deadline
         proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except BaseException:
@@ -177,7 +199,8 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT) 
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
-def _read_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: int) -> tuple[bytes, bytes]:
+def _read_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: int,
+                  program: str) -> tuple[bytes, bytes]:
     """Both pipes of ``proc`` to their end (within ``timeout`` seconds): all of stdout (at most
     ``limit`` bytes), the tail of stderr."""
     assert proc.stdout is not None and proc.stderr is not None
@@ -199,7 +222,7 @@ def _read_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: i
                 elif key.fileobj is proc.stdout:
                     out += chunk
                     if len(out) > limit:
-                        raise OutputTooLarge(os.path.basename(str(proc.args[0])), limit)
+                        raise OutputTooLarge(program, limit)
                 else:
                     err.append(chunk)
                     err_size += len(chunk)

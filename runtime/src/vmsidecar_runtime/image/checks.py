@@ -43,8 +43,9 @@ _QCOW2_V2_REFCOUNT_ORDER = 4  # 16-bit refcounts, the only width before v3
 MAX_CHECK_REFCOUNT_MEMORY = 256 * MIB
 #: the memory every qemu-img run on an image may take (heap and mappings: RLIMIT_DATA, set by the
 #: kernel through ``prlimit``), for whatever else in an image's metadata the header does not tell;
-#: the check above plus qemu-img's 32 MiB of metadata caches fit
-QEMU_IMG_MEMORY = 512 * MIB
+#: the check above, qemu-img's metadata caches (32 MiB), its L1 table (up to 32 MiB) and its 64 I/O
+#: threads' stacks (2 MiB each, ``procs.THREAD_STACK``) fit with room
+QEMU_IMG_MEMORY = 768 * MIB
 #: and the time: qemu-img reads only metadata, a second or two for a 64 GiB disk
 QEMU_IMG_TIMEOUT = 300.0
 
@@ -238,15 +239,12 @@ def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None) -> tu
     :raise ImageError: (code ``unsafe_disk``) when qemu-img ran out of any of them.
     :raise HostError: when qemu-img or prlimit is not installed.
     """
-    qemu_img, prlimit = shutil.which("qemu-img"), shutil.which("prlimit")
+    qemu_img = shutil.which("qemu-img")  # prlimit execs whatever it is given: a missing one is named here
     if qemu_img is None:
         raise HostError("qemu-img is not installed; install qemu-utils")
-    if prlimit is None:
-        raise HostError("prlimit is not installed; install util-linux")
     tool, timeout = f"qemu-img {args[0]}", QEMU_IMG_TIMEOUT if timeout is None else timeout
     try:
-        rc, out, err = procs.run(prlimit, f"--data={QEMU_IMG_MEMORY}", "--", qemu_img, *args,
-                                 timeout=timeout)
+        rc, out, err = procs.run(qemu_img, *args, timeout=timeout, max_memory=QEMU_IMG_MEMORY)
     except subprocess.TimeoutExpired:
         raise _exhausting(origin, f"{tool} did not finish within {timeout:g} s") from None
     except procs.OutputTooLarge as e:  # a snapshot or bitmap table of tens of thousands of entries
