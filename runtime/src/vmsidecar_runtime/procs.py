@@ -74,26 +74,18 @@ def child_env() -> dict[str, str]:
 
 
 @functools.cache
-def _setpriv() -> str:
-    path = shutil.which("setpriv")
+def _util_linux(program: str, why: str) -> str:
+    """The path of a util-linux ``program`` the runtime execs children through."""
+    path = shutil.which(program)
     if path is None:
-        raise HostError("setpriv is not installed; apt-get install util-linux (the runtime starts QEMU through "
-                        "`setpriv --pdeathsig KILL` so that no guest outlives the runtime)")
-    return path
-
-
-@functools.cache
-def _prlimit() -> str:
-    path = shutil.which("prlimit")
-    if path is None:
-        raise HostError("prlimit is not installed; apt-get install util-linux (the runtime holds qemu-img "
-                        "to a memory bound through `prlimit --data` while it reads an image)")
+        raise HostError(f"{program} is not installed; apt-get install util-linux ({why})")
     return path
 
 
 def die_with_parent_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
     """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies."""
-    return (_setpriv(), *DEATH_SIGNAL, *argv)
+    why = "the runtime starts QEMU through `setpriv --pdeathsig KILL` so that no guest outlives it"
+    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *argv)
 
 
 async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asyncio.subprocess.Process:
@@ -177,7 +169,9 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
     """
     program = os.path.basename(argv[0])
     if max_memory is not None:
-        argv = (_prlimit(), f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
+        why = "the runtime holds qemu-img to a memory bound through `prlimit --data` while it reads an image"
+        prlimit = _util_linux("prlimit", why)
+        argv = (prlimit, f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
     with _starting_child():
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=child_env())
