@@ -29,7 +29,7 @@ import sys
 import tarfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -516,7 +516,31 @@ async def test_manifests_indexes_and_configs_nested_deep_are_bad_manifests(
 #: into memory: 512 MiB of it, zstd-compressed to a few KB (the decompressed size limit is 64 GiB)
 LONG_NAME_BYTES = 512 << 20
 
-_PULL_AND_PEAK = """
+#: printed last by every program run by :func:`_in_a_child`: the program's own peak (VmHWM: ru_maxrss
+#: would count the forking pytest worker's, kept across exec) and the peak of the largest child it ran
+_PEAKS = """
+import resource
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+class ChildRun(NamedTuple):
+    verdict: str  #: the program's one line: "passed", "pulled" or "refused CODE MESSAGE"
+    own_mib: int  #: the program's own peak memory
+    child_mib: int  #: the peak of the largest process it ran (qemu-img)
+
+
+def _in_a_child(program: str, *args: str, timeout: float = 120) -> ChildRun:
+    """``program`` (which prints one verdict line) in a Python process of its own, and its peaks."""
+    out = subprocess.run([sys.executable, "-c", program + _PEAKS, *args],
+                         capture_output=True, text=True, timeout=timeout)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 3, out
+    return ChildRun(lines[0], int(lines[1]) // 1024, int(lines[2]) // 1024)
+
+
+_PULL = """
 import sys
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.oci.pull import pull
@@ -525,8 +549,6 @@ try:
     print("pulled")
 except ImageError as e:
     print("refused", e.code, e.message.replace("\\n", " "))
-# VmHWM: this program's own peak (ru_maxrss would count the forking pytest worker's, kept across exec)
-print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
 
 
@@ -545,19 +567,15 @@ def test_a_tar_header_claiming_a_huge_long_name_is_refused_before_it_is_read(tmp
     layer += compressor.flush()
     c = Crafter(layout=tmp_path / "layout")
     ref = c.tag(c.manifest([c.blob(bytes(layer), "application/vnd.oci.image.layer.v1.tar+zstd")]), "v1")
-    out = subprocess.run([sys.executable, "-c", _PULL_AND_PEAK, ref, str(tmp_path / "cache")],
-                         capture_output=True, text=True, timeout=120)
-    lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 2, out
-    peak_mib = int(lines[1]) // 1024
-    assert peak_mib < 256, f"the pull's process peaked at {peak_mib} MiB for a {len(layer)}-byte layer"
-    assert lines[0].startswith("refused") and "extended tar header" in lines[0], lines[0]
+    run = _in_a_child(_PULL, ref, str(tmp_path / "cache"))
+    assert run.own_mib < 256, f"the pull's process peaked at {run.own_mib} MiB for a {len(layer)}-byte layer"
+    assert run.verdict.startswith("refused") and "extended tar header" in run.verdict, run.verdict
 
 
 # ---- a qcow2 whose check would take the host's memory or time -------------------------------------
 
-_CHECK_AND_PEAK = """
-import resource, sys
+_CHECK = """
+import sys
 from pathlib import Path
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_runtime.image import checks
@@ -569,18 +587,13 @@ try:
     print("passed")
 except ImageError as e:
     print("refused", e.code, e.message.replace("\\n", " "))
-print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB: the largest qemu-img it ran
 """
 
 
-def _check_in_a_child(disk: Path, *bounds: str) -> tuple[str, int]:
-    """:func:`check_image` of ``disk`` in a process of its own: its verdict, and the peak memory of
-    the qemu-img it ran (MiB)."""
-    out = subprocess.run([sys.executable, "-c", _CHECK_AND_PEAK, str(disk), *bounds],
-                         capture_output=True, text=True, timeout=120)
-    lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 2, out
-    return lines[0], int(lines[1]) // 1024
+def _check_in_a_child(disk: Path, *bounds: str, timeout: float = 120) -> ChildRun:
+    """:func:`check_image` of ``disk`` in a process of its own (``bounds``: ``NAME=VALUE`` settings
+    of :mod:`checks` to lower): its verdict, its own peak memory and its qemu-img's."""
+    return _in_a_child(_CHECK, str(disk), *bounds, timeout=timeout)
 
 
 def _sparse_qcow2(path: Path, options: str) -> Path:
@@ -599,7 +612,7 @@ def test_a_qcow2_whose_check_would_take_a_gigabyte_is_refused_before_qemu_img_ch
     flash or ``file:`` boot of the image, in the runtime's memory budget, for a disk that is a few
     KiB compressed."""
     disk = _sparse_qcow2(tmp_path / "greedy.qcow2", "cluster_size=512,refcount_bits=64")
-    verdict, peak_mib = _check_in_a_child(disk)
+    verdict, _, peak_mib = _check_in_a_child(disk)
     assert verdict.startswith("refused unsafe_disk"), verdict
     assert "60 GiB file in 512-byte clusters with 64-bit refcounts" in verdict, verdict
     assert "would take 960 MiB of memory, more than 256 MiB" in verdict, verdict
@@ -608,7 +621,7 @@ def test_a_qcow2_whose_check_would_take_a_gigabyte_is_refused_before_qemu_img_ch
     # the same geometry over a file of ordinary length passes: the refusal is the memory, not the options
     small = tmp_path / "small.qcow2"
     _qemu_img("create", "-q", "-f", "qcow2", "-o", "cluster_size=512,refcount_bits=64", str(small), "60G")
-    assert _check_in_a_child(small)[0] == "passed"
+    assert _check_in_a_child(small).verdict == "passed"
 
 
 def test_qemu_img_is_held_to_a_memory_and_a_time_bound_whatever_the_image(tmp_path: Path) -> None:
@@ -616,16 +629,16 @@ def test_qemu_img_is_held_to_a_memory_and_a_time_bound_whatever_the_image(tmp_pa
     memory (RLIMIT_DATA) and the runtime its time. Both bounds lowered here so that a real image
     (16-bit refcounts: a 240 MiB array, under the refusal above) meets them for real."""
     disk = _sparse_qcow2(tmp_path / "hungry.qcow2", "cluster_size=512")
-    verdict, peak_mib = _check_in_a_child(disk, f"QEMU_IMG_MEMORY={96 << 20}")
+    verdict, _, peak_mib = _check_in_a_child(disk, f"QEMU_IMG_MEMORY={96 << 20}")
     assert verdict.startswith("refused unsafe_disk"), verdict
     assert "qemu-img check needed more than 96 MiB of memory" in verdict, verdict
     assert "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
     assert peak_mib < 200, f"a qemu-img of {peak_mib} MiB ran"
-    verdict, _ = _check_in_a_child(disk, "QEMU_IMG_TIMEOUT=0.001")
+    verdict = _check_in_a_child(disk, "QEMU_IMG_TIMEOUT=0.001").verdict
     assert verdict.startswith("refused unsafe_disk"), verdict
     assert "did not finish within 0.001 s" in verdict, verdict
     assert "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
-    assert _check_in_a_child(disk)[0] == "passed"  # the runtime's own bounds let an honest odd disk pass
+    assert _check_in_a_child(disk).verdict == "passed"  # the runtime's own bounds let an honest odd disk pass
 
 
 def _leaky_qcow2(path: Path, cluster_bits: int, file_size: int) -> Path:
@@ -652,24 +665,15 @@ def _leaky_qcow2(path: Path, cluster_bits: int, file_size: int) -> Path:
     return path
 
 
-_CHECK_AND_OWN_PEAK = _CHECK_AND_PEAK.replace(
-    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)",
-    'print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))')
-
-
 def test_what_qemu_img_prints_about_a_disk_is_read_bounded(tmp_path: Path) -> None:
     """``qemu-img check`` prints a line per cluster whose refcount is off: a crafted qcow2 of 4 KiB
     clusters over a 16 GiB file (a few KB compressed) made it print 4 million lines, and the runtime,
     reading them whole (``communicate``), held them twice (bytes and text)."""
     disk = _leaky_qcow2(tmp_path / "leaky.qcow2", 12, 16 << 30)
-    out = subprocess.run([sys.executable, "-c", _CHECK_AND_OWN_PEAK, str(disk)],
-                         capture_output=True, text=True, timeout=200)
-    lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 2, out
-    verdict, peak_mib = lines[0], int(lines[1]) // 1024
-    assert verdict.startswith("refused bad_disk"), verdict
-    assert "corrupt qcow2 (2048 corruptions, 4194297 leaks)" in verdict, verdict
-    assert peak_mib < 150, f"the checking process peaked at {peak_mib} MiB"
+    run = _check_in_a_child(disk, timeout=200)
+    assert run.verdict.startswith("refused bad_disk"), run.verdict
+    assert "corrupt qcow2 (2048 corruptions, 4194297 leaks)" in run.verdict, run.verdict
+    assert run.own_mib < 150, f"the checking process peaked at {run.own_mib} MiB"
 
 
 def _many_snapshots(path: Path, count: int) -> Path:
@@ -702,11 +706,11 @@ def _many_snapshots(path: Path, count: int) -> Path:
 def test_a_qcow2_that_makes_qemu_img_print_megabytes_is_refused_for_it(tmp_path: Path) -> None:
     """10,000 internal snapshots (a 1.2 MB file; QEMU takes up to 65,536) make ``qemu-img info``
     print 2.7 MB of JSON: the runtime reads 1 MiB of it, stops qemu-img and says why."""
-    verdict, _ = _check_in_a_child(_many_snapshots(tmp_path / "snapshots.qcow2", 10_000))
+    verdict = _check_in_a_child(_many_snapshots(tmp_path / "snapshots.qcow2", 10_000)).verdict
     assert verdict.startswith("refused unsafe_disk"), verdict
     assert "qemu-img info printed more than 1 MiB about it" in verdict, verdict
     few = tmp_path / "few.qcow2"  # an honest disk with internal snapshots passes
     _qemu_img("create", "-q", "-f", "qcow2", str(few), "1G")
     for name in ("a", "b", "c"):
         _qemu_img("snapshot", "-c", name, str(few))
-    assert _check_in_a_child(few)[0] == "passed"
+    assert _check_in_a_child(few).verdict == "passed"
