@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import weakref
 from asyncio.base_subprocess import BaseSubprocessTransport
+from asyncio.unix_events import _UnixSelectorEventLoop
 from typing import Any
 
 import anyio
@@ -61,29 +63,34 @@ def _import_anyio_now() -> None:
 _import_anyio_now()
 
 
-def _name_the_owner_of_a_transport_collected_too_late() -> None:
-    """Make the intermittent ``Exception ignored in BaseSubprocessTransport.__del__ … Event loop is
-    closed`` warning say whose it is. An asyncio subprocess whose pipe was still open when its test's
-    event loop closed is collected by a later test, which pytest then names; seen in 2 of ~20 CI runs,
-    never reproduced. Each transport now records the test that made it, and the error names that test
-    and the program."""
-    init, delete = BaseSubprocessTransport.__init__, BaseSubprocessTransport.__del__
+def _fail_the_test_whose_loop_closes_on_an_open_subprocess_pipe() -> None:
+    """An asyncio subprocess whose pipe is still open when its event loop closes is collected later,
+    on the closed loop: an "Exception ignored in BaseSubprocessTransport.__del__ … Event loop is
+    closed" warning, pinned on whichever test the collector happens to run in (2 of ~20 CI runs). It
+    was tests/test_races.py, whose controller was closed without ``close_backends``, serve's last
+    step, so QEMU's reap was left behind. Now each transport records the test that made it, and an
+    event loop that closes with one of its subprocesses' pipes open fails the test closing it."""
+    transports: weakref.WeakSet[BaseSubprocessTransport] = weakref.WeakSet()
+    init, close = BaseSubprocessTransport.__init__, _UnixSelectorEventLoop.close
 
     def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
         self._made_by_test = os.environ.get("PYTEST_CURRENT_TEST", "no test")
         init(self, *args, **kwargs)
+        transports.add(self)
 
-    def naming_del(self: Any, *args: Any) -> None:
-        try:
-            delete(self, *args)
-        except RuntimeError as exc:
-            program = getattr(getattr(self, "_proc", None), "args", "?")
-            raise RuntimeError(f"{exc}: the asyncio subprocess {program!r} made by "
-                               f"{getattr(self, '_made_by_test', '?')} had a pipe open when that test's "
-                               "event loop closed") from exc
+    def checking_close(self: Any) -> None:
+        left = [t for t in transports if t._loop is self and any(
+            p is not None and p.pipe is not None and not p.pipe.is_closing() for p in t._pipes.values())]
+        for transport in left:  # (closed now, while the loop is open, it is not reported again when collected)
+            transport.close()
+        close(self)
+        if left:
+            made = "; ".join(f"{t._proc.args if t._proc else '?'!r} made by {t._made_by_test}" for t in left)
+            raise RuntimeError(f"an event loop closed with asyncio subprocesses whose pipes were open: {made}; "
+                               "read them to their end (or close them) before the loop closes")
 
     BaseSubprocessTransport.__init__ = recording_init  # type: ignore[method-assign]
-    BaseSubprocessTransport.__del__ = naming_del  # type: ignore[method-assign]
+    _UnixSelectorEventLoop.close = checking_close  # type: ignore[method-assign]
 
 
-_name_the_owner_of_a_transport_collected_too_late()
+_fail_the_test_whose_loop_closes_on_an_open_subprocess_pipe()

@@ -152,7 +152,9 @@ async def test_a_quit_that_leaves_the_reaping_to_a_task_returns_with_nothing_hel
 ) -> None:
     """``quit(reaped=False)``, a recycle's: it returns once QEMU is in its exit, which the runtime
     reaps in a task while the kernel frees QEMU's memory; QEMU's disk is no longer locked then, and
-    nothing of that process is reported afterwards; ``close_backends`` waits for the reaping."""
+    nothing of that process is reported afterwards; ``close_backends`` waits for the reaping, of the
+    process and of its pipes (a pipe still open when the loop closes is a transport collected on a
+    closed loop: "Event loop is closed", seen in the suite)."""
     vm, plan, recorder = await boot("qemu")
     console = await Console.open(plan.console_socket(SERIAL))
     await vm.resume()
@@ -165,5 +167,8 @@ async def test_a_quit_that_leaves_the_reaping_to_a_task_returns_with_nothing_hel
     subprocess.run(["qemu-img", "info", "-f", "qcow2", str(plan.disk)], check=True, capture_output=True)
     await close_backends()
     assert not Path(f"/proc/{pid}").exists()  # reaped: no zombie
+    # and its pipes read to their end by their readers, not left to the loop by cancelling them
+    assert vm._proc.stdout.at_eof() and vm._proc.stderr.at_eof()
+    assert vm._readers and all(r.done() and not r.cancelled() for r in vm._readers)
     await asyncio.sleep(0.2)
     assert BackendEvent.EXITED not in recorder.kinds()

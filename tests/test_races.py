@@ -25,6 +25,7 @@ from vmsidecar_contract.errors import GuestError, StateError, TransferError, Vms
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_images.console import Console
 from vmsidecar_runtime import ports
+from vmsidecar_runtime.backend import close_backends
 from vmsidecar_runtime.console import CLIENT_QUEUE_CHUNKS, ConsoleHub
 from vmsidecar_runtime.controller import RuntimePaths, VmController
 
@@ -52,6 +53,7 @@ async def test_a_forward_port_taken_before_qemu_binds_it_is_retried(
         assert state.phase.value == "Running" and state.forwards["web"] != f"127.0.0.1:{stolen}"
     finally:
         await vm.close()
+        await close_backends()  # serve's last step: QEMU's reap (a test that skipped it left a pipe open)
         thief.close()
         shutil.rmtree(paths.run, ignore_errors=True)  # (serve's job in a runtime; this test has none)
 

@@ -120,6 +120,10 @@ class QemuBackend:
         self._qmp: QMPClient | None = None
         self._stderr: deque[str] = deque(maxlen=20)
         self._tasks: list[asyncio.Task[None]] = []
+        #: the readers of QEMU's stdout and stderr, and the watcher of its end (``_watch_exit``),
+        #: which waits for the readers to reach the pipes' end
+        self._readers: list[asyncio.Task[None]] = []
+        self._watcher: asyncio.Task[None] | None = None
         self.exit_info: ExitInfo | None = None
         self._exited = asyncio.Event()
         #: the SHUTDOWN cause when QEMU announced a host-side end (``EXITING_CAUSES``)
@@ -159,11 +163,10 @@ class QemuBackend:
             self._pipes.close()
             raise
         self._pipes.close_qemu_ends()
-        self._tasks = [
-            asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
-            asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr"),
-            asyncio.create_task(self._watch_exit(), name="qemu-wait"),
-        ]
+        self._readers = [asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
+                         asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr")]
+        self._watcher = asyncio.create_task(self._watch_exit(), name="qemu-wait")
+        self._tasks = [*self._readers, self._watcher]
         await self._connect_qmp(qmp_timeout)
         self._pipes.remove_links()  # QEMU has opened its chardevs
         # held before a restore's load, so QEMU accepts it while the load's commands run and the
@@ -190,7 +193,7 @@ class QemuBackend:
         rc = await self._proc.wait()
         with contextlib.suppress(asyncio.TimeoutError):
             # let the pipes flush so the exit message carries QEMU's last words
-            await asyncio.wait_for(asyncio.gather(*self._tasks[:2]), 2)
+            await asyncio.wait_for(asyncio.gather(*self._readers), 2)
         self.exit_info = ExitInfo(
             returncode=rc if rc >= 0 else None,
             signal=-rc if rc < 0 else None,
@@ -462,16 +465,17 @@ class QemuBackend:
         proc = self._proc
         assert proc is not None
         self._reports_exit = False
+        # Its watcher and readers outlive ``close``: reaped means the process *and* its pipes read
+        # to their end; a pipe left open when the loop closes is a transport collected on a closed
+        # loop ("Event loop is closed", seen in the suite).
+        self._tasks = [t for t in self._tasks if t not in (*self._readers, self._watcher)]
 
         async def reap() -> None:
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:  # an exit stuck in the kernel: nothing more to do than ask again
+            if not await self.wait_exit(30):  # an exit stuck in the kernel: nothing more to do than ask again
                 log.warning("QEMU (pid %d) has not finished its exit 30 s after quit; killing it", proc.pid)
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
-                await proc.wait()
-            self._exited.set()
+                await self.wait_exit()
 
         task = asyncio.create_task(reap(), name=f"qemu-exit-{proc.pid}")
         _EXITING.add(task)
