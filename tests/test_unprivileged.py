@@ -143,6 +143,10 @@ async def test_runtime_as_uid_65532_boots_to_ready(layout: dict[str, Path]) -> N
         await wait_until_async(lambda: not _alive(qemu), 10, "QEMU to end with its SIGKILLed unprivileged runtime")
     finally:
         launched.stop(signal.SIGKILL)
+        # what a SIGKILL leaves: its QEMU's socket directory, which only a runtime of the same UID
+        # would remove at its start (serve.private_run_dir)
+        for left in Path(tempfile.gettempdir()).glob(f"vmsidecar-{proc.pid}-*"):
+            shutil.rmtree(left, ignore_errors=True)
 
 
 @pytest.mark.parametrize("flag", ["--cache-dir", "--state-dir", "--shared-dir"])
