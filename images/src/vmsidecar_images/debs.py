@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -66,11 +67,18 @@ def run(
     return proc.stdout
 
 
+@functools.cache
+def _apt_cache(*args: str) -> str:
+    """What ``apt-cache ARGS`` prints. Each call reads apt's whole package lists (~0.5-1 s of CPU);
+    the lists change only with ``apt-get update``, which nothing in a build runs, so one process asks
+    each question once (a build with a followed kernel ABI asked up to eight)."""
+    return subprocess.run(["apt-cache", *args], capture_output=True, text=True, check=False).stdout
+
+
 def apt_versions(package: str) -> list[str]:
     """Versions of ``package`` that apt can download now (``apt-cache madison``), newest first."""
-    proc = subprocess.run(["apt-cache", "madison", package], capture_output=True, text=True, check=False)
     versions: list[str] = []
-    for line in proc.stdout.splitlines():
+    for line in _apt_cache("madison", package).splitlines():
         parts = [p.strip() for p in line.split("|")]
         if len(parts) >= 2 and parts[1] not in versions:
             versions.append(parts[1])
@@ -229,9 +237,7 @@ def _qualified(package: str, deb_arch: str) -> str:
 
 def _metapackage_kernel(metapackage: str, deb_arch: str) -> str | None:
     """The ``linux-image-*`` package ``metapackage`` depends on (``apt-cache depends``), if any."""
-    proc = subprocess.run(["apt-cache", "depends", _qualified(metapackage, deb_arch)],
-                          capture_output=True, text=True, check=False)
-    for line in proc.stdout.splitlines():
+    for line in _apt_cache("depends", _qualified(metapackage, deb_arch)).splitlines():
         found = re.match(r"\s*\|?Depends:\s+(linux-image-[^\s:<>]+)", line)
         if found:
             return found[1]
