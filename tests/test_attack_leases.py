@@ -25,6 +25,7 @@ import pytest
 
 from fixtures.events import collecting
 from fixtures.faults import ThrottleProxy, wait_phase
+from fixtures.jmp import temp_sockets_in
 from fixtures.registry import push_incompressible
 from fixtures.vmdev import in_background_until_listening
 from fixtures.waiting import wait_until_async
@@ -246,7 +247,8 @@ async def test_a_lease_that_only_uses_can_is_recycled_and_a_lease_ending_mid_pul
             assert "No such file or directory" in check, f"lease 1's file reached lease 2: {check!r}"
             assert state.claimed and state.generation >= 1, state  # lease 2 was told to the runtime, too
             flash = await asyncio.create_subprocess_exec(
-                *lease.argv("j", "vm", "storage", "flash", f"oci://{proxy.host}/{slow_image}"), env=lease.env,
+                *lease.argv("j", "vm", "storage", "flash", f"oci://{proxy.host}/{slow_image}"),
+                env=lease.env | temp_sockets_in(tmp_path),  # it is killed below
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             await pull_under_way(proxy, lambda: flash.returncode is not None)  # lease 2's flash
         # lease 2 ended mid-pull

@@ -59,7 +59,7 @@ async def test_exporter_killed_mid_lease_the_guest_runs_on_and_the_next_lease_ge
     # lease 1 writes a secret, then its exporter is SIGKILLed: no close(), so no recycle from it
     script = "set -euo pipefail\n" + LEASE_ONE.replace("{pid}", str(first.proc.pid))
     shell = subprocess.Popen(["jmp", "shell", *first.shell_args, "--", "bash", "-c", script], cwd=tmp_path,
-                             env=jmp_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             env=jmp_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         await asyncio.to_thread(first.proc.wait, 180)  # the lease's own script SIGKILLs its exporter
     finally:
