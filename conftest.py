@@ -81,13 +81,13 @@ def _fail_the_test_whose_loop_closes_on_an_open_subprocess_pipe() -> None:
     def checking_close(self: Any) -> None:
         left = [t for t in transports if t._loop is self and any(
             p is not None and p.pipe is not None and not p.pipe.is_closing() for p in t._pipes.values())]
-        for transport in left:  # (closed now, while the loop is open, it is not reported again when collected)
+        for transport in left:  # closed while the loop is open: not reported again when collected
             transport.close()
         close(self)
         if left:
             made = "; ".join(f"{t._proc.args if t._proc else '?'!r} made by {t._made_by_test}" for t in left)
-            raise RuntimeError(f"an event loop closed with asyncio subprocesses whose pipes were open: {made}; "
-                               "read them to their end (or close them) before the loop closes")
+            raise RuntimeError(f"an event loop closed with asyncio subprocesses whose pipes were open: "
+                               f"{made}; read them to their end (or close them) before the loop closes")
 
     BaseSubprocessTransport.__init__ = recording_init  # type: ignore[method-assign]
     _UnixSelectorEventLoop.close = checking_close  # type: ignore[method-assign]
