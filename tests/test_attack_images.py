@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tarfile
@@ -646,8 +647,6 @@ def _leaky_qcow2(path: Path, cluster_bits: int, file_size: int) -> Path:
     """A qcow2 whose refcounts say every cluster of a ``file_size``-long file is in use while nothing
     references them (every refcount table entry names one refcount block full of 1s; the file a
     sparse tail): ``qemu-img check`` prints a "Leaked cluster" line for each."""
-    import struct
-
     cluster = 1 << cluster_bits
     _qemu_img("create", "-q", "-f", "qcow2", "-o", f"cluster_size={cluster}", str(path), "1G")
     with open(path, "r+b") as f:
@@ -679,8 +678,6 @@ def test_what_qemu_img_prints_about_a_disk_is_read_bounded(tmp_path: Path) -> No
 
 def _many_snapshots(path: Path, count: int) -> Path:
     """A qcow2 of ``count`` internal snapshots: one made by qemu-img, its table entry repeated."""
-    import struct
-
     _qemu_img("create", "-q", "-f", "qcow2", str(path), "1G")
     _qemu_img("snapshot", "-c", "s", str(path))
     with open(path, "r+b") as f:

@@ -176,11 +176,8 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=child_env())
         OWN.add(proc.pid)
-    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        out, err = _read_bounded(proc, timeout, max_output, program)
-        # its pipes closed, it may still run (a daemon's fork, say): the same deadline
-        proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        out, err = _communicate_bounded(proc, timeout, max_output, program)
     except BaseException:
         proc.kill()
         proc.wait()
@@ -193,10 +190,10 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
-def _read_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: int,
-                  program: str) -> tuple[bytes, bytes]:
-    """Both pipes of ``proc`` to their end (within ``timeout`` seconds): all of stdout (at most
-    ``limit`` bytes), the tail of stderr."""
+def _communicate_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: int,
+                         program: str) -> tuple[bytes, bytes]:
+    """``communicate``, bounded: both pipes of ``proc`` to their end and then its exit, within
+    ``timeout`` seconds; all of stdout (at most ``limit`` bytes), the tail of stderr."""
     assert proc.stdout is not None and proc.stderr is not None
     deadline = None if timeout is None else time.monotonic() + timeout
     out = bytearray()
@@ -222,6 +219,8 @@ def _read_bounded(proc: subprocess.Popen[bytes], timeout: float | None, limit: i
                     err_size += len(chunk)
                     while err_size - len(err[0]) >= limit:
                         err_size -= len(err.popleft())
+    # its pipes closed, it may still run (a daemon's fork, say): the same deadline
+    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     tail = b"".join(err)
     return bytes(out), tail[-limit:]
 
