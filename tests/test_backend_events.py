@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
+
+from qemu.qmp import EventListener
+from qemu.qmp.message import Message
 
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend import BackendEvent, close_backends, create_backend
@@ -42,6 +46,27 @@ def test_qmp_events() -> None:
         BackendEvent.IO_ERROR, {"operation": "write", "action": "stop", "nospace": True,
                                 "reason": "No space left on device"})
     assert map_qmp_event("BLOCK_JOB_COMPLETED", {}) is None
+
+
+async def test_qmp_event_data_that_is_not_an_object_is_read_as_empty_and_the_pump_goes_on() -> None:
+    """QMP's data is an object; a QEMU that sends anything else (the runtime's UID, if it escaped) must
+    not end the pump that reports the guest's events: ``dict("x")`` raised and ended it."""
+    events: list[tuple[BackendEvent, dict]] = []
+    plan = BootPlan(load_spec({"image": "file:/x"}), "tcg", Path("/s/o.qcow2"), "qcow2", Path("/r"))
+    backend = create_backend(plan, lambda event, data: events.append((event, data)))
+    assert isinstance(backend, QemuBackend)
+    listener = EventListener()
+    pump = asyncio.create_task(backend._pump_events(listener))
+    for data in ("x", 7, ["a"], None):
+        await listener.put(Message({"event": "STOP", "data": data}))
+    await listener.put(Message({"event": "RESUME", "data": {}}))
+    for _ in range(100):
+        if len(events) == 5 or pump.done():
+            break
+        await asyncio.sleep(0.01)
+    assert not pump.done(), pump.exception()
+    pump.cancel()
+    assert events == [(BackendEvent.PAUSED, {})] * 4 + [(BackendEvent.RESUMED, {})]
 
 
 def test_libvirt_lifecycle_events() -> None:

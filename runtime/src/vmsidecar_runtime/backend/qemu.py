@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from qemu.qmp import EventListener, QMPClient
 from qemu.qmp.error import QMPError
@@ -110,8 +110,8 @@ class QemuBackend:
 
     name = "qemu"
     label = "QEMU"
-    supports_snapshots = True
-    continues_after_save = True
+    supports_snapshots: ClassVar[bool] = True
+    continues_after_save: ClassVar[bool] = True
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         self.plan = plan
@@ -245,7 +245,8 @@ class QemuBackend:
 
     async def _pump_events(self, listener: EventListener) -> None:
         async for event in listener:
-            name, data = str(event["event"]), dict(event.get("data", {}))
+            raw = event.get("data")
+            name, data = str(event["event"]), dict(raw) if isinstance(raw, dict) else {}
             if name == "SHUTDOWN" and data.get("reason") in EXITING_CAUSES:
                 self._host_shutdown = str(data["reason"])
             if name == "VSERPORT_CHANGE" and data.get("id") == GUEST_AGENT_PORT_ID:

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward
@@ -28,6 +28,9 @@ from ..netguard import NetGuard, guarded
 from . import connection
 from .daemon import import_libvirt
 from .xml import render_domain
+
+if TYPE_CHECKING:
+    from ..guest_agent import GuestAgent
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,8 @@ class LibvirtBackend:
     name = "libvirt"
     label = "the libvirt domain"
     #: libvirt's own save/restore (virDomainSave) is not wired in yet: recycles boot cold
-    supports_snapshots = False
-    continues_after_save = False
+    supports_snapshots: ClassVar[bool] = False
+    continues_after_save: ClassVar[bool] = False
 
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         """Check libvirt-python is there; nothing starts before ``launch``.
@@ -77,7 +80,7 @@ class LibvirtBackend:
         self.exit_info: ExitInfo | None = None
         #: never asked: this backend has no memory snapshots (``supports_snapshots``)
         self.guest_agent_open = False
-        self.guest_agent = None  # the domain has no agent channel: no snapshot's clock to set
+        self.guest_agent: GuestAgent | None = None  # the domain has no agent channel: no snapshot's clock to set
         self._exited = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: connection.Connection | None = None
