@@ -16,14 +16,14 @@ import gzip
 import io
 import lzma
 import zlib
-from typing import BinaryIO, Literal
+from typing import Literal
 
 import zstandard
 
 from vmsidecar_contract.errors import ImageError, VmsidecarError
 
 from .limits import DEFAULT_LIMITS, KIB, MIB, Limits, Origin, human_size
-from .sniff import Compression, read_at_least, sniff_compression
+from .sniff import ByteSource, Compression, read_at_least, sniff_compression
 
 CHUNK = 1 << 20
 #: zstd expands at most ~32768x (a 4-byte RLE block is 128 KiB), so 1 KiB in is ≤ 32 MiB out
@@ -53,16 +53,26 @@ class ChunkStream(io.RawIOBase):
         return len(data)
 
 
-class _Prefixed(io.RawIOBase):
+class RawSource(io.RawIOBase):
+    """A read-only raw stream whose subclasses implement ``readinto``; its ``read`` is a
+    :class:`ByteSource`'s (a blocking stream never returns the ``None`` of a non-blocking one)."""
+
+    def readable(self) -> bool:
+        """Always: these streams are read-only."""
+        return True
+
+    def read(self, size: int = -1, /) -> bytes:
+        """Up to ``size`` bytes (all that is left for a negative one), ``b""`` at the end."""
+        return super().read(size) or b""
+
+
+class _Prefixed(RawSource):
     """``head`` (already read to sniff it) followed by the rest of ``rest``."""
 
-    def __init__(self, head: bytes, rest: BinaryIO) -> None:
+    def __init__(self, head: bytes, rest: ByteSource) -> None:
         super().__init__()
         self._head = memoryview(head)
         self._rest = rest
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
         if self._head:
@@ -75,7 +85,7 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
-class _ZstdReader(io.RawIOBase):
+class _ZstdReader(RawSource):
     """zstd frames one after another, with bounded memory; a frame cut off is an error.
 
     zstandard's ``stream_reader`` ends silently on a truncated frame and ``decompressobj`` has no
@@ -83,7 +93,7 @@ class _ZstdReader(io.RawIOBase):
     past ~32 MiB, and watches for the end of each frame.
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: ByteSource) -> None:
         super().__init__()
         self._raw = raw
         self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
@@ -92,9 +102,6 @@ class _ZstdReader(io.RawIOBase):
         self._output = memoryview(b"")
         self._in_frame = False  # bytes went into the current frame and it has not ended yet
         self._raw_done = False
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
         # Fills the buffer as far as the stream goes: one slice's output is often 1 KiB, and a read
@@ -147,18 +154,15 @@ def _xz_decoder() -> lzma.LZMADecompressor:
     return lzma.LZMADecompressor(memlimit=MAX_XZ_MEMORY)
 
 
-class _XzReader(io.RawIOBase):
+class _XzReader(RawSource):
     """xz (or legacy lzma) streams one after another, as :class:`lzma.LZMAFile` reads them, with the
     decoder's memory capped (``LZMAFile`` takes no ``memlimit``)."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: ByteSource) -> None:
         super().__init__()
         self._raw = raw
         self._decoder = _xz_decoder()
         self._done = False
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
         data = b""
@@ -204,7 +208,7 @@ def _over_memlimit(exc: lzma.LZMAError) -> bool:
 class _Decoded(ChunkStream):
     """The decompressed stream: counts it against the limit and turns decoder errors into ImageError."""
 
-    def __init__(self, inner: BinaryIO, compression: Compression | None, origin: Origin, limits: Limits) -> None:
+    def __init__(self, inner: ByteSource, compression: Compression | None, origin: Origin, limits: Limits) -> None:
         super().__init__()
         self._inner = inner
         self.compression = compression
@@ -256,11 +260,11 @@ class _Decoded(ChunkStream):
 
 
 def open_decompressed(
-    raw: BinaryIO,
+    raw: ByteSource,
     compression: Compression | Literal["auto"] | None,
     origin: Origin,
     limits: Limits = DEFAULT_LIMITS,
-) -> tuple[Compression | None, BinaryIO]:
+) -> tuple[Compression | None, ByteSource]:
     """The compression used and a reader of the decompressed bytes of ``raw``.
 
     ``auto`` sniffs zstd, gzip or xz from the first bytes (anything else is read as it is).
@@ -271,14 +275,15 @@ def open_decompressed(
     if compression == "auto":
         head = read_at_least(raw, 8)
         compression = sniff_compression(head)
-        raw = _Prefixed(head, raw)  # type: ignore[assignment]
-    inner: BinaryIO
+        raw = _Prefixed(head, raw)
+    inner: ByteSource
     if compression == "zstd":
-        inner = _ZstdReader(raw)  # type: ignore[assignment]
+        inner = _ZstdReader(raw)
     elif compression == "gzip":
-        inner = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
+        # read front to back, GzipFile never seeks (the stub asks for seek all the same)
+        inner = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[call-overload]
     elif compression == "xz":
-        inner = _XzReader(raw)  # type: ignore[assignment]
+        inner = _XzReader(raw)
     else:
         inner = raw
-    return compression, _Decoded(inner, compression, origin, limits)  # type: ignore[return-value]
+    return compression, _Decoded(inner, compression, origin, limits)

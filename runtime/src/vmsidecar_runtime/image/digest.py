@@ -7,12 +7,13 @@ from typing import Protocol
 
 
 class _Sha256(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def hexdigest(self) -> str: ...
 
 
-def sha256_digest(content: bytes | _Sha256) -> str:
+def sha256_digest(content: bytes | bytearray | memoryview | _Sha256) -> str:
     """``sha256:<hex>`` of ``content``: bytes, or a ``hashlib.sha256()`` fed with streamed data.
 
     :raise ValueError: for a hash object that is not sha256 (its digest would be mislabelled).

@@ -7,7 +7,7 @@ decompressed head is also where :func:`.write.write_disk` reads a qcow2 header b
 from __future__ import annotations
 
 import re
-from typing import BinaryIO, Literal
+from typing import Literal, Protocol
 
 from vmsidecar_contract.errors import ImageError
 
@@ -158,7 +158,14 @@ def refuse_disguised_raw(head: bytes, declared: DiskFormat | None, origin: Origi
     )
 
 
-def read_at_least(stream: BinaryIO, n: int) -> bytes:
+class ByteSource(Protocol):
+    """What the image code reads from: ``read(n)`` gives up to ``n`` bytes, ``b""`` at the end (a
+    file, a tar member, a registry blob, a flash's upload, a decompressor)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def read_at_least(stream: ByteSource, n: int) -> bytes:
     """Up to ``n`` bytes: fewer only at the end of the stream (a read may return a short chunk)."""
     parts: list[bytes] = []
     have = 0

@@ -11,13 +11,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from .checks import check_qcow2_header, empty_error, parse_qcow2_header
 from .decompress import CHUNK
 from .digest import sha256_digest
 from .limits import DEFAULT_LIMITS, Limits, Origin
-from .sniff import SNIFF_BYTES, DiskFormat, decide_format, read_at_least
+from .sniff import SNIFF_BYTES, ByteSource, DiskFormat, decide_format, read_at_least
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class WrittenDisk:
 
 
 def write_disk(
-    stream: BinaryIO,
+    stream: ByteSource,
     out: Path,
     *,
     declared: DiskFormat | None,

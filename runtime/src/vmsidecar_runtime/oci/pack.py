@@ -268,11 +268,12 @@ def compress_file(disk: Path, out: Path, compression: Compression) -> tuple[str,
     with open(disk, "rb") as src, open(out, "wb") as f:
         reader = _HashingReader(src)
         blob = _HashingWriter(f)
+        writer: zstandard.ZstdCompressionWriter | gzip.GzipFile
         if compression == "zstd":
             cctx = zstandard.ZstdCompressor(level=3, threads=-1, write_checksum=True)
             writer = cctx.stream_writer(blob, closefd=False)  # type: ignore[arg-type]
         else:
-            writer = gzip.GzipFile(fileobj=blob, mode="wb", mtime=0, compresslevel=6)  # type: ignore[arg-type]
+            writer = gzip.GzipFile(fileobj=blob, mode="wb", mtime=0, compresslevel=6)
         while chunk := reader.read(CHUNK):
             writer.write(chunk)
         writer.close()
@@ -289,7 +290,7 @@ def pack_containerdisk(disk: Path, workdir: Path, *, arch: str, annotations: dic
     layer_path = workdir / f"layer-{disk.name}.tar.gz.part"
     with open(disk, "rb") as src, open(layer_path, "wb") as f:
         blob = _HashingWriter(f)
-        gz = gzip.GzipFile(fileobj=blob, mode="wb", mtime=0, compresslevel=6)  # type: ignore[arg-type]
+        gz = gzip.GzipFile(fileobj=blob, mode="wb", mtime=0, compresslevel=6)
         tar_stream = _HashingWriter(gz)
         reader = _HashingReader(src)
         with tarfile.open(fileobj=tar_stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]

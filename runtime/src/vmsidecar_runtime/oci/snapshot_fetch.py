@@ -41,7 +41,7 @@ from ..disk import DiskImage
 from ..image.checks import check_virtual_size, parse_qcow2_header, run_qemu_img
 from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
-from ..image.sniff import QCOW2_MAGIC
+from ..image.sniff import QCOW2_MAGIC, Compression
 from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
 from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
 from .cache import remove_tree, stat_seal
@@ -194,14 +194,14 @@ def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity,
     candidates = _candidates(client.referrers(subject, SNAPSHOT_ARTIFACT_TYPE, MAX_CANDIDATES) or [])
     if not candidates:  # no referrers API, or one that lists none of ours (pushed before it had one): the tag schema
         raw = client.get_manifest_or_none(referrers_tag(subject))
-        listing = raw.json() if raw is not None else {}
-        candidates = _candidates(listing.get("manifests") if isinstance(listing.get("manifests"), list) else [])
+        listed = (raw.json() if raw is not None else {}).get("manifests")
+        candidates = _candidates(listed if isinstance(listed, list) else [])
     if not candidates:
         raise SourceRefused("not_found", f"{where} has no snapshot artifact for the image's manifest {subject}; "
                             "publish one with vmsidecar-oci snapshot push")
     # the listing's annotations are only a hint (whoever writes the index writes them): those that
     # claim this key are read first, and the manifest itself decides
-    notes = [(d.get("annotations") if isinstance(d.get("annotations"), dict) else {}) for d in candidates]
+    notes = [_object_or_empty(d.get("annotations")) for d in candidates]
     ranked = sorted(zip(candidates, notes, strict=True), key=lambda c: identity.mismatch(c[1], ignore) is not None)
     first: tuple[str, str] | None = None
     for descriptor, _ in ranked[:MAX_MANIFESTS_READ]:
@@ -226,6 +226,11 @@ def _candidates(entries: list) -> list[dict]:
             and d.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE and is_digest(d.get("digest"))]
 
 
+def _object_or_empty(value: object) -> dict:
+    """A JSON object of a registry's answer, or an empty one for anything else it sent there."""
+    return value if isinstance(value, dict) else {}
+
+
 def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity,
                       ignore: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """``(refusal code, reason)`` when the artifact's own manifest is not this runtime's snapshot."""
@@ -234,8 +239,7 @@ def _artifact_problem(doc: dict, subject: str, identity: SnapshotIdentity,
     named = doc.get("subject")
     if not isinstance(named, dict) or named.get("digest") != subject:
         return "bad_artifact", f"its subject is not the image's manifest {subject}"
-    notes = doc.get("annotations")
-    why = identity.mismatch(notes if isinstance(notes, dict) else {}, ignore)
+    why = identity.mismatch(_object_or_empty(doc.get("annotations")), ignore)
     return None if why is None else ("key_mismatch", why)
 
 
@@ -346,7 +350,7 @@ def complete(staged: Staged, identity: SnapshotIdentity, base: DiskImage, store:
 def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, deadline: float,
               limits: Limits) -> None:
     """One layer into ``out``: hashed against its digest, decompressed under ``limits``."""
-    compression = "zstd" if descriptor["mediaType"] == SNAPSHOT_FILE_ZSTD else None
+    compression: Compression | None = "zstd" if descriptor["mediaType"] == SNAPSHOT_FILE_ZSTD else None
     reader: BlobReader | None = None
     try:
         with client.open_blob(descriptor) as chunks, open(out, "wb") as f:

@@ -11,18 +11,17 @@ own: blob digests and sizes, and containerDisk tar layers.
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Literal
+from typing import Literal
 
 from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError, RegistryError
 from vmsidecar_runtime.image.checks import check_image
-from vmsidecar_runtime.image.decompress import open_decompressed
+from vmsidecar_runtime.image.decompress import RawSource, open_decompressed
 from vmsidecar_runtime.image.digest import sha256_digest
 from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits, Origin
-from vmsidecar_runtime.image.sniff import Compression, DiskFormat
+from vmsidecar_runtime.image.sniff import ByteSource, Compression, DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk, write_disk
 
 from .mediatypes import DISK_SUFFIXES, title_format
@@ -36,7 +35,7 @@ _EXTENDED_HEADERS = frozenset({tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLIN
 Progress = Callable[[int, int | None], None]
 
 
-class BlobReader(io.RawIOBase):
+class BlobReader(RawSource):
     """A read-only file over an iterator of chunks that counts what passes through, and hashes it
     when a digest is expected (a ``file:`` disk has none: the disk written is hashed, once).
 
@@ -61,9 +60,6 @@ class BlobReader(io.RawIOBase):
         self.where = where
         self.count = 0
         self._progress = progress
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
         while not self._pending:
@@ -201,7 +197,7 @@ def _write_error(path: Path, exc: OSError) -> HostError:
 
 
 def _extract_tar(
-    stream: BinaryIO, out: Path, origin: Origin, format_hint: DiskFormat | None, limits: Limits
+    stream: ByteSource, out: Path, origin: Origin, format_hint: DiskFormat | None, limits: Limits
 ) -> tuple[Origin, WrittenDisk] | None:
     """Write the one disk file under ``disk/`` of a tar stream to ``out``; ``None`` if there is none.
 
@@ -210,7 +206,8 @@ def _extract_tar(
     where = origin.what
     found: tuple[Origin, WrittenDisk] | None = None
     found_name = ""
-    with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
+    # stream mode ("r|") only reads; the stub asks every file object for write, tell and seek too
+    with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:  # type: ignore[call-overload]
         for member in tar:
             name = disk_member_name(member.name, where)
             if name is None:
