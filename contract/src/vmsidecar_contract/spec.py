@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -69,8 +70,9 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1000000)
 
 
-def parse_size_mib(value: str | int) -> int:
-    """Parse a memory size ("512M", "1G", "1GiB", 512) into MiB; a bare number means MiB.
+def parse_size_mib(value: object) -> int:
+    """Parse a memory size ("512M", "1G", "1GiB", 512) into MiB; a bare number means MiB (anything
+    else is read as its text).
 
     :raise ValueError: when the text is not a size.
     """
@@ -330,7 +332,7 @@ class VmSpec(_Model):
 
     @field_validator("memory", mode="before")
     @classmethod
-    def _memory(cls, value: str | int) -> int:
+    def _memory(cls, value: object) -> int:
         if isinstance(value, float) and value.is_integer():  # JSON through Jumpstarter turns ints into floats
             value = int(value)
         mib = parse_size_mib(value)
@@ -446,9 +448,9 @@ def spec_from_sources(
 
     :raise SpecError: when any layer is unreadable or the result invalid.
     """
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     data: dict[str, Any] = {}
-    path = spec_file or (Path(env["VMSIDECAR_SPEC"]) if env.get("VMSIDECAR_SPEC") else None)
+    path = spec_file or (Path(environ["VMSIDECAR_SPEC"]) if environ.get("VMSIDECAR_SPEC") else None)
     if path is not None:
         try:
             text = path.read_text()
@@ -456,17 +458,17 @@ def spec_from_sources(
             raise SpecError(f"cannot read spec file {path} ({e.strerror}); check the path") from e
         data = load_spec_text(text, str(path)).model_dump(exclude_unset=True)
     for name in ENV_FIELDS:
-        value = env.get(f"VMSIDECAR_{name.upper()}")
+        value = environ.get(f"VMSIDECAR_{name.upper()}")
         if value:
             data[name] = value
     # an empty VMSIDECAR_READY_PATTERN is a value (Ready as soon as the guest runs), not "unset"
     ready = {name: value for name in READY_ENV_FIELDS
-             if (value := env.get(f"VMSIDECAR_READY_{name.upper()}")) is not None and (value or name == "pattern")}
+             if (value := environ.get(f"VMSIDECAR_READY_{name.upper()}")) is not None and (value or name == "pattern")}
     if ready:
         _merge(data, {"readiness": ready})
-    if env.get("VMSIDECAR_SPEC_JSON"):
+    if environ.get("VMSIDECAR_SPEC_JSON"):
         try:
-            extra = json.loads(env["VMSIDECAR_SPEC_JSON"])
+            extra = json.loads(environ["VMSIDECAR_SPEC_JSON"])
         except json.JSONDecodeError as e:
             raise SpecError(f"VMSIDECAR_SPEC_JSON is not valid JSON ({e}); fix the variable") from e
         if not isinstance(extra, dict):

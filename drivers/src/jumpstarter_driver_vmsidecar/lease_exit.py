@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import yaml
 
@@ -44,7 +45,7 @@ STARTUP_TREE_BUILDER = ("jumpstarter.exporter.exporter", "Exporter.session")
 
 def serves_a_lease() -> bool:
     """Whether the driver tree whose ``reset()`` is running is handed out (module docstring)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if (frame.f_globals.get("__name__"), getattr(code, "co_qualname", code.co_name)) == STARTUP_TREE_BUILDER:

@@ -133,7 +133,7 @@ def metered_driver(cls: C) -> C:
     for name in dir(cls):
         func = getattr(cls, name, None)
         marker = _exported_as(func)
-        if marker is None or getattr(func, "__vmsidecar_metered__", False):
+        if func is None or marker is None or getattr(func, "__vmsidecar_metered__", False):
             continue
         wrapped = _metered(func, marker, f"{cls.__name__}.{name}")
         wrapped.__vmsidecar_metered__ = True  # type: ignore[attr-defined]

@@ -103,6 +103,6 @@ def serve_metrics(value: str) -> MetricsServer:
         raise OSError(e.errno, f"cannot serve metrics on {value} ({e.strerror}); pick a free port or another "
                                f"address for {METRICS_LISTEN_FLAG}") from e
     threading.Thread(target=server.serve_forever, name="vmsidecar-metrics", daemon=True).start()
-    host, port = server.server_address[:2]
+    host, port = str(server.server_address[0]), server.server_address[1]
     log.info("exporter metrics on http://%s/metrics", f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     return server

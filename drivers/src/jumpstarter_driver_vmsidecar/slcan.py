@@ -374,10 +374,10 @@ class VmsidecarSlcanBus(can.BusABC):
             if self._closed.is_set():
                 raise self._shut_down()
             task = super()._send_periodic_internal(msgs, period, duration, False, modifier_callback)
-            if isinstance(task, can.broadcastmanager.ThreadBasedCyclicSendTask):
-                # a send that fails (the bus shut down, its connection ended) ends the task with a
-                # warning, not an exception left unhandled in its thread
-                task.on_error = self._periodic_send_failed
+            # BusABC's own: a thread per task. A send that fails (the bus shut down, its connection
+            # ended) ends the task with a warning, not an exception left unhandled in its thread
+            assert isinstance(task, can.broadcastmanager.ThreadBasedCyclicSendTask)
+            task.on_error = self._periodic_send_failed
             self._cyclic.add(task)
         if autostart:
             task.start()

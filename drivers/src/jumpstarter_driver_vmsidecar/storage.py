@@ -173,7 +173,8 @@ class VmStorage(FlasherInterface, Driver):
                                 allow_local=self.parent.allow_local_urls)
             resource = _pass_through(resource)
 
-        async with self.resource(resource.model_dump(mode="json")) as res:
+        # upstream annotates the handle str, and validates it as the Resource (a dict) clients send
+        async with self.resource(resource.model_dump(mode="json")) as res:  # type: ignore[arg-type]
 
             async def chunks() -> AsyncIterator[bytes]:
                 async for chunk in res:

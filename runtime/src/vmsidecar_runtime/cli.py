@@ -158,10 +158,10 @@ def _client_command(args: argparse.Namespace) -> int:
     elif args.command == "wait-ready":
         _print_state(client.wait_ready(args.timeout), args.json)
     elif args.command == "ready":
-        state = client.state() if client.healthy() else None
+        current = client.state() if client.healthy() else None
         if not args.quiet:
-            print(state["phase"] if state else "runtime not reachable")
-        return 0 if state is not None and state["phase"] == "Ready" else 1
+            print(current["phase"] if current else "runtime not reachable")
+        return 0 if current is not None and current["phase"] == "Ready" else 1
     elif args.command == "shutdown":
         client.shutdown()
         print(json.dumps({"status": "shutting-down"}) if args.json else "runtime shutting down")

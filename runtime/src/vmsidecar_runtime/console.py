@@ -23,7 +23,7 @@ import os
 import socket
 import struct
 import termios
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import metrics
@@ -440,7 +440,7 @@ class ConsoleHub:
                 _drop(queue)
 
     @contextlib.contextmanager
-    def watch(self, callback: Callable[[bytes], None]) -> AsyncIterator[None]:  # type: ignore[misc]
+    def watch(self, callback: Callable[[bytes], None]) -> Iterator[None]:
         """Call ``callback`` with every new chunk while the context is open."""
         self._watchers.add(callback)
         try:

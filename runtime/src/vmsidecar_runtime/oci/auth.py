@@ -354,9 +354,9 @@ def _entry_credentials(path: Path, key: str, entry: dict) -> Credentials | None:
                 "write it again (e.g. printf %s USER:PASSWORD | base64 -w0) or log in again"
             )
         return Credentials(user, password, source)
-    user, password = entry.get("username"), entry.get("password")
-    if isinstance(user, str) and user and isinstance(password, str):
-        return Credentials(user, password, source)
+    username, secret = entry.get("username"), entry.get("password")
+    if isinstance(username, str) and username and isinstance(secret, str):
+        return Credentials(username, secret, source)
     return None
 
 

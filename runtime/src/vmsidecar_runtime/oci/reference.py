@@ -112,12 +112,12 @@ def parse_reference(text: str | Reference, *, look: bool = True) -> Reference:
     if ref.startswith(LAYOUT_SCHEME):
         return _parse_layout(ref, ref[len(LAYOUT_SCHEME) :])
     if ref.startswith(FILE_SCHEME):
-        path = ref[len(FILE_SCHEME) :]
-        if path.startswith("//"):
-            path = path[2:]
-        if not path:
+        named = ref[len(FILE_SCHEME) :]
+        if named.startswith("//"):
+            named = named[2:]
+        if not named:
             raise BadReferenceError(f"reference {ref!r} names no file; write file:/path/to/disk.qcow2")
-        return Reference(kind="file", path=_host_path(ref, path, look))
+        return Reference(kind="file", path=_host_path(ref, named, look))
     for prefix in _STRIPPED_SCHEMES:
         if ref.startswith(prefix):
             return _parse_registry(text, ref[len(prefix) :])

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
@@ -103,7 +104,7 @@ class RegistryClient:
             code="registry_unreachable",
         )
 
-    def _call(self, what: str, method: str, url: str, **kwargs) -> requests.Response:  # type: ignore[no-untyped-def]
+    def _call(self, what: str, method: str, url: str, **kwargs: Any) -> requests.Response:
         """Send a request through :class:`.transport.OrasRegistry`.
 
         :raise RegistryError: unreachable, TLS failed, or the request failed on the way.

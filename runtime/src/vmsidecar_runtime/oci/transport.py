@@ -122,10 +122,11 @@ class _Session(requests.Session):
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
     """Requests' adapter with our socket timeouts wherever the caller gave none (oras-py never does)."""
 
-    def send(self, request, **kwargs):  # type: ignore[no-untyped-def]
-        if kwargs.get("timeout") is None:
-            kwargs["timeout"] = (CONNECT_TIMEOUT, READ_TIMEOUT)
-        return super().send(request, **kwargs)
+    def send(self, request: requests.PreparedRequest, stream: bool = False,
+             timeout: float | tuple[float | None, float | None] | None = None, verify: bool | str = True,
+             cert: str | tuple[str, str] | None = None, proxies: dict[str, str] | None = None) -> requests.Response:
+        return super().send(request, stream, (CONNECT_TIMEOUT, READ_TIMEOUT) if timeout is None else timeout,
+                            verify, cert, proxies)
 
 
 class OrasRegistry(oras.provider.Registry):
@@ -138,6 +139,8 @@ class OrasRegistry(oras.provider.Registry):
     this class or oras' public API (constructor arguments, ``session``), never oras' private
     state: that is what lets runtime/pyproject.toml accept a range of oras versions.
     """
+
+    session: requests.Session
 
     def __init__(
         self,
@@ -179,7 +182,7 @@ class OrasRegistry(oras.provider.Registry):
         return (f"the credentials for {self.host} from {self._credentials.source} were not asked for (the registry "
                 "sent no challenge vmsidecar answers); check the registry's auth setup")
 
-    def do_request(  # type: ignore[override]
+    def do_request(
         self,
         url: str,
         method: str = "GET",
