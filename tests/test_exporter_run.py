@@ -16,6 +16,7 @@ import pytest
 
 from fixtures.jmp import RUNNER, exporter_config, jmp_env, start_runner, wait_listening
 from fixtures.ports import free_port
+from fixtures.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -121,6 +122,37 @@ async def test_in_place_reuse_under_a_controller_stays_for_the_next_lease(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_sigterm_while_the_driver_tree_is_built_stops_it_and_leaves_no_temporary_socket(tmp_path: Path) -> None:
+    """jumpstarter_cli 0.9.0's ``_handle_child`` starts its signal receiver at its first await, after the
+    exporter made its temporary sockets' directory and while it builds the driver tree: a SIGTERM there
+    (a pod deleted as it starts; test_dashboard stops an exporter once its metrics answer) took the
+    default action, and each left an empty ``jumpstarter-*`` directory in /tmp."""
+    sockets, marker, log = tmp_path / "run", tmp_path / "building", tmp_path / "runner.log"
+    sockets.mkdir()
+    cfg = tmp_path / "exporter.yaml"
+    exporter_config(cfg, {})  # the document's shape; its one export is replaced by the slow driver
+    cfg.write_text(cfg.read_text().replace(
+        "type: jumpstarter_driver_vmsidecar.driver.VirtualMachine",
+        "type: fixtures.slow_driver.SlowToBuild").replace("config: {}", f"config: {{marker: {marker}}}"))
+    env = jmp_env() | {"XDG_RUNTIME_DIR": str(sockets), "PYTHONPATH": str(Path(__file__).parent)}
+    proc = start_runner(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{free_port()}",
+                         "--tls-grpc-insecure"], env, log)
+    try:
+        def building() -> bool:
+            return (marker.exists() and any(sockets.glob("jumpstarter-*"))) or proc.poll() is not None
+
+        wait_until(building, 60, "the exporter to build its driver tree", detail=lambda: log.read_text(errors="replace"))
+        assert proc.poll() is None, log.read_text(errors="replace")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert code == 0 and "exporter stopped by SIGTERM" in text, (code, text[-3000:])
+    assert list(sockets.iterdir()) == [], text[-3000:]
 
 
 def test_other_subcommands_go_to_jmp(tmp_path: Path) -> None:

@@ -65,14 +65,53 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: the signals ``jmp run``'s child stops on
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+class _Stopped(BaseException):
+    """A stop signal that came before the exporter's own receiver listened (see :func:`_serve_once`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _stopped_by(exc: BaseException) -> int | None:
+    """The signal of a :class:`_Stopped` in ``exc`` (anyio's task groups wrap it in groups), else None."""
+    if isinstance(exc, _Stopped):
+        return exc.signum
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (signum := _stopped_by(inner)) is not None:
+                return signum
+    return None
+
+
 def _serve_once(config: object, args: argparse.Namespace, bind: tuple[str, int] | None) -> int:
-    """One exporter lifetime (what ``jmp run``'s child does); its exit code."""
+    """One exporter lifetime (what ``jmp run``'s child does); its exit code.
+
+    ``_handle_child`` starts its signal receiver at its first await, after the exporter has made its
+    temporary sockets' directory and while it builds the driver tree (which may probe hardware): a
+    signal then took the default action, ending the process where it stood, the directory left in
+    /tmp. Until that receiver replaces them, these handlers unwind the exporter (its ``with`` blocks
+    remove what they made) and end it as the receiver would have."""
     from jumpstarter_cli.run import _handle_child
 
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_stopped)
     try:
         _handle_child(config, bind, args.tls_grpc_insecure, args.tls_cert, args.tls_key, args.passphrase)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        if (signum := _stopped_by(e)) is None:
+            raise
+        return 128 + signum
     return 1  # _handle_child always exits
 
 
