@@ -15,7 +15,6 @@ from fixtures.waiting import wait_until
 
 ROOT = Path(__file__).parents[1]
 ENV = {**os.environ, "CONTAINERS_CONF": str(ROOT / "container" / "containers.conf")}
-VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
 
 
 def run(*argv: str, timeout: float = 900, env: dict[str, str] | None = None) -> str:

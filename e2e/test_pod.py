@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import PIPE_UNTIL, jmp_env
+from fixtures.jmp import PIPE_UNTIL, VM_TYPE, jmp_env
 from fixtures.ports import free_port
 
-from .podman import ENV, ROOT, VM_TYPE, Pod, run
+from .podman import ENV, ROOT, Pod, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from fixtures.jmp import PIPE_UNTIL
+from fixtures.jmp import PIPE_UNTIL, VM_TYPE
 
-from .podman import ENV, VM_TYPE, Pod
+from .podman import ENV, Pod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

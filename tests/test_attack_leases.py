@@ -25,7 +25,7 @@ import pytest
 
 from fixtures.events import collecting
 from fixtures.faults import ThrottleProxy, wait_phase
-from fixtures.jmp import temp_sockets_in
+from fixtures.jmp import VM_TYPE, temp_sockets_in
 from fixtures.registry import push_incompressible
 from fixtures.vmdev import in_background_until_listening
 from fixtures.waiting import wait_until_async
@@ -34,7 +34,6 @@ from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(600)
 
-VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
 SLOW_REPO = "attack/lease-flash:1"
 #: slow enough that the 16 MiB layer takes minutes: the pull is still running at every step below
 CRAWL = 64 << 10

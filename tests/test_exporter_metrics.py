@@ -20,13 +20,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fixtures.jmp import RUNNER, exporter_config, jmp_env, start_runner
+from fixtures.jmp import RUNNER, VM_TYPE, exporter_config, jmp_env, start_runner
 from fixtures.ports import free_port
 from fixtures.waiting import wait_until, wait_until_async
 from jumpstarter_driver_vmsidecar.metrics import _exported_as
 from jumpstarter_driver_vmsidecar.metrics_http import MAX_CLIENTS, parse_listen
 
-VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
 METRIC_NAMES = {"vmsidecar_exporter_leases_total", "vmsidecar_exporter_driver_calls_total",
                 "vmsidecar_exporter_lease_duration_seconds_count", "vmsidecar_exporter_lease_duration_seconds_sum"}
 

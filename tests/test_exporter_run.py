@@ -14,13 +14,11 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import RUNNER, exporter_config, jmp_env, start_runner, wait_listening
+from fixtures.jmp import RUNNER, VM_TYPE, exporter_config, jmp_env, start_runner, wait_listening
 from fixtures.ports import free_port
 from fixtures.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(600)
-
-VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
 
 
 def _children(pid: int) -> list[str]:
@@ -131,11 +129,7 @@ def test_a_sigterm_while_the_driver_tree_is_built_stops_it_and_leaves_no_tempora
     default action, and each left an empty ``jumpstarter-*`` directory in /tmp."""
     sockets, marker, log = tmp_path / "run", tmp_path / "building", tmp_path / "runner.log"
     sockets.mkdir()
-    cfg = tmp_path / "exporter.yaml"
-    exporter_config(cfg, {})  # the document's shape; its one export is replaced by the slow driver
-    cfg.write_text(cfg.read_text().replace(
-        "type: jumpstarter_driver_vmsidecar.driver.VirtualMachine",
-        "type: fixtures.slow_driver.SlowToBuild").replace("config: {}", f"config: {{marker: {marker}}}"))
+    cfg = exporter_config(tmp_path / "exporter.yaml", {"marker": str(marker)}, driver="fixtures.slow_driver.SlowToBuild")
     env = jmp_env() | {"XDG_RUNTIME_DIR": str(sockets), "PYTHONPATH": str(Path(__file__).parent)}
     proc = start_runner(["--exporter-config", str(cfg), "--tls-grpc-listener", f"127.0.0.1:{free_port()}",
                          "--tls-grpc-insecure"], env, log)

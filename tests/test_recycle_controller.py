@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 
-from fixtures.jmp import PIPE_UNTIL
+from fixtures.jmp import PIPE_UNTIL, VM_TYPE
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.state import VmState
 
 pytestmark = pytest.mark.timeout(900)
 
-VM_TYPE = "jumpstarter_driver_vmsidecar.driver.VirtualMachine"
 
 LEASE_ONE = PIPE_UNTIL + r"""
 j vm power on
