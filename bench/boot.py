@@ -80,10 +80,10 @@ async def bench(image: str, runs: int, backend: str, trees: dict[str, Path | Non
               f"recycle→Ready median {result['recycle_median']:.3f} s; recycle/cold {result['ratio']:.2f} "
               f"({runs} runs, cached image)")
     if len(trees) > 1:
-        first, *others = trees
+        base, *others = trees
         for name in others:
-            print(f"{name} ÷ {first}: start→Ready {results[name]['cold_median'] / results[first]['cold_median']:.3f}, "
-                  f"recycle→Ready {results[name]['recycle_median'] / results[first]['recycle_median']:.3f}")
+            print(f"{name} ÷ {base}: start→Ready {results[name]['cold_median'] / results[base]['cold_median']:.3f}, "
+                  f"recycle→Ready {results[name]['recycle_median'] / results[base]['recycle_median']:.3f}")
     if create:
         print(f"libvirt createXML median {statistics.median(create):.2f} s (min {min(create):.2f}, "
               f"max {max(create):.2f}, {len(create)} domains)")

@@ -68,7 +68,7 @@ async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles:
             state = await client.wait_stored(300)  # the capture is stored just after Ready
         assert state.snapshot.form == form and state.snapshot.available, state.snapshot
         paused = state.snapshot.capture_seconds or 0.0
-        print(f"  captured {form}: {paused} s, {state.snapshot.size / 2**20:.0f} MB", flush=True)
+        print(f"  captured {form}: {paused} s, {(state.snapshot.size or 0) / 2**20:.0f} MB", flush=True)
         times = []
         async with RuntimeClient(rt.socket) as client:
             for _ in range(recycles):

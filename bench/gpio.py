@@ -179,9 +179,9 @@ async def measure(rt: RuntimeProcess, spec: dict[str, Any], runs: int) -> None:
     from jumpstarter_driver_vmsidecar.driver import VirtualMachine
 
     serving = serve(VirtualMachine(socket=str(shared / "api.sock"), spec=spec, recycle="InPlaceReuse"))
-    client = await asyncio.to_thread(serving.__enter__)
+    driver_client = await asyncio.to_thread(serving.__enter__)
     try:
-        button, led = client.gpio.children["button"], client.gpio.children["led"]
+        button, led = driver_client.gpio.children["button"], driver_client.gpio.children["led"]
 
         async def call_ms(fn: Callable[[], Any]) -> float:
             t0 = time.perf_counter()
