@@ -166,7 +166,6 @@ class QemuBackend:
         self._readers = [asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
                          asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr")]
         self._watcher = asyncio.create_task(self._watch_exit(), name="qemu-wait")
-        self._tasks = [*self._readers, self._watcher]
         await self._connect_qmp(qmp_timeout)
         self._pipes.remove_links()  # QEMU has opened its chardevs
         # held before a restore's load, so QEMU accepts it while the load's commands run and the
@@ -465,11 +464,7 @@ class QemuBackend:
     def _reap_beside(self) -> None:
         proc = self._proc
         assert proc is not None
-        self._reports_exit = False
-        # Its watcher and readers outlive ``close``: reaped means the process *and* its pipes read
-        # to their end; a pipe left open when the loop closes is a transport collected on a closed
-        # loop ("Event loop is closed", seen in the suite).
-        self._tasks = [t for t in self._tasks if t not in (*self._readers, self._watcher)]
+        self._reports_exit = False  # and ``close`` leaves the exit's watcher and readers to this reap
 
         async def reap() -> None:
             if not await self.wait_exit(30):  # an exit stuck in the kernel: nothing more to do than ask again
@@ -506,10 +501,16 @@ class QemuBackend:
             with contextlib.suppress(Exception):
                 await self._qmp.disconnect()
             self._qmp = None
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        # reaped beside the next boot (``_reap_beside``), the exit's watcher and readers outlive this:
+        # reaped means the process *and* its pipes read to their end (a pipe left open when the loop
+        # closes is a transport collected on a closed loop, "Event loop is closed", seen in the suite)
+        if self._reports_exit:
+            tasks += [t for t in (*self._readers, self._watcher) if t is not None]
+        for task in tasks:
             if not task.done():
                 task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []

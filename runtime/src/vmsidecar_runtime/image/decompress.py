@@ -38,24 +38,10 @@ class DecoderMemoryError(Exception):
     """The stream asks its decoder for more memory than allowed; the message says how much."""
 
 
-class ChunkStream(io.RawIOBase):
-    """A raw stream whose subclasses implement ``read`` (handing on whole chunks without a copy);
-    ``readinto``, which the io machinery calls, goes through it."""
-
-    def readable(self) -> bool:
-        """Always: these streams are read-only."""
-        return True
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        """Fill ``buffer`` from ``read``."""
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-
 class RawSource(io.RawIOBase):
-    """A read-only raw stream whose subclasses implement ``readinto``; its ``read`` is a
-    :class:`ByteSource`'s (a blocking stream never returns the ``None`` of a non-blocking one)."""
+    """A read-only raw stream whose ``read`` is a :class:`ByteSource`'s (a blocking stream never
+    returns the ``None`` of a non-blocking one); subclasses implement ``readinto``, or ``read``
+    (:class:`ChunkStream`)."""
 
     def readable(self) -> bool:
         """Always: these streams are read-only."""
@@ -64,6 +50,17 @@ class RawSource(io.RawIOBase):
     def read(self, size: int = -1, /) -> bytes:
         """Up to ``size`` bytes (all that is left for a negative one), ``b""`` at the end."""
         return super().read(size) or b""
+
+
+class ChunkStream(RawSource):
+    """A raw stream whose subclasses implement ``read`` (handing on whole chunks without a copy);
+    ``readinto``, which the io machinery calls, goes through it."""
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        """Fill ``buffer`` from ``read``."""
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
 
 class _Prefixed(RawSource):
