@@ -1,7 +1,7 @@
 """Attack: a CAN bus carries nothing of one lease into the next (docs/security.md).
 
 jumpstarter 0.9.0 builds a lease's driver tree before its ``reset()`` claims the VM, and a claim or
-a recycle swaps the guest behind the same ``can/<bus>.sock``. Three ways lease N reached lease N+1:
+a recycle swaps the guest behind the same ``can/<bus>.sock``. Four ways lease N reached lease N+1:
 
 - lease N+1's bus, connected when its tree was built, queued what lease N's guest sent until the
   claim and handed it out at its first ``recv``;
@@ -9,6 +9,9 @@ a recycle swaps the guest behind the same ``can/<bus>.sock``. Three ways lease N
   and sent into the restored guest of lease N+1;
 - a tree whose runtime was not up at ``reset()`` kept retrying the claim after its ``close()``: a
   late claim would recycle the next lease's guest under it.
+- a periodic send with a period of hours (the exported ``Can._send_periodic_internal`` takes any
+  period, and any number of sends) kept its thread and bus for that long after the lease ended, so
+  the exporter's threads piled up lease after lease.
 
 Real guests under QEMU (the tiny image: ``cansend``, ``candump``, slcand on a virtio console); the
 one fake socket stands in for the runtime where what is tested is the bus's own bookkeeping.
@@ -17,6 +20,7 @@ one fake socket stands in for the runtime where what is tested is the bus's own 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -31,7 +35,7 @@ from fixtures.runtime import RuntimeProcess
 from fixtures.vmdev import vm_runtime
 from fixtures.waiting import wait_until
 from jumpstarter_driver_vmsidecar.driver import VirtualMachine
-from jumpstarter_driver_vmsidecar.slcan import VmsidecarSlcanBus
+from jumpstarter_driver_vmsidecar.slcan import MAX_PERIODIC_SENDS, VmsidecarSlcanBus
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import clean_environ
 from vmsidecar_images.console import Console
@@ -273,3 +277,77 @@ def test_the_spec_retry_of_the_start_up_tree_outlives_its_close(
         wait_until(lambda: asyncio.run(spec_arrived()), 20, "the start-up tree's spec to reach the runtime")
     finally:
         rt.stop()
+
+
+# ---- item 4: a lease's periodic sends end with it, and are bounded -------------------------------
+@pytest.fixture()
+def slcan_can(tmp_path: Path) -> Iterator[Any]:
+    """Upstream's ``Can`` driver on our bus, the socket served by a listener that reads and drops
+    (the runtime's side does not matter here: what is tested is the exporter's threads)."""
+    from jumpstarter_driver_can.driver import Can
+
+    path = tmp_path / "can0.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                threading.Thread(target=lambda c=conn: all(iter(lambda: c.recv(65536), b"")),
+                                 daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    driver = Can(channel=f"{path};bitrate=500000", interface="vmsidecar-slcan")
+    try:
+        yield driver
+    finally:
+        driver.bus.shutdown()
+        listener.close()
+
+
+def _frame() -> Any:
+    from jumpstarter_driver_can.common import CanMessage
+
+    return CanMessage.construct(can.Message(arbitration_id=PERIODIC_ID, data=b"\x01", is_extended_id=False))
+
+
+def test_a_periodic_send_of_a_long_period_ends_its_thread_with_the_lease(slcan_can: Any) -> None:
+    """A lease holder starts periodic sends with a period of an hour (the exported
+    ``Can._send_periodic_internal`` takes any) and ends the lease: the tree's bus shutdown must end
+    their threads then, not when their sleep of an hour ends (before: python-can's thread slept out
+    the whole period after its stop, holding its bus, and lease after lease they piled up)."""
+    slcan_can._send_periodic_internal([_frame()], 3600.0)
+    slcan_can._send_periodic_internal([_frame()], 3600.0, 7200.0)
+    threads = [t for t in threading.enumerate() if t.name.startswith("Cyclic send task")]
+    assert len(threads) >= 2, "the periodic sends started no thread"
+    slcan_can.bus.shutdown()  # what VirtualMachine._shut_can_down does at the lease's end
+    deadline = time.monotonic() + 5
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"{len(alive)} periodic send threads outlived the bus's shutdown by 5 s"
+
+
+@pytest.mark.parametrize("period", [float("nan"), float("inf"), -1.0, 0.0, 1e-6, 1e9])
+def test_a_periodic_send_period_outside_a_millisecond_to_a_day_is_refused(slcan_can: Any, period: float) -> None:
+    """python-can takes any float: NaN and inf failed inside it with its own words, a negative or
+    zero period sent as fast as the bus goes, a period of years held a thread for years."""
+    with pytest.raises(ValueError, match=r"period must be a number of seconds from 0\.001 to 86400"):
+        slcan_can._send_periodic_internal([_frame()], period)
+    with pytest.raises(ValueError, match="duration must be a number of seconds"):
+        slcan_can._send_periodic_internal([_frame()], 1.0, float("nan"))
+
+
+def test_periodic_sends_are_bounded_per_bus(slcan_can: Any) -> None:
+    """Each periodic send is a thread of the exporter: a lease holder may not start them without
+    bound (the exporter's threads are every lease's). The cap counts sends that run."""
+    held = slcan_can._send_periodic_internal([_frame()], 60.0, None, False)  # made, not started
+    tasks = [slcan_can._send_periodic_internal([_frame()], 60.0) for _ in range(MAX_PERIODIC_SENDS)]
+    with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends already run on"):
+        slcan_can._send_periodic_internal([_frame()], 60.0)
+    with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends already run on"):
+        slcan_can._start_task(held)  # upstream's exported restart counts too
+    slcan_can._stop_task(tasks[0])
+    slcan_can._send_periodic_internal([_frame()], 60.0)  # one stopped: room for one

@@ -34,6 +34,8 @@ from typing import Any
 
 import can
 
+from vmsidecar_contract.endpoints import MAX_WAIT_S
+
 from .arguments import seconds_or_none
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1
 #: the longest SLCAN line is an extended data frame with a timestamp (T + 8 + 1 + 16 + 4 = 30);
 #: anything longer is not SLCAN, and is dropped up to the next CR instead of being buffered
 MAX_LINE = 64
+#: periodic sends running at once on one bus: each is a thread of the exporter, whose threads serve
+#: every lease (a lease holder calls the exported Can._send_periodic_internal as often as they like)
+MAX_PERIODIC_SENDS = 64
 #: received frames kept for python-can's recv (a guest writing faster than the test reads loses
 #: the oldest; a minute of a saturated 1 Mbit/s bus is ~500,000, so this is seconds of backlog)
 RX_LIMIT = 10_000
@@ -89,6 +94,61 @@ def decode(line: bytes, channel: Any = None) -> can.Message | None:
                        is_remote_frame=remote, dlc=dlc, data=data, channel=channel, is_rx=True)
 
 
+def _period(value: Any) -> float:
+    """A periodic send's period: a number of seconds from 1 ms to a day (python-can takes any float:
+    NaN failed inside it, zero or less sent as fast as the bus goes, years held a thread for years)."""
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0.001 <= value <= MAX_WAIT_S):  # (NaN compares false)
+        return float(value)
+    raise ValueError(f"period must be a number of seconds from 0.001 to {MAX_WAIT_S:g}; got {value!r:.100}")
+
+
+class _PeriodicSend(can.broadcastmanager.ThreadBasedCyclicSendTask):
+    """python-can's thread-based periodic send, except that its wait for the next frame ends at
+    ``stop``: python-can's thread sleeps out the period after a stop, so a lease's send with a
+    period of hours kept its thread and bus for hours after the lease, and the exporter's threads
+    (every lease's) piled up. Its loop is python-can 4's ``_run`` with that one wait changed."""
+
+    def __init__(self, bus: VmsidecarSlcanBus, lock: threading.Lock, messages: Sequence[can.Message] | can.Message,
+                 period: float, duration: float | None, on_error: Callable[[Exception], bool],
+                 modifier_callback: Callable[[can.Message], None] | None) -> None:
+        self._woken = threading.Event()
+        super().__init__(bus, lock, messages, period, duration, on_error, False, modifier_callback)
+
+    def stop(self) -> None:
+        super().stop()
+        self._woken.set()
+
+    def start(self) -> None:
+        def start() -> None:
+            self._woken.clear()
+            super(_PeriodicSend, self).start()
+
+        bus = self.bus
+        assert isinstance(bus, VmsidecarSlcanBus)
+        bus._start_periodic_send(self, start)
+
+    def _run(self) -> None:
+        index = 0
+        due = time.perf_counter()
+        while not self.stopped:
+            if self.end_time is not None and time.perf_counter() >= self.end_time:
+                self.stop()
+                break
+            try:
+                if self.modifier_callback is not None:
+                    self.modifier_callback(self.messages[index])
+                with self.send_lock:
+                    self.bus.send(self.messages[index])
+            except Exception as exc:
+                if self.on_error is None or not self.on_error(exc):
+                    self.stop()
+                    break
+            due += self.period
+            index = (index + 1) % len(self.messages)
+            self._woken.wait(max(0.0, due - time.perf_counter()))
+
+
 class VmsidecarSlcanBus(can.BusABC):
     """python-can interface ``vmsidecar-slcan``: channel = path of the runtime's CAN bus socket."""
 
@@ -121,6 +181,7 @@ class VmsidecarSlcanBus(can.BusABC):
         #: periodic sends started on this bus, also those upstream's ``Can`` driver starts without
         #: ``send_periodic`` (BusABC.shutdown stops only the ones that one recorded)
         self._cyclic: weakref.WeakSet[can.broadcastmanager.CyclicSendTaskABC] = weakref.WeakSet()
+        self._periodic_lock = threading.Lock()  # one periodic frame on the socket at a time
         # no connection yet: whoever is behind the socket now may be the previous lease's guest
         super().__init__(channel=channel, **kwargs)
 
@@ -370,18 +431,38 @@ class VmsidecarSlcanBus(can.BusABC):
         autostart: bool = True,
         modifier_callback: Callable[[can.Message], None] | None = None,
     ) -> can.broadcastmanager.CyclicSendTaskABC:
+        period = _period(period)
+        duration = seconds_or_none(duration, "duration")
         with self._lock:  # (shutdown stops, under this lock, every task started before it)
             if self._closed.is_set():
                 raise self._shut_down()
-            task = super()._send_periodic_internal(msgs, period, duration, False, modifier_callback)
-            # BusABC's own: a thread per task. A send that fails (the bus shut down, its connection
-            # ended) ends the task with a warning, not an exception left unhandled in its thread
-            assert isinstance(task, can.broadcastmanager.ThreadBasedCyclicSendTask)
-            task.on_error = self._periodic_send_failed
+            self._room_for_periodic_send()
+            # a send that fails (the bus shut down, its connection ended) ends the task with a warning,
+            # not an exception left unhandled in its thread
+            task = _PeriodicSend(self, self._periodic_lock, msgs, period, duration, self._periodic_send_failed,
+                                 modifier_callback)
             self._cyclic.add(task)
         if autostart:
             task.start()
         return task
+
+    def _room_for_periodic_send(self, starting: object = None) -> None:
+        """Raise unless another periodic send may run (called under ``_lock``).
+
+        :raise ValueError: ``MAX_PERIODIC_SENDS`` run already (``starting`` not counted)."""
+        if sum(1 for task in self._cyclic if task is not starting and not getattr(task, "stopped", True)) \
+                >= MAX_PERIODIC_SENDS:
+            raise ValueError(f"{MAX_PERIODIC_SENDS} periodic sends already run on the CAN bus {self.channel}; "
+                             "stop one (CanClient: task.stop()) before starting another")
+
+    def _start_periodic_send(self, task: _PeriodicSend, start: Callable[[], None]) -> None:
+        """Start (or restart: upstream's exported ``Can._start_task``) ``task`` within the cap, and
+        never on a bus that was shut down."""
+        with self._lock:
+            if self._closed.is_set():
+                raise self._shut_down()
+            self._room_for_periodic_send(task)
+            start()
 
     def _periodic_send_failed(self, exc: Exception) -> bool:
         log.warning("a periodic send on the CAN bus %s stopped: %s", self.channel, exc)
@@ -395,6 +476,10 @@ class VmsidecarSlcanBus(can.BusABC):
         for task in tasks:
             with contextlib.suppress(Exception):
                 task.stop()
+        deadline = time.monotonic() + 1.0  # (woken at once; one may be in a paced send)
+        for task in tasks:
+            if isinstance(task, _PeriodicSend) and task.thread is not None:
+                task.thread.join(max(0.0, deadline - time.monotonic()))
         with self._rx_ready:
             self._rx.clear()
             self._rx_ready.notify_all()  # a recv waiting for a frame ends now
