@@ -285,3 +285,37 @@ async def test_what_a_client_typed_before_it_went_away_reaches_the_guest(tmp_pat
                            "the command to reach the guest",
                            detail=lambda: f"the guest got {bytes(chardev.received)!r}")
     await hub.close()
+
+
+async def test_connections_beyond_the_cap_are_told_and_closed_and_memory_stays_bounded(tmp_path: Path) -> None:
+    """A lease holder opens console streams by the thousand (one driver call each) and reads none:
+    each copied the whole scrollback into the runtime, with no bound on how many there were (1,500
+    streams took the runtime from 38 to 424 MiB). Past the cap a connection gets one line naming
+    the cap and is closed; one of the clients leaving makes room again."""
+    from vmsidecar_runtime.console import MAX_CLIENTS
+
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("ttyS0", tmp_path / "console.sock")  # 256 KiB of scrollback, the default
+    await hub.listen()
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    chardev.emit(os.urandom(256 * 1024))
+    await chardev.writer.drain()  # type: ignore[union-attr]
+    await wait_until_async(lambda: hub.bytes_seen == 256 * 1024, 5, "the hub to drain the scrollback")
+    before = _rss_mib()
+    held = [await asyncio.open_unix_connection(str(hub.listen_path)) for _ in range(MAX_CLIENTS)]
+    await wait_until_async(lambda: len(hub._clients) == MAX_CLIENTS, 10, "the hub to take its clients in")
+    extra = [await asyncio.open_unix_connection(str(hub.listen_path)) for _ in range(4 * MAX_CLIENTS)]
+    for reader, _ in extra:
+        said = await asyncio.wait_for(reader.read(), 10)  # the refusal, then EOF
+        assert said.startswith(b"\r\nvmsidecar: ") and f"at most {MAX_CLIENTS}".encode() in said, said[:200]
+    assert len(hub._clients) == MAX_CLIENTS
+    assert _rss_mib() - before < 48, "the refused connections held memory"
+    reader, writer = held.pop()
+    writer.close()
+    await wait_until_async(lambda: len(hub._clients) == MAX_CLIENTS - 1, 5, "the hub to see a client leave")
+    reader, _ = await asyncio.open_unix_connection(str(hub.listen_path))
+    assert (await asyncio.wait_for(reader.readexactly(1024), 5)) != b"", "no scrollback for the next client"
+    await wait_until_async(lambda: len(hub._clients) == MAX_CLIENTS, 5, "the hub to take the next client in")
+    await hub.close()

@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import termios
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,6 +38,9 @@ CLIENT_QUEUE_CHUNKS = 1024
 #: bytes a slow client may fall behind before it is disconnected: chunks are up to 64 KiB, so the
 #: chunk bound alone would let each client that never reads hold 64 MiB of the runtime's memory
 CLIENT_QUEUE_BYTES = 1 << 20
+#: clients of one stream at once: each may hold up to CLIENT_QUEUE_BYTES of the runtime's memory, and a
+#: lease holder opens one per driver call
+MAX_CLIENTS = 64
 #: input held while the guest moves to a new backend process (a tty line is 4 KiB; more is dropped)
 HELD_INPUT_BYTES = 64 << 10
 
@@ -177,6 +181,7 @@ class ConsoleHub:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._client_tasks: set[asyncio.Task[None]] = set()
+        self._refusal_logged_at = float("-inf")
         self._upstream: asyncio.StreamWriter | None = None
         #: the output pipe's transport when the backend serves this stream through pipes
         self._upstream_output: asyncio.BaseTransport | None = None
@@ -218,10 +223,27 @@ class ConsoleHub:
                 log.warning("console %s: cannot accept a client: %s", self.name, e)
                 await asyncio.sleep(0.5)
                 continue
+            if len(self._client_tasks) >= MAX_CLIENTS:
+                self._refuse(conn)
+                continue
             conn.setblocking(False)
             task = asyncio.create_task(self._serve_client(conn))
             self._client_tasks.add(task)
             task.add_done_callback(self._client_tasks.discard)
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Tell a connection past the cap why it ends, and end it (a new socket's buffer holds the line)."""
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= 10:  # (a flood of connections is not a flood of log lines)
+            self._refusal_logged_at = now
+            log.warning("console %s: refusing clients: %d are connected, the most it serves", self.name,
+                        MAX_CLIENTS)
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(f"\r\nvmsidecar: the {self.name} console serves at most {MAX_CLIENTS} clients at once; "
+                      "close one and connect again\r\n".encode())
+            conn.shutdown(socket.SHUT_WR)
+        conn.close()
 
     async def _serve_client(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
