@@ -239,6 +239,26 @@ async def test_close_and_kill_end_the_hypervisor(fake_vm: Build, fake_images: Im
     assert second.hv.current.exit_info is not None and second.hv.current.exit_info.signal == 9
 
 
+async def test_a_stopped_or_crashed_guest_has_no_forward_address(fake_vm: Build, fake_images: Images) -> None:
+    """A forward's host port is QEMU's only while QEMU runs: after a power-off, a crash or a recycle
+    without a boot, the state used to report the old port, and the forward driver connected to
+    whatever process of the pod bound it next (it says "power the VM on first" when there is none)."""
+    fvm = await fake_vm(fake_spec(fake_images.base, network={"forwards": [{"name": "ssh", "guest_port": 22}]}))
+    await ready(fvm)
+    assert set(fvm.vm.state().forwards) == {"ssh"}
+    await fvm.vm.power_off(graceful=False)
+    assert fvm.vm.state().forwards == {}, "a stopped guest reported a forward"
+    await ready(fvm)
+    assert set(fvm.vm.state().forwards) == {"ssh"}
+    await fvm.hv.current.crash()
+    await until(fvm.vm, C)
+    assert fvm.vm.state().forwards == {}, "a crashed guest reported a forward"
+    await ready(fvm)
+    await fvm.vm.claim()
+    await fvm.vm.recycle(boot=False)
+    assert fvm.vm.state().forwards == {}, "the next generation, not booted, reported the last one's forward"
+
+
 # ---- reset, reboot, cycle ------------------------------------------------------------------------
 async def test_reset_starts_a_new_boot_on_the_same_disk(fake_vm: Build, fake_images: Images) -> None:
     fvm = await fake_vm(fake_spec(fake_images.base))

@@ -84,9 +84,10 @@ class Machine:
         return self.backend is not None and self.backend.alive
 
     def forwards(self) -> dict[str, str]:
-        """Each network forward's host address, once a boot plan has given it a port."""
+        """Each network forward's host address while a backend holds its port: once that is gone
+        (stopped, crashed, a recycle without a boot) the port may be any process's of the pod."""
         plan = self.plan
-        if plan is None:
+        if plan is None or not self.alive:
             return {}
         return {f.name: f"{f.host_address}:{plan.ports[f.name]}" for f in plan.spec.network.forwards
                 if f.name in plan.ports}
