@@ -17,10 +17,12 @@ import contextlib
 import os
 import random
 import re
+import select
 import socket
 import struct
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
@@ -29,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from fixtures import libslirp
 from fixtures.runtime import BACKENDS
 from vmsidecar_contract.spec import Network, VmSpec
 from vmsidecar_images.console import Console
@@ -256,6 +259,32 @@ def _ipv6(dst: str, next_header: int = 6, port: int = 80) -> bytes:
     (_ipv6("fec0::3", next_header=17, port=53), False, False),
     (_ipv6("fec0::2", next_header=58), False, False),          # neighbour discovery
     (_ipv6("fd00:ec2::254"), True, True),
+    # slirp 4.7.0 connects the limited broadcast to the pod's 127.0.0.1 and all-nodes to its ::1;
+    # the pod's kernel loops multicast back to the pod's own sockets on 0.0.0.0 / ::
+    (_ipv4("255.255.255.255"), True, False),
+    (_ipv4("255.255.255.255", proto=17, port=8080), True, False),
+    (_ipv4("255.255.255.255", proto=1), True, False),          # no ping socket: slirp echoes to 127.0.0.1:7
+    (_ipv4("255.255.255.255", proto=17, port=67), False, False),  # DHCP discover: slirp's bootp answers
+    (_fragment(_ipv4("255.255.255.255", proto=17, port=67)), True, False),
+    (_ipv4("10.0.2.255", proto=17, port=8080), True, False),   # slirp's own broadcast
+    (_ipv4("224.0.0.1", proto=17, port=8080), True, False),    # all hosts: the pod itself
+    (_ipv4("239.255.255.250", proto=17, port=1900), True, False),
+    (_ipv4("224.0.0.22", proto=2), True, False),               # IGMP (slirp drops it anyway)
+    (_ipv6("ff02::1"), True, False),                           # all nodes: slirp's ::1
+    (_ipv6("ff02::1", next_header=17, port=8080), True, False),
+    (_ipv6("ff02::fb", next_header=17, port=5353), True, False),
+    (_ipv6("ff05::1:3", next_header=17, port=547), True, False),
+    (_ipv6("ff02::1:2", next_header=17, port=8080), True, False),
+    (_ipv6("ff02::1:2", next_header=17, port=547), False, False),  # DHCPv6: slirp answers
+    (_ipv6("ff02::2", next_header=58), False, False),          # router solicitation
+    (_ipv6("ff02::1:ff00:2", next_header=58), False, False),   # neighbour solicitation
+    # an IPv4 address inside IPv6: mapped (the kernel connects IPv4), compatible, NAT64's prefix
+    (_ipv6("::ffff:169.254.169.254"), True, True),
+    (_ipv6("::169.254.169.254"), True, True),
+    (_ipv6("64:ff9b::169.254.169.254"), True, True),
+    (_ipv6("64:ff9b::127.0.0.1"), True, False),
+    (_ipv6("64:ff9b::e000:1", next_header=17, port=8080), True, False),  # 224.0.0.1
+    (_ipv6("64:ff9b::192.0.2.10"), False, False),              # the outside through NAT64
     (SLIRP_MAC + GUEST_MAC + b"\x08\x06" + bytes(28), False, False),  # ARP
     (SLIRP_MAC + GUEST_MAC + b"\x80\x35" + bytes(46), False, False),  # RARP: QEMU's announce after a restore
     (SLIRP_MAC + GUEST_MAC + b"\x81\x00" + bytes(46), True, True),    # anything else (VLAN tag)
@@ -274,6 +303,9 @@ def test_the_pods_own_addresses_are_refused_like_its_loopback() -> None:
         assert refused(frame, Network(), local) is True  # the pod's own
         assert refused(frame, Network(allow_host_loopback=True), local) is False
     assert refused(_ipv4("10.88.0.8"), Network(), local) is False
+    nat64 = _ipv6("64:ff9b::10.88.0.7")  # an IPv4 address of the pod inside IPv6
+    assert refused(nat64, Network()) is False and refused(nat64, Network(), local) is True
+    assert refused(nat64, Network(allow_host_loopback=True), local) is False
     # the kernel's own tables: this namespace's loopback is among them
     assert int.from_bytes(socket.inet_aton("127.0.0.1"), "big") in LocalAddresses.read().v4
 
@@ -291,6 +323,10 @@ def test_refusal_is_an_icmp_the_guest_accepts() -> None:
     pseudo = answer6[22:54] + struct.pack("!I3xB", len(answer6) - 54, 58)
     assert _sum(pseudo + answer6[54:]) == 0
     assert refusal(_ipv4("127.0.0.1", proto=1)) is None  # never ICMP for ICMP
+    # nor for a broadcast or multicast (RFC 1122 3.2.2, RFC 4443 2.4)
+    for group in (_ipv4("255.255.255.255", proto=17), _ipv4("10.0.2.255", proto=17),
+                  _ipv4("224.0.0.1", proto=17), _ipv6("ff02::1", next_header=17)):
+        assert refused(group, Network()) and refusal(group) is None
 
 
 def _sum(data: bytes) -> int:
@@ -299,6 +335,94 @@ def _sum(data: bytes) -> int:
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF
+
+
+def _arrived_tcp(listener: socket.socket, deadline: float) -> int:
+    """Connections accepted until one came (or the deadline passed), then a short grace for more."""
+    count = 0
+    while True:
+        wait = max(0.0, deadline - time.monotonic()) if count == 0 else 0.1
+        if not select.select([listener], [], [], wait)[0]:
+            return count
+        listener.accept()[0].close()
+        count += 1
+
+
+def _arrived_udp(sock: socket.socket, control: bytes, deadline: float) -> list[bytes]:
+    """Datagrams received until ``control`` came (or the deadline passed), then a short grace for more."""
+    got: list[bytes] = []
+    while True:
+        wait = max(0.0, deadline - time.monotonic()) if control not in got else 0.1
+        if not select.select([sock], [], [], wait)[0]:
+            return got
+        got.append(sock.recv(2048))
+
+
+def test_what_the_guard_passes_to_the_real_libslirp_never_reaches_the_pods_loopback() -> None:
+    """The host's libslirp (QEMU's -netdev user, configured as QEMU configures it) behind the guard:
+    a broadcast or multicast frame from the guest must not reach a listener of the pod's loopback or a
+    socket of the pod on 0.0.0.0, while the same listeners receive slirp's usual alias of the loopback
+    (10.0.2.2, fec0::2), which the guard refuses and the test hands slirp itself: the test can see a
+    frame arrive. DHCP, DHCPv6 and NDP to their broadcast or multicast addresses pass and are answered."""
+    local, policy = LocalAddresses.read(), Network()
+    tcp4, udp4 = socket.socket(), socket.socket(type=socket.SOCK_DGRAM)
+    any4 = socket.socket(type=socket.SOCK_DGRAM)
+    tcp6, udp6 = socket.socket(socket.AF_INET6), socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    mapped = socket.socket()
+    with libslirp.Slirp() as slirp, tcp4, udp4, any4, tcp6, udp6, mapped:
+        for sock, address in ((tcp4, "127.0.0.1"), (udp4, "127.0.0.1"), (any4, "0.0.0.0"), (tcp6, "::1"),
+                              (udp6, "::1"), (mapped, "127.0.0.1")):
+            sock.bind((address, 0))
+        for sock in (tcp4, tcp6, mapped):
+            sock.listen(8)
+        p4, u4, w4, p6, u6, m4 = (s.getsockname()[1] for s in (tcp4, udp4, any4, tcp6, udp6, mapped))
+        v4, v6, syn, udp = libslirp.ipv4, libslirp.ipv6, libslirp.tcp_syn, libslirp.udp
+        attacks = {
+            "TCP 255.255.255.255 (slirp: 127.0.0.1)": v4("255.255.255.255", 6, syn(40001, p4)),
+            "UDP 255.255.255.255 (slirp: 127.0.0.1)": v4("255.255.255.255", 17, udp(40002, u4, b"bcast")),
+            "UDP 224.0.0.1 (looped back to 0.0.0.0)": v4("224.0.0.1", 17, udp(40003, w4, b"mcast")),
+            "TCP ff02::1 (slirp: ::1)": v6("ff02::1", 6, syn(40004, p6)),
+            "UDP ff02::1 (slirp: ::1)": v6("ff02::1", 17, udp(40005, u6, b"allnodes")),
+        }
+        passed = [name for name, frame in attacks.items() if not refused(frame, policy, local)]
+        for name in passed:
+            slirp.input(attacks[name])
+        controls = [v4("10.0.2.2", 6, syn(40011, p4)), v4("10.0.2.2", 17, udp(40012, u4, b"control")),
+                    v4("10.0.2.2", 17, udp(40013, w4, b"control")), v6("fec0::2", 6, syn(40014, p6)),
+                    v6("fec0::2", 17, udp(40015, u6, b"control"))]
+        for frame in controls:
+            assert refused(frame, policy, local)
+            slirp.input(frame)
+        deadline = time.monotonic() + 2
+        arrived = {"127.0.0.1 TCP": _arrived_tcp(tcp4, deadline), "::1 TCP": _arrived_tcp(tcp6, deadline),
+                   "127.0.0.1 UDP": _arrived_udp(udp4, b"control", deadline),
+                   "0.0.0.0 UDP": _arrived_udp(any4, b"control", deadline),
+                   "::1 UDP": _arrived_udp(udp6, b"control", deadline)}
+        where = f"libslirp {slirp.version}; passed by the guard: {passed}; arrived: {arrived}"
+        assert all(got in (1, [b"control"]) for got in arrived.values()), where
+
+        # IPv4 in IPv6: slirp hands ::ffff:a.b.c.d to the kernel, which connects a.b.c.d, so the
+        # guard must judge the IPv4 address (the metadata service, with the loopback open)
+        opened, loopback = Network(allow_host_loopback=True), v6("::ffff:127.0.0.1", 6, syn(40021, m4))
+        assert not refused(loopback, opened, local)
+        slirp.input(loopback)
+        assert _arrived_tcp(mapped, time.monotonic() + 2) == 1, f"libslirp {slirp.version}: ::ffff:127.0.0.1"
+        assert refused(v6("::ffff:169.254.169.254", 6, syn(40022, 80)), opened, local)
+
+        # what slirp answers itself still passes, and is answered
+        # (ethertype, protocol, at in the L4 header: bytes): to the guest's port 68, an RA, to its port 546
+        answers = (("DHCP discover", libslirp.dhcp_discover(), b"\x08\x00", 17, 2, b"\x00\x44"),
+                   ("router solicitation", libslirp.router_solicitation(), b"\x86\xdd", 58, 0, b"\x86"),
+                   ("DHCPv6", libslirp.dhcpv6_information_request(), b"\x86\xdd", 17, 2, b"\x02\x22"))
+        for name, frame, ethertype, proto, at, value in answers:
+            assert not refused(frame, policy, local), name
+            slirp.sent.clear()
+            slirp.input(frame)
+            ip4 = ethertype == b"\x08\x00"
+            l4 = 34 if ip4 else 54  # after IPv4's 20 or IPv6's 40 bytes of header
+            got = [f for f in slirp.sent if f[12:14] == ethertype and f[23 if ip4 else 20] == proto
+                   and f[l4 + at:l4 + at + len(value)] == value]
+            assert got, f"libslirp {slirp.version}: no answer to {name}: {slirp.sent}"
 
 
 def test_both_backends_route_the_nic_through_the_guard() -> None:

@@ -1,11 +1,16 @@
 """The guest's NIC guard: every frame the guest sends passes the runtime before QEMU's slirp.
 
-QEMU's user networking (slirp) connects whatever the guest addresses from the pod, and maps its
-own network to the pod's loopback: 10.0.2.2 (and any other 10.0.2.x but the DNS address) is the
-pod's 127.0.0.1, 10.0.2.3 is the pod's resolver on *every* port, fec0::/64 is ::1. So a guest —
-whose root is the lease holder — reaches every loopback listener of the pod (the exporter's gRPC
-port in standalone mode, health ports), and the cloud metadata service. QEMU 7.2 cannot turn the
-loopback mapping off (libslirp's ``disable_host_loopback`` is not exposed), and passt, the other
+QEMU's user networking (slirp) connects whatever the guest addresses from the pod, and maps some
+addresses to the pod's loopback. libslirp 4.7.0 (Debian 12's, QEMU 7.2's; ``sotranslate_out``)
+connects 10.0.2.2 *and the limited broadcast 255.255.255.255* to the pod's 127.0.0.1, every
+fec0::/64 address but the DNS one *and the all-nodes multicast ff02::1* to ::1, and 10.0.2.3 /
+fec0::3 port 53 to the pod's resolver (other ports there are not connected); other 10.0.2.x are
+connected as they are (older slirps mapped the whole 10.0.2.0/24 to 127.0.0.1). Multicast it sends
+as any socket does, and the pod's kernel loops it back to the pod's own sockets on 0.0.0.0 / ::;
+``::ffff:a.b.c.d`` it connects from an IPv6 socket, which the kernel turns into IPv4 a.b.c.d. So a
+guest — whose root is the lease holder — reaches every loopback listener of the pod (the exporter's
+gRPC port in standalone mode, health ports), and the cloud metadata service. QEMU 7.2 cannot turn
+the loopback mapping off (libslirp's ``disable_host_loopback`` is not exposed), and passt, the other
 unprivileged user-mode stack (Debian 12: 0.0~git20230309), still connects 127.0.0.1 for a guest
 that routes it out of eth0, never completes an inbound port forward here, and needs user
 namespaces that Kubernetes' default seccomp profile forbids (docs/decisions.md).
@@ -14,17 +19,23 @@ So the NIC keeps slirp, and a QEMU ``filter-redirector`` on the netdev's receive
 frame from the guest to the runtime (``net-out`` socket) instead of slirp; :class:`NetGuard`
 passes the allowed ones back (``net-in``, on to slirp) and answers the refused ones with an ICMP
 "administratively prohibited" to the guest (``net-back``: the guest's connect fails at once
-rather than timing out). slirp's frames to the guest are not filtered: they answer what passed.
-When the runtime is not connected, QEMU drops the guest's frames: the guard fails closed.
+rather than timing out; never for a broadcast or multicast). slirp's frames to the guest are not
+filtered: they answer what passed. When the runtime is not connected, QEMU drops the guest's
+frames: the guard fails closed.
 
 What the guest may not reach (:func:`refused`): the pod's loopback (127.0.0.0/8, 0.0.0.0/8,
 ::/96 with ::1, IPv4-mapped IPv6), the pod's own addresses (every local address of the runtime's
 network namespace — a listener bound to 0.0.0.0, like a standalone exporter's gRPC port, answers
-there too; re-read every few seconds, as a laptop's change), slirp's aliases of it (new connections to 10.0.2.0/24 and
-fec0::/64, except ICMP, DHCP to the gateway and DNS port 53 at 10.0.2.3 / fec0::3; the guest's side of
-a port forward's connection, which slirp shows as coming from 10.0.2.2, passes), and unless the
-spec allows it the metadata service (link-local 169.254.0.0/16, fd00:ec2::254, fd20:ce::254).
-``network.allow_host_loopback`` opens the first three again (slirp as it was).
+there too; re-read every few seconds, as a laptop's change), broadcast and multicast (the limited
+broadcast 255.255.255.255, 224.0.0.0/4, ff00::/8: slirp's or the kernel's way back to the pod,
+except what slirp answers itself: DHCP to 255.255.255.255:67, DHCPv6 to ff02::1:2 port 547, and
+ICMPv6 — neighbour discovery — which slirp never forwards), slirp's aliases of it (new connections
+to 10.0.2.0/24 and fec0::/64, except ICMP, DHCP to the gateway and DNS port 53 at 10.0.2.3 /
+fec0::3; the guest's side of a port forward's connection, which slirp shows as coming from
+10.0.2.2, passes), and unless the spec allows it the metadata service (link-local
+169.254.0.0/16, fd00:ec2::254, fd20:ce::254). An IPv4 address inside IPv6 (IPv4-mapped
+::ffff:0:0/96, IPv4-compatible ::/96, NAT64's 64:ff9b::/96) is judged as that IPv4 address too.
+``network.allow_host_loopback`` opens all but the metadata service again (slirp as it was).
 """
 
 from __future__ import annotations
@@ -65,6 +76,14 @@ _ETH_ADDRESSING = (0x0806, 0x8035)
 _V6_METADATA = frozenset(socket.inet_pton(socket.AF_INET6, a) for a in ("fd00:ec2::254", "fd20:ce::254"))
 _V6_ZERO96 = bytes(12)
 _V6_MAPPED = bytes(10) + b"\xff\xff"
+#: IPv6 prefixes whose last 32 bits are an IPv4 address some part of the pod's network connects:
+#: IPv4-compatible (::/96), IPv4-mapped (::ffff:0:0/96), NAT64's well-known prefix (64:ff9b::/96)
+_V6_EMBEDDING = (_V6_ZERO96, _V6_MAPPED, socket.inet_pton(socket.AF_INET6, "64:ff9b::")[:12])
+_BROADCAST = 0xFFFFFFFF
+_SLIRP_BROADCAST = SLIRP_NET | 0xFF
+#: DHCPv6's all-servers-and-relays group (link scope), which slirp answers itself
+_DHCP6_GROUP = socket.inet_pton(socket.AF_INET6, "ff02::1:2")
+_DHCP_PORT, _DHCP6_PORT = 67, 547
 
 
 #: how often the pod's own addresses are read again (a laptop's Wi-Fi changes them)
@@ -105,51 +124,84 @@ def _bare_syn(flags: int) -> bool:
     return bool(flags & 0x02 and not flags & 0x10)
 
 
+def _metadata4(dst: int) -> bool:
+    return dst >> 16 == 0xA9FE  # 169.254.0.0/16
+
+
+def _group4(dst: int) -> bool:
+    """A broadcast or multicast address: slirp's (10.0.2.255), the limited one, 224.0.0.0/4."""
+    return dst in (_BROADCAST, _SLIRP_BROADCAST) or dst >> 28 == 0xE
+
+
+def _pods4(dst: int, local: LocalAddresses) -> bool:
+    """The pod itself: its loopback, 0.0.0.0/8, its own addresses, and multicast and the limited
+    broadcast, which slirp (255.255.255.255 is its 127.0.0.1) or the pod's kernel (multicast loops
+    back to the pod's sockets on 0.0.0.0) deliver to the pod's listeners."""
+    return dst >> 24 in (0, 127) or dst in local.v4 or dst == _BROADCAST or dst >> 28 == 0xE
+
+
+def _port(l4: bytes) -> int:
+    return int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
+
+
 def _refused4(frame: bytes, policy: Network, local: LocalAddresses) -> bool:
     if len(frame) < 34 or frame[14] >> 4 != 4:
         return True
     ihl = (frame[14] & 0xF) * 4
     proto, dst = frame[23], int.from_bytes(frame[30:34], "big")
-    if not policy.allow_metadata and dst >> 16 == 0xA9FE:  # 169.254.0.0/16
+    if not policy.allow_metadata and _metadata4(dst):
         return True
     if policy.allow_host_loopback:
         return False
-    if dst >> 24 in (0, 127) or dst in local.v4:
+    # No fragments to the pod's aliases: only a whole packet shows its real ports and TCP flags
+    fragment = bool(int.from_bytes(frame[20:22], "big") & 0x3FFF)
+    l4 = frame[14 + ihl:]
+    if dst == _BROADCAST:  # a DHCP client's discover and request, which slirp's bootp answers itself
+        return fragment or not (proto == _UDP and _port(l4) == _DHCP_PORT)
+    if _pods4(dst, local):
         return True
     if dst >> 8 != SLIRP_NET >> 8:
         return False
-    # slirp's own network: every address is an alias of the pod's loopback or resolver. No
-    # fragments: only a whole packet shows its real ports and TCP flags
-    if int.from_bytes(frame[20:22], "big") & 0x3FFF:
+    # slirp's own network: its gateway and DNS addresses are aliases of the pod's loopback and
+    # resolver (every other address was, in older slirps)
+    if fragment:
         return True
     if proto == _ICMP:  # slirp answers pings itself or pings for real: no service is reached
         return False
-    l4 = frame[14 + ihl:]
-    port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
+    port = _port(l4)
     if proto in (_TCP, _UDP) and dst == DNS and port == 53:
         return False
-    if proto == _UDP and dst == _GATEWAY_INT and port == 67:  # DHCP renewals
+    if proto == _UDP and dst == _GATEWAY_INT and port == _DHCP_PORT:  # DHCP renewals
         return False
     # a port forward's connection comes from 10.0.2.2: the guest's side of it passes
     return not (proto == _TCP and dst == _GATEWAY_INT and len(l4) >= 14 and not _bare_syn(l4[13]))
+
+
+def _embedded4(dst: bytes) -> int | None:
+    """The IPv4 address inside an IPv6 one (:data:`_V6_EMBEDDING`), or None."""
+    return int.from_bytes(dst[12:], "big") if dst[:12] in _V6_EMBEDDING else None
 
 
 def _refused6(frame: bytes, policy: Network, local: LocalAddresses) -> bool:
     if len(frame) < 54 or frame[14] >> 4 != 6:
         return True
     dst = bytes(frame[38:54])
-    if not policy.allow_metadata and dst in _V6_METADATA:
+    v4 = _embedded4(dst)
+    if not policy.allow_metadata and (dst in _V6_METADATA or (v4 is not None and _metadata4(v4))):
         return True
     if policy.allow_host_loopback:
         return False
-    if dst[:12] in (_V6_ZERO96, _V6_MAPPED) or dst in local.v6:
+    if dst[:12] in (_V6_ZERO96, _V6_MAPPED) or dst in local.v6 or (v4 is not None and _pods4(v4, local)):
         return True
-    if dst[:8] != SLIRP_NET6:
-        return False
     next_header, l4 = frame[20], frame[54:]
+    # slirp takes no extension header: it drops any other next header (fragments among them)
     if next_header == _ICMP6:  # neighbour discovery with slirp; it never forwards ICMPv6
         return False
-    port = int.from_bytes(l4[2:4], "big") if len(l4) >= 4 else 0
+    port = _port(l4)
+    if dst[0] == 0xFF:  # multicast: slirp connects ff02::1 to ::1, the kernel loops the rest back
+        return not (next_header == _UDP and dst == _DHCP6_GROUP and port == _DHCP6_PORT)
+    if dst[:8] != SLIRP_NET6:
+        return False
     return not (next_header in (_TCP, _UDP) and dst == DNS6 and port == 53)
 
 
@@ -184,19 +236,20 @@ def _with_checksum(packet: bytes, at: int, pseudo: bytes = b"") -> bytes:
 
 def refusal(frame: bytes) -> bytes | None:
     """The ICMP "administratively prohibited" answer to a refused IPv4/IPv6 packet, from the
-    gateway to the guest, or None (nothing to answer: not IP, or ICMP itself)."""
+    gateway to the guest, or None (nothing to answer: not IP, ICMP itself, or a packet to a
+    broadcast or multicast address, which ICMP errors never answer: RFC 1122 3.2.2, RFC 4443 2.4)."""
     eth = frame[6:12] + frame[0:6] + frame[12:14]
     ethertype = int.from_bytes(frame[12:14], "big")
     if ethertype == _ETH_IPV4 and len(frame) >= 34 and frame[14] >> 4 == 4:
         ihl = (frame[14] & 0xF) * 4
-        if frame[23] == _ICMP or len(frame) < 14 + ihl:
+        if frame[23] == _ICMP or len(frame) < 14 + ihl or _group4(int.from_bytes(frame[30:34], "big")):
             return None
         icmp = _with_checksum(struct.pack("!BBHI", 3, 13, 0, 0) + bytes(frame[14:14 + ihl + 8]), 2)
         header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(icmp), 0, 0, 64, _ICMP, 0,
                              socket.inet_aton(GATEWAY), bytes(frame[26:30]))
         return eth + _with_checksum(header, 10) + icmp
     if ethertype == _ETH_IPV6 and len(frame) >= 54 and frame[14] >> 4 == 6:
-        if frame[20] == _ICMP6:  # neighbour discovery among others: never answered
+        if frame[20] == _ICMP6 or frame[38] == 0xFF:  # neighbour discovery among others; multicast
             return None
         src, dst = bytes(frame[38:54]), bytes(frame[22:38])  # from the refused address back
         icmp = struct.pack("!BBHI", 1, 1, 0, 0) + bytes(frame[14:14 + 1232])
