@@ -395,3 +395,45 @@ async def test_two_recycles_of_one_generation_recycle_once(fake_vm: Build, fake_
     errors = [r for r in results if isinstance(r, VmsidecarError)]
     assert len(errors) == 1 and isinstance(errors[0], GenerationChangedError) and vm.generation == 1
     assert (await until(vm, READY)).generation == 1 and fvm.hv.max_alive == 1
+
+
+# ---- a call of lease N queued behind lease N+1's claim --------------------------------------------
+async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on_its_guest(
+        fake_vm: Build, fake_images: Images, tmp_path: Path) -> None:
+    """Lease N holds the power lock (a graceful off its guest, root being the lease holder, ignores),
+    the next lease's claim waits for it, and lease N sends one more call: it passed the generation
+    check (N was still the VM's, claimed) and waited for the lock behind the claim, then powered off
+    lease N+1's fresh guest. It must be refused once it has the lock, naming both generations."""
+    from aiohttp import web
+
+    from vmsidecar_contract.client import RuntimeClient
+    from vmsidecar_runtime.api.server import make_app
+
+    fvm = await fake_vm(fake_spec(fake_images.base), hv=FakeHypervisor(acpi=False))
+    await _ready(fvm)
+    runner = web.AppRunner(make_app(fvm.vm))
+    await runner.setup()
+    sock = Path(f"/tmp/vmr-{id(tmp_path)}.sock")
+    await web.UnixSite(runner, str(sock)).start()
+    lease_n, exporter = RuntimeClient(sock), RuntimeClient(sock)
+    try:
+        lease_n.generation = (await lease_n.claim()).generation
+        hold = asyncio.create_task(lease_n.power("off", graceful=True, timeout=2))  # the guest ignores it
+        await wait_until_async(fvm.vm._phases.lock.locked, 5, "lease N's power-off to hold the lock")
+        claim = asyncio.create_task(exporter.claim())  # lease N+1 handed out: waits for the lock
+        await wait_until_async(fvm.vm._phases.lock.wanted.is_set, 5, "the claim to wait for the lock")
+        late = asyncio.create_task(lease_n.power("off", graceful=False))  # lease N, once more
+        await asyncio.sleep(0.3)  # (it is past the generation check and waits for the lock too)
+        state = await claim
+        assert state.generation == lease_n.generation + 1 and state.claimed
+        with pytest.raises(GenerationChangedError, match=f"generation {lease_n.generation}, which has ended"):
+            await late
+        await until(fvm.vm, READY)
+        assert fvm.vm.generation == state.generation and fvm.vm.phase == READY, "lease N+1's guest was touched"
+        await hold
+    finally:
+        await lease_n.close()
+        await exporter.close()
+        await runner.cleanup()
+        sock.unlink(missing_ok=True)
+        await fvm.vm.power_off(graceful=False)  # (its guest ignores the ACPI button the teardown presses)

@@ -114,7 +114,10 @@ async def generation_middleware(request: web.Request, handler: Handler) -> web.S
         if not re.fullmatch(r"[0-9]{1,19}", value.strip()):  # (str.isdigit takes '²', which int() refuses)
             raise RequestError(f"header {api.GENERATION_HEADER} is {value[:40]!r}; give the generation the "
                                "lease claimed, a whole number")
-        request.app[CONTROLLER].require_lease_generation(int(value))
+        vm = request.app[CONTROLLER]
+        vm.require_lease_generation(int(value))
+        with vm.lease_bound_call(int(value)):  # checked again once it holds the power lock
+            return await handler(request)
     return await handler(request)
 
 

@@ -7,9 +7,19 @@ refuses a recycle meant for an earlier generation, and clears what an ending lea
 
 The exporter claims when it hands a lease out, before the lease can do anything (CAN and network
 forwards reach the guest without a runtime call).
+
+A call bound to a lease's generation is checked as it arrives (the API's generation middleware)
+and again once it holds the power lock (:func:`bound_call`, :meth:`Lease.require_bound_call`): it
+may have waited for the lock behind the next lease's claim, whose recycle moved the generation on.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
 
 from vmsidecar_contract.errors import GenerationChangedError
 
@@ -18,6 +28,20 @@ from ..events import EventBus
 from .disks import Disks
 from .ledger import LeaseLedger
 from .streams import GuestStreams
+
+#: the generation the API call being served is bound to, with the task serving it (a task the call
+#: spawns copies the context, but is not the call: a boot's helpers outlive it)
+_bound: ContextVar[tuple[int, asyncio.Task[Any] | None] | None] = ContextVar("lease_bound_call", default=None)
+
+
+@contextlib.contextmanager
+def bound_call(generation: int) -> Iterator[None]:
+    """While the current task serves a call bound to the lease of ``generation``."""
+    token = _bound.set((generation, asyncio.current_task()))
+    try:
+        yield
+    finally:
+        _bound.reset(token)
 
 
 class Lease:
@@ -52,6 +76,15 @@ class Lease:
             now = f"generation {current}{'' if self.claimed else ', claimed by no lease'}"
             raise GenerationChangedError(f"this call belongs to the lease of generation {generation}, which "
                                          f"has ended (the VM is at {now}); it was not carried out")
+
+    def require_bound_call(self) -> None:
+        """:meth:`require_claimed` for the call the current task serves, if it is bound to a lease
+        (:func:`bound_call`); the power lock runs it once acquired.
+
+        :raise GenerationChangedError: the call's lease ended while it waited."""
+        bound = _bound.get()
+        if bound is not None and bound[1] is asyncio.current_task():
+            self.require_claimed(bound[0])
 
     def claim_unclaimed(self) -> bool:
         """Claim the current generation if no lease has it yet; False when an earlier lease claimed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from vmsidecar_contract.errors import SpecError, VmsidecarError
@@ -30,6 +31,9 @@ class PowerLock:
         self._waiting = 0
         #: set while an operation waits for the lock
         self.wanted = asyncio.Event()
+        #: run once the lock is held; what it raises releases the lock and ends the operation (the
+        #: controller's: a lease's call that waited past its lease's end goes no further)
+        self.on_acquired: Callable[[], None] | None = None
 
     async def __aenter__(self) -> None:
         self._waiting += 1
@@ -40,6 +44,12 @@ class PowerLock:
             self._waiting -= 1
             if not self._waiting:
                 self.wanted.clear()
+        if self.on_acquired is not None:
+            try:
+                self.on_acquired()
+            except BaseException:
+                self._lock.release()
+                raise
 
     async def __aexit__(self, *exc: object) -> None:
         self._lock.release()

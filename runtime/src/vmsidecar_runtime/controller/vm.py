@@ -32,7 +32,7 @@ from ..readiness_rules import readiness_state
 from .admission import admit_api_spec
 from .disk_ops import DiskOps
 from .disks import Disks, Progress
-from .lease import Lease
+from .lease import Lease, bound_call
 from .ledger import LeaseLedger
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
@@ -61,6 +61,7 @@ class VmController:
         #: the VM's one disk transfer slot (``Transfers``: begin, end, cancel)
         self.transfers = Transfers(self.disks, self.events, pull_timeout)
         self._lease = Lease(self.disks, self.streams, self.events)
+        self._phases.lock.on_acquired = self._lease.require_bound_call
         self._snapshots = SnapshotOps(paths, self.disks)
         self._power = Power(paths, self._phases, self.events, self.disks, self.streams, self._snapshots,
                             self._lease, self.transfers, backend_factory)
@@ -222,6 +223,12 @@ class VmController:
         """A call bound to the lease that claimed ``generation`` (``GENERATION_HEADER``): see
         :meth:`Lease.require_claimed`. :raise GenerationChangedError: it ended."""
         self._lease.require_claimed(generation)
+
+    def lease_bound_call(self, generation: int) -> contextlib.AbstractContextManager[None]:
+        """While the current task serves a call bound to the lease of ``generation``: each time it
+        takes the power lock the lease must still have the VM (it may have waited behind the next
+        lease's claim). :raise GenerationChangedError: from the lock, when it has not."""
+        return bound_call(generation)
 
     async def recycle(self, *, boot: bool = True, if_generation: int | None = None) -> VmState:
         """Back to pristine: guest stopped, overlay and flashed disks discarded, consoles cleared,
