@@ -499,3 +499,29 @@ async def test_operations_sent_while_stopping_wait_for_the_stop(fake_vm: Build, 
     assert (await off).phase == S
     await wrong_phase(reset, S, LIVE)
     assert (await on).phase == R and len(hv.alive()) == 1 and hv.max_alive == 1
+
+
+@pytest.mark.parametrize("uri", [
+    "qemu+ssh://%2Ftmp%2Fscript@localhost/system?command=/bin/sh",  # runs the file named as the user
+    "qemu+ext:///system?command=/tmp/x",                            # runs any program
+    "qemu+unix:///system?socket=/run/other.sock",                   # any socket of the host
+    "qemu+ssh://localhost/system?keyfile=/etc/shadow",
+    "QEMU+EXT:///system",
+    "qemu:///system?socket=/tmp/x",
+])
+async def test_a_libvirt_uri_that_runs_a_program_or_names_a_file_is_the_administrators_alone(
+        fake_vm: Build, fake_images: Images, uri: str) -> None:
+    """libvirt's ``ext`` transport and the ``command``/``netcat``/``socket``/``keyfile``… parameters
+    make ``virConnectOpen`` run a program or open a path of the URI's choosing, as the runtime's user;
+    an API caller (a lease holder, as admission.py has it) could set one and boot. The runtime's own
+    spec may (its administrator's); the API only a plain URI, or the one the runtime already has."""
+    fvm = await fake_vm(None)
+    image = "registry.example/vm/guest:1"  # (no host path: the API refuses those for reasons of its own)
+    spec = fake_spec(image, backend="libvirt", libvirt_uri=uri)
+    await refused(fvm.vm.set_spec(spec), "invalid_spec", "libvirt_uri", "administrator", "--spec")
+    assert fvm.vm.spec is None
+    assert await fvm.vm.set_spec(spec, from_api=False)  # the runtime's own --spec file
+    assert not await fvm.vm.set_spec(spec)  # the exporter sending the same spec again changes nothing
+    for plain in ("qemu:///system", "qemu:///session", "qemu+ssh://user@host.example/system",
+                  "qemu+tls://host.example/system", "qemu+unix:///system"):
+        assert await fvm.vm.set_spec(fake_spec(image, backend="libvirt", libvirt_uri=plain))

@@ -1,10 +1,14 @@
 """What a spec sent over the API may not do that the runtime's own configuration may.
 
-An API caller is a lease holder (docs/security.md): it may not add QEMU arguments, and it may name
-only the host paths the administrator allowed. The runtime's own ``--spec`` file may do both.
+An API caller is a lease holder (docs/security.md): it may not add QEMU arguments, name a libvirt
+URI that runs a program or names a host file, or name host paths the administrator did not allow.
+The runtime's own ``--spec`` file may do all three.
 """
 
 from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
 
 from vmsidecar_contract.errors import SpecError
 from vmsidecar_contract.spec import VmSpec
@@ -14,9 +18,33 @@ from ..hostpaths import HostPathPolicy
 
 def admit_api_spec(spec: VmSpec, current: VmSpec | None, *, host_paths: HostPathPolicy,
                    allow_extra_args: bool) -> None:
-    """:raise SpecError: extra_args without ``--allow-extra-args``.
+    """:raise SpecError: extra_args, or a new libvirt URI that is not plain (:func:`plain_libvirt_uri`),
+        without ``--allow-extra-args``.
     :raise HostPathError: a new host path the administrator did not allow."""
     if spec.extra_args and not allow_extra_args:
         raise SpecError("extra_args may only be set by an administrator; start the runtime with "
                         "--allow-extra-args or put them in the runtime's own --spec file")
+    uri = spec.libvirt_uri
+    if uri is not None and uri != (current.libvirt_uri if current else None) and not allow_extra_args \
+            and not plain_libvirt_uri(uri):
+        raise SpecError(f"libvirt_uri {uri[:200]!r} may only be set by an administrator: its ext transport or "
+                        "its parameters (command=, socket=, netcat=, keyfile=, …) make libvirt run a program or "
+                        "open a host file; put it in the runtime's own --spec file (or VMSIDECAR_LIBVIRT_URI), "
+                        "or start the runtime with --allow-extra-args; over the API only a URI with no "
+                        "parameters, like qemu:///system or qemu+ssh://user@host/system")
     host_paths.check_spec(spec, current)
+
+
+#: a libvirt URI's scheme whose transport connects (local socket, TCP, TLS, ssh), not ``ext``
+_PLAIN_SCHEME = re.compile(r"[a-z][a-z0-9]*(\+(unix|tcp|tls|ssh|libssh|libssh2))?")
+
+
+def plain_libvirt_uri(uri: str) -> bool:
+    """Whether ``uri`` only connects: no ``ext`` transport and no parameters at all (libvirt's
+    ``command``, ``netcat``, ``socket``, ``keyfile``, ``known_hosts``… choose what it runs or opens)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return False
+    return bool(_PLAIN_SCHEME.fullmatch(parts.scheme)) and not parts.query and not parts.fragment \
+        and "?" not in uri
