@@ -26,7 +26,7 @@ from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError, RegistryError
 from vmsidecar_runtime import procs
-from vmsidecar_runtime.oci import pull, push_artifact
+from vmsidecar_runtime.oci import pull, push_artifact, transport
 from vmsidecar_runtime.oci.auth import load_config
 from vmsidecar_runtime.oci.cli import main as oci_main
 from vmsidecar_runtime.oci.reference import parse_reference
@@ -474,17 +474,17 @@ def test_which_entry_is_whose(tmp_path: Path) -> None:
     assert "pw-" not in repr(config)  # a logged or printed config shows no password
 
 
-@pytest.mark.parametrize("realm_on", ["registry", "token-host"])
+@pytest.mark.parametrize("realm_on", ["registry", "token-host-same-credentials", "known-token-service"])
 def test_bearer_token_flow_still_works(realm_on: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The legitimate cases of the token flow: a realm on the registry's own host gets the
-    registry's credentials; a realm on another host that has its own auth entry gets that entry
-    (GitLab's shape) and never the registry's."""
-    token_creds = ("token-user", "token-pw-77")
+    """The legitimate cases of the token flow, each given the registry's own credentials: a realm on
+    the registry's own host; a realm on another host whose auth entry holds those very credentials
+    (the owner's word that it takes them: GitLab's shape, registry:2 with a token server elsewhere);
+    a realm on a host known to be the registry's token service (Docker Hub's ``auth.docker.io``,
+    GitLab's ``gitlab.com``), with no entry of its own."""
     issued = "issued-token-1"
 
     def token(h: http.server.BaseHTTPRequestHandler) -> None:
-        expected = (USER, SECRET) if realm_on == "registry" else token_creds
-        if h.headers.get("Authorization") == "Basic " + base64.b64encode(":".join(expected).encode()).decode():
+        if h.headers.get("Authorization") == "Basic " + base64.b64encode(f"{USER}:{SECRET}".encode()).decode():
             token_service_with(issued)(h)
         else:
             challenge('Basic realm="token"')(h)
@@ -503,12 +503,57 @@ def test_bearer_token_flow_still_works(realm_on: str, tmp_path: Path, monkeypatc
             challenge(f'Bearer realm="http://{realm_host}/token",service="s",scope="repository:x/y:pull"')(h)
 
     with FakeRegistry(registry_answer) as registry, FakeRegistry(token) as other:
+        entries = {registry.host: (USER, SECRET)}
+        if realm_on == "token-host-same-credentials":
+            entries[other.host] = (USER, SECRET)
+        if realm_on == "known-token-service":
+            monkeypatch.setitem(transport.KNOWN_TOKEN_SERVICES, registry.host, frozenset({other.host}))
         monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", f"{registry.host},{other.host}")
-        monkeypatch.setenv("VMSIDECAR_REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "a.json", {
-            registry.host: (USER, SECRET), other.host: token_creds})))
+        monkeypatch.setenv("VMSIDECAR_REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "a.json", entries)))
         with pytest.raises(RegistryError) as info:
             pull(f"{registry.host}/x/y@sha256:{'0' * 64}", tmp_path / "c")
     assert info.value.code == "manifest_not_found", info.value.message  # authorised: the registry looked
-    if realm_on == "token-host":
-        assert any("authorization: basic" in r.lower() for r in other.requests)  # its own entry's …
-        assert not any(s in r for r in other.requests for s in LEAKS)  # … never the registry's
+    if realm_on != "registry":
+        assert any(s in r for r in other.requests for s in LEAKS)  # the registry's credentials went there
+
+
+def test_the_known_token_services_are_the_public_registries_own() -> None:
+    """Docker Hub's registry host asks ``auth.docker.io`` for tokens, GitLab's ``gitlab.com``."""
+    assert "auth.docker.io" in transport.KNOWN_TOKEN_SERVICES["registry-1.docker.io"]
+    assert transport.KNOWN_TOKEN_SERVICES["registry.gitlab.com"] == frozenset({"gitlab.com"})
+
+
+@pytest.mark.parametrize("registry_entry", ["none", "other-credentials"])
+def test_a_registry_cannot_have_another_hosts_token_service_issue_it_a_token(
+    registry_entry: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit F6: registry A answers ``401 Bearer realm="<B's token service>",scope="repository:
+    victim/private:pull"``, and the auth file has an entry for B (and for A none, or other
+    credentials). Before: vmsidecar sent B's credentials to B, then the token B issued on them (a
+    pull of B's private repository) to A. Now B is asked without credentials (neither its own,
+    chosen by A's answer, nor A's), A gets at most an anonymous token, and the error says why."""
+    victim = ("victim-robot", "victim-pw-31")
+    issued = "token-issued-on-credentials"
+
+    def token_b(h: http.server.BaseHTTPRequestHandler) -> None:
+        token_service_with(issued if h.headers.get("Authorization") else "anonymous-token")(h)
+
+    def registry_a(h: http.server.BaseHTTPRequestHandler) -> None:
+        challenge(f'Bearer realm="http://{b.host}/token",service="b",scope="repository:victim/private:pull"')(h)
+
+    with FakeRegistry(registry_a) as a, FakeRegistry(token_b) as b:
+        entries = {b.host: victim}
+        if registry_entry == "other-credentials":
+            entries[a.host] = (USER, SECRET)
+        monkeypatch.setenv("VMSIDECAR_INSECURE_REGISTRIES", f"{a.host},{b.host}")
+        monkeypatch.setenv("VMSIDECAR_REGISTRY_AUTH_FILE", str(auth_file(tmp_path / "a.json", entries)))
+        with pytest.raises(RegistryError) as info:
+            pull(f"{a.host}/x/y:1", tmp_path / "c")
+    assert b.requests, "the token service was never asked: the attack did not happen"
+    assert not any("authorization:" in r.lower() for r in b.requests), f"credentials reached {b.host}: {b.requests}"
+    assert not any(issued in r for r in a.requests), f"{a.host} received a token issued on credentials"
+    assert any("Bearer anonymous-token" in r for r in a.requests), a.requests
+    assert info.value.code == "registry_unauthorized", info.value.message
+    assert f"token service {b.host}" in info.value.message and "another host" in info.value.message, (
+        info.value.message)
+    assert victim[1] not in info.value.message and SECRET not in info.value.message

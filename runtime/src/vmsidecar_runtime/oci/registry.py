@@ -5,7 +5,10 @@ The HTTP policy under them (auth, TLS, timeouts, bounded retries on top of oras-
 
 * manifests fetched and put as raw bytes, so the digest is computed over exactly what was served
   or pushed (oras-py parses/re-serializes and always sends the image-manifest media type);
-* blob downloads as a chunk iterator (hashing and progress happen in :mod:`.unpack`).
+* blob downloads as a chunk iterator (hashing and progress happen in :mod:`.unpack`);
+* every other body read through one bound (:func:`.transport.read_body`): a manifest or an index
+  up to :data:`MAX_MANIFEST`, a tag list :data:`MAX_TAGS`, an error answer's
+  :data:`.transport.MAX_ERROR_BODY` (past it, no error codes: the message names the status).
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from vmsidecar_runtime.image.digest import sha256_digest
 from .auth import HOW_TO_INSECURE, Credentials, RegistryConfig, current_config
 from .mediatypes import ACCEPT, OCI_INDEX, load_document
 from .reference import Reference
-from .transport import TRIES, OrasRegistry, Unreachable, origin
+from .transport import MAX_ERROR_BODY, TRIES, OrasRegistry, Unreachable, origin, read_body
 
 log = logging.getLogger(__name__)
 
 MAX_MANIFEST = 4 << 20
+#: the tag list read (for an error message's "tags there"): a page of 100 tags is ~14 KB (a tag is
+#: at most 128 characters); a registry that ignores the page size may send ~8,000 within it; past
+#: it, no tags are listed
+MAX_TAGS = 1 << 20
 #: pages of a paginated referrers listing read at most (each up to MAX_MANIFEST)
 REFERRER_PAGES = 16
 CHUNK = 1 << 20
@@ -126,9 +133,11 @@ class RegistryClient:
                 code="registry_error",
             ) from None
 
-    def _fail(self, response: requests.Response, what: str, subject: str) -> RegistryError:
-        """The error for a refused request: unauthorized, unknown repository, or the status as served."""
-        codes = _error_codes(response)
+    def _fail(self, response: requests.Response, what: str, subject: str,
+              codes: list[str] | None = None) -> RegistryError:
+        """The error for a refused request: unauthorized, unknown repository, or the status as served
+        (``codes``: the answer's error codes when the caller read them already: a body is read once)."""
+        codes = _error_codes(response) if codes is None else codes
         status = response.status_code
         if status in (401, 403):
             return RegistryError(
@@ -162,10 +171,11 @@ class RegistryClient:
             "fetching manifest", "GET", url, headers={"Accept": ", ".join(ACCEPT)}, stream=True
         )
         with contextlib.closing(response):
-            if response.status_code == 404 and "MANIFEST_UNKNOWN" in _error_codes(response):
-                raise self._manifest_unknown(reference)
             if response.status_code != 200:
-                raise self._fail(response, "the manifest", subject)
+                codes = _error_codes(response)
+                if response.status_code == 404 and "MANIFEST_UNKNOWN" in codes:
+                    raise self._manifest_unknown(reference)
+                raise self._fail(response, "the manifest", subject, codes)
             data = _read_limited(response, MAX_MANIFEST, subject)
         digest = sha256_digest(data)
         wanted = expect_digest or (reference if reference.startswith("sha256:") else None)
@@ -262,18 +272,23 @@ class RegistryClient:
         return found[:limit]
 
     def tags(self) -> list[str] | None:
-        """The repository's tags (first page); ``None`` when the repository does not exist.
+        """The repository's tags (first page, up to :data:`MAX_TAGS` of it); ``None`` when the
+        repository does not exist.
 
-        A registry that cannot list tags gives ``[]``.
+        A registry that cannot list tags (or lists them past the bound, or not as strings) gives ``[]``.
         """
         url = f"{self.scheme}://{self.container.tags_url(100)}"
         try:
-            response = self._call("listing tags", "GET", url)
-            if response.status_code == 404 and "NAME_UNKNOWN" in _error_codes(response):
-                return None
-            return list(load_document(response.content).get("tags") or []) if response.status_code == 200 else []
-        except (RegistryError, ValueError):
+            response = self._call("listing tags", "GET", url, stream=True)
+            with contextlib.closing(response):
+                if response.status_code != 200:
+                    return None if response.status_code == 404 and "NAME_UNKNOWN" in _error_codes(response) else []
+                body = read_body(response, MAX_TAGS)
+            doc = load_document(body) if body is not None else None
+        except (RegistryError, ValueError, requests.RequestException):
             return []
+        tags = doc.get("tags") if isinstance(doc, dict) else None
+        return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
 
     # -- blobs ----------------------------------------------------------------------------
 
@@ -356,25 +371,28 @@ def _read_limited(response: requests.Response, limit: int, subject: str) -> byte
 
     :raise ImageError: (code ``bad_manifest``) past ``limit`` bytes.
     """
-    body = bytearray()
-    for chunk in response.iter_content(chunk_size=65536):
-        body += chunk
-        if len(body) > limit:
-            raise ImageError(
-                f"manifest {subject} is larger than {limit >> 20} MiB, which no disk image needs; "
-                "check the reference",
-                code="bad_manifest",
-            )
-    return bytes(body)
+    body = read_body(response, limit)
+    if body is None:
+        raise ImageError(
+            f"manifest {subject} is larger than {limit >> 20} MiB, which no disk image needs; "
+            "check the reference",
+            code="bad_manifest",
+        )
+    return body
 
 
 def _error_codes(response: requests.Response) -> list[str]:
-    """The OCI error codes (``MANIFEST_UNKNOWN`` …) in an error response's JSON body."""
+    """The OCI error codes (``MANIFEST_UNKNOWN`` …) in an error response's JSON body, read up to
+    :data:`.transport.MAX_ERROR_BODY`: a longer body, or one that breaks off, has none. Read once:
+    a second call on a streamed answer finds none."""
     try:
-        errors = load_document(response.content).get("errors") or []
-    except (ValueError, AttributeError):
+        body = read_body(response, MAX_ERROR_BODY)
+        doc = load_document(body) if body is not None else None
+    except (ValueError, requests.RequestException):
         return []
-    return [str(e.get("code")) for e in errors if isinstance(e, dict) and e.get("code")]
+    errors = doc.get("errors") if isinstance(doc, dict) else None
+    return [str(e.get("code")) for e in errors if isinstance(e, dict) and e.get("code")] if isinstance(
+        errors, list) else []
 
 
 def _short(exc: BaseException) -> str:

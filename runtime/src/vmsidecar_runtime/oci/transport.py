@@ -7,16 +7,24 @@ uploads. :class:`OrasRegistry` adds what it lacks for our use:
   own retry sleeps 3 s, 5 s, 11 s, 29 s, 83 s for an unreachable host and sets no timeout;
 * credentials sent only where they belong (:mod:`.auth` says which are whose): to the registry's
   own origin (scheme, host, port), in answer to its ``Basic`` or ``Bearer`` challenge; a token
-  service (``realm``) on another host gets that host's own auth entry or nothing (oras' token
-  backend sent the registry's password to any realm the registry named); a realm in plain HTTP
-  only when its host is listed as insecure;
+  service (``realm``) on another host gets the registry's own credentials only when it is a token
+  service that registry is known to use (:data:`KNOWN_TOKEN_SERVICES`) or its auth entry holds the
+  very same credentials, else nothing (oras' token backend sent the registry's password to any
+  realm the registry named; and never another host's credentials, which the registry's answer
+  would choose, the token issued on them going to the registry); a realm in plain HTTP only when
+  its host is listed as insecure;
 * a redirect keeps the Authorization header only to the same origin, and ``~/.netrc`` (which
   requests would add to every request and redirect) is never read;
 * a redirect into the pod (loopback, link-local: the metadata service) is refused unless the
   registry itself is there: a lease holder's ``flash oci://`` names their own registry; a redirect
   to plain HTTP only to a host listed as insecure, as every other plain-HTTP request (over HTTPS
   no request is sent before the certificate matches the name, whatever the name resolves to at
-  the connect: that is what keeps DNS rebinding out of the pod).
+  the connect: that is what keeps DNS rebinding out of the pod);
+* no body is read without a bound but a blob's or a manifest's (each bounded and checked by its
+  reader): an error answer's at most :data:`MAX_ERROR_BODY` (past it, no error codes), a token
+  answer's :data:`MAX_TOKEN_BODY` (past it, refused), and whatever requests reads whole on its own
+  (a request not streamed, a redirect's body) the same (:class:`_BoundedBody`): a registry's 404 of
+  many GB, or chunked for ever, had been read into memory whole.
 
 What is asked of the registry, and how its answers become vmsidecar errors, is :mod:`.registry`.
 """
@@ -24,7 +32,9 @@ What is asked of the registry, and how its answers become vmsidecar errors, is :
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from http.cookiejar import DefaultCookiePolicy
+from typing import Any
 from urllib.parse import SplitResult, urljoin, urlsplit
 
 import oras.provider
@@ -43,6 +53,25 @@ READ_TIMEOUT = 60.0
 TRIES = 3
 BACKOFF = (0.3, 1.0)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+#: the most of an error answer's body read: an OCI error document is a few hundred bytes; past it,
+#: the answer has no error codes (its status still says what happened)
+MAX_ERROR_BODY = 64 << 10
+#: the most of a token service's answer read: real tokens are a few KB (Docker Hub's ~4 KB, JWTs of
+#: GitLab's and registry:2's token servers 1-2 KB); past it, the token is refused
+MAX_TOKEN_BODY = 1 << 20
+#: the most of any other successful answer requests reads whole for a request not streamed (upload
+#: answers are empty); what is read with a purpose has its own bound (tags, manifests: :mod:`.registry`)
+MAX_BODY = 1 << 20
+READ_CHUNK = 64 << 10
+#: the token services on another host that registries are known to use: the registry's own
+#: credentials go there (their auth entries name the registry: ``docker login`` writes Docker Hub's
+#: as ``https://index.docker.io/v1/``, GitLab's as ``registry.gitlab.com``)
+KNOWN_TOKEN_SERVICES: dict[str, frozenset[str]] = {
+    "registry-1.docker.io": frozenset({"auth.docker.io"}),
+    "index.docker.io": frozenset({"auth.docker.io"}),
+    "docker.io": frozenset({"auth.docker.io"}),
+    "registry.gitlab.com": frozenset({"gitlab.com"}),
+}
 
 
 def origin(url: str) -> tuple[str, str, int | None]:
@@ -119,14 +148,79 @@ class _Session(requests.Session):
             del prepared_request.headers["Authorization"]
 
 
+class _BoundedBody:
+    """An answer's body (urllib3's response, which requests reads) that ends after ``limit`` bytes
+    (decoded), closing the connection there; ``exceeded`` says it was cut. Everything else is the
+    wrapped response's."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self._raw = raw
+        self._left = limit
+        self.exceeded = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def _cut(self) -> None:
+        self.exceeded, self._left = True, 0
+        self._raw.close()  # the rest stays unread: the connection cannot be used again
+
+    def stream(self, amt: int | None = READ_CHUNK, decode_content: bool | None = None) -> Iterator[bytes]:
+        """urllib3's ``stream``, in chunks of at most :data:`READ_CHUNK`, ending at the limit."""
+        if self.exceeded:
+            return
+        for chunk in self._raw.stream(min(amt or READ_CHUNK, READ_CHUNK), decode_content=decode_content):
+            if len(chunk) > self._left:
+                left = self._left
+                self._cut()
+                if left:
+                    yield chunk[:left]
+                return
+            self._left -= len(chunk)
+            yield chunk
+
+    def read(self, amt: int | None = None, *args: Any, **kwargs: Any) -> bytes:
+        """urllib3's ``read``, never past the limit (requests reads a redirect's body so when
+        ``stream`` fails)."""
+        if self.exceeded:
+            return b""
+        data: bytes = self._raw.read(self._left + 1 if amt is None else min(amt, self._left + 1), *args, **kwargs)
+        if len(data) > self._left:
+            data = data[:self._left]
+            self._cut()
+        else:
+            self._left -= len(data)
+        return data
+
+
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
-    """Requests' adapter with our socket timeouts wherever the caller gave none (oras-py never does)."""
+    """Requests' adapter with our socket timeouts wherever the caller gave none (oras-py never does),
+    and a bound on every body requests may read whole: a request not streamed (requests reads its
+    answer at once), an error answer and a redirect's (:class:`_BoundedBody`)."""
 
     def send(self, request: requests.PreparedRequest, stream: bool = False,
              timeout: float | tuple[float | None, float | None] | None = None, verify: bool | str = True,
              cert: str | tuple[str, str] | None = None, proxies: dict[str, str] | None = None) -> requests.Response:
-        return super().send(request, stream, (CONNECT_TIMEOUT, READ_TIMEOUT) if timeout is None else timeout,
-                            verify, cert, proxies)
+        response = super().send(request, stream, (CONNECT_TIMEOUT, READ_TIMEOUT) if timeout is None else timeout,
+                                verify, cert, proxies)
+        success = 200 <= response.status_code < 300
+        if not (stream and success):  # a streamed success is a blob's or a manifest's: its reader bounds it
+            response.raw = _BoundedBody(response.raw, MAX_BODY if success else MAX_ERROR_BODY)
+        return response
+
+
+def read_body(response: requests.Response, limit: int) -> bytes | None:
+    """The body of ``response`` when it is at most ``limit`` bytes, else ``None``, having read no more
+    than ``limit`` and a chunk (the caller's close then drops the connection).
+
+    :raise requests.RequestException: the connection broke, or the body was read already as a stream.
+    """
+    body = bytearray()
+    for chunk in response.iter_content(chunk_size=READ_CHUNK):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return None if getattr(response.raw, "exceeded", False) else bytes(body)
 
 
 class OrasRegistry(oras.provider.Registry):
@@ -247,12 +341,13 @@ class OrasRegistry(oras.provider.Registry):
         return response
 
     def _request_token(self, params: dict[str, str]) -> str | None:
-        """A token from the challenge's realm, asked with the credentials that realm may have.
+        """A token from the challenge's realm, asked with the registry's credentials where they may go.
 
-        The registry's own credentials go to a realm on the registry's own host[:port]; a realm on
-        another host gets the auth entry for that host, else is asked anonymously (public
-        registries hand out anonymous pull tokens); a plain-HTTP realm is asked at all only when
-        its host is listed as insecure (or is the registry, spoken to in HTTP on purpose).
+        The registry's own credentials go to a realm on the registry's own host[:port] and to a
+        token service on another host it is known to use (:meth:`_realm_credentials`); any other
+        realm is asked anonymously (public registries hand out anonymous pull tokens); a plain-HTTP
+        realm is asked at all only when its host is listed as insecure (or is the registry, spoken
+        to in HTTP on purpose). Its answer is read up to :data:`MAX_TOKEN_BODY`.
         """
         self.withheld = None
         realm = params.get("realm", "")
@@ -261,16 +356,7 @@ class OrasRegistry(oras.provider.Registry):
             self.withheld = f"registry {self.host} named an unusable token service {realm!r}; check its auth setup"
             return None
         realm_key = normalize_host(urlsplit(realm).netloc)
-        if realm_key == self.host:
-            creds = self._credentials
-        else:
-            creds = self._config.credentials_for(realm_key)
-            if creds is None and self._credentials is not None:
-                self.withheld = (
-                    f"registry {self.host} sent vmsidecar for a token to the token service {realm_key}, another "
-                    f"host, which vmsidecar never sends {self.host}'s credentials to; if {realm_key} is that "
-                    f"registry's token service, add an entry for {realm_key} to the auth file"
-                )
+        creds = self._realm_credentials(realm_key)
         # a plain-HTTP realm is a URL of the registry's choosing fetched in the clear: the pod's
         # loopback or the cloud metadata service (HTTP only) on a lease holder's word. Only a host
         # listed as insecure on purpose (or the registry itself, spoken to in HTTP on purpose) is asked
@@ -286,16 +372,53 @@ class OrasRegistry(oras.provider.Registry):
         if creds is not None:
             headers["Authorization"] = f"Basic {creds.basic()}"
             self.sent_credentials = True
-        response = self.session.get(realm, params=query, headers=headers, verify=self._verify)
+        response = self.session.get(realm, params=query, headers=headers, verify=self._verify, stream=True)
         with response:
             if response.status_code != 200:
                 return None
-            try:
-                doc = load_document(response.content)  # bounded nesting: never a RecursionError
-            except ValueError:
-                return None
+            body = read_body(response, MAX_TOKEN_BODY)
+        if body is None:
+            self.withheld = (
+                f"the token service {realm_key} of registry {self.host} answered with more than "
+                f"{MAX_TOKEN_BODY >> 20} MiB, where a token is a few KB, so vmsidecar refused it; check the "
+                "registry's token service"
+            )
+            return None
+        try:
+            doc = load_document(body)  # bounded nesting: never a RecursionError
+        except ValueError:
+            return None
         token = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
         return token if isinstance(token, str) and token else None
+
+    def _realm_credentials(self, realm_key: str) -> Credentials | None:
+        """The credentials a token service on ``realm_key`` (``host[:port]``) is asked with: only ever
+        the registry's own, and to another host only when it is a token service the registry is known
+        to use (:data:`KNOWN_TOKEN_SERVICES`: then its own entry, if the registry has none) or the auth
+        file's entry for it holds the very same credentials (the owner's word that it takes them).
+
+        Never another host's credentials on the registry's word: the registry names the realm, the
+        service and the scope, and receives the token issued (a token for that host's private
+        repositories, handed to whoever the registry is). Sets :attr:`withheld` when it holds back.
+        """
+        if realm_key == self.host:
+            return self._credentials
+        mine, its_own = self._credentials, self._config.credentials_for(realm_key)
+        if realm_key in KNOWN_TOKEN_SERVICES.get(self.host, frozenset()):
+            return mine or its_own
+        if mine is not None and its_own is not None and (mine.username, mine.password) == (
+                its_own.username, its_own.password):
+            return mine
+        if mine is not None or its_own is not None:
+            self.withheld = (
+                f"registry {self.host} sent vmsidecar for a token to the token service {realm_key}, another "
+                f"host, so vmsidecar asked it without credentials: it sends a token service on another host "
+                f"{self.host}'s credentials only when the auth file's entry for {realm_key} holds the same "
+                f"ones, and never {realm_key}'s own on {self.host}'s word (the token would go to "
+                f"{self.host}); if {realm_key} is {self.host}'s token service, give both entries the "
+                "registry's credentials"
+            )
+        return None
 
 
 def _challenge_params(text: str) -> dict[str, str]:
