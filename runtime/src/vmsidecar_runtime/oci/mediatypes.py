@@ -161,12 +161,40 @@ class LayerKind:
     """What a layer descriptor holds, from its media type and title.
 
     ``kind`` is ``disk`` (the blob is the disk, maybe compressed) or ``tar`` (a containerDisk
-    layer); ``compression`` is ``auto`` when it must be sniffed from the bytes.
+    layer); ``compression`` is ``auto`` when it must be sniffed from the bytes. ``disk_title``: a
+    plain tar layer titled like a disk file, which may be that disk (:func:`settle_layer_kind`).
     """
 
     kind: Literal["disk", "tar"]
     compression: Compression | Literal["auto"] | None
     format: DiskFormat | None
+    disk_title: str | None = None
+
+    @property
+    def cache_tag(self) -> str:
+        """How the layer is read, for its cache key: the same bytes read another way are another disk."""
+        tag = f"{self.kind}:{self.compression or 'none'}:{self.format or 'auto'}"
+        return tag + ":or-titled-disk" if self.disk_title else tag
+
+
+#: where a tar header holds its magic (``ustar`` in POSIX and GNU tars), within its first block
+TAR_MAGIC_OFFSET, TAR_BLOCK = 257, 512
+
+
+def settle_layer_kind(kind: LayerKind, head: bytes) -> LayerKind:
+    """The kind of a layer once its first bytes are known (:data:`TAR_BLOCK` of them, or the whole
+    blob when shorter).
+
+    ``oras push REG/vm:1 disk.qcow2`` without ``:TYPE`` stores the file as it is, as a plain
+    ``application/vnd.oci.image.layer.v1.tar`` layer titled with its name (oras's documented
+    default). Such a layer (``disk_title``) whose bytes are not a tar is the disk its title names,
+    read like any disk layer: its compression from the title's suffix, else sniffed; its format
+    from the title, checked against the bytes.
+    """
+    if kind.disk_title is None or head[TAR_MAGIC_OFFSET:TAR_MAGIC_OFFSET + 5] == b"ustar":
+        return kind
+    fmt, compression = title_format(kind.disk_title)
+    return LayerKind("disk", compression or "auto", fmt)
 
 
 def classify_layer(descriptor: dict, where: str) -> LayerKind | None:
@@ -190,6 +218,10 @@ def classify_layer(descriptor: dict, where: str) -> LayerKind | None:
         if title is not None:
             check_title(title, where)
         return LayerKind("disk", _compression(suffix, media_type, where), fmt_name)  # type: ignore[arg-type]
+    # oras push's default type for a file: a plain tar layer titled with a disk's name may be that disk
+    titled_disk = isinstance(title, str) and _plain_name(title) and _has_disk_suffix(title)
+    if media_type == OCI_LAYER_TAR and titled_disk:
+        return LayerKind("tar", None, None, disk_title=title)
     if media_type in TAR_LAYER_TYPES:
         return LayerKind("tar", TAR_LAYER_TYPES[media_type], None)
     tar_match = _TAR_COMPRESSION_RE.match(media_type)
@@ -245,16 +277,14 @@ def check_title(title: str, where: str) -> None:
 
     :raise ImageError: (code ``unsafe_path``) for ``..``, absolute paths or separators.
     """
-    if (
-        not title
-        or title in (".", "..")
-        or "/" in title
-        or "\\" in title
-        or "\0" in title
-        or title.startswith(".")
-    ):
+    if not _plain_name(title):
         raise ImageError(
             f"{where} has a disk layer titled {title!r}, which is not a plain file name and could "
             "escape the cache; push it again with a title like disk.qcow2",
             code="unsafe_path",
         )
+
+
+def _plain_name(title: str) -> bool:
+    """Whether a title is a plain file name: not empty, no separator, NUL or leading dot."""
+    return bool(title) and not ("/" in title or "\\" in title or "\0" in title or title.startswith("."))

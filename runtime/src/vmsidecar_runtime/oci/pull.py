@@ -17,7 +17,7 @@ from vmsidecar_runtime.image.write import WrittenDisk
 
 from .auth import RegistryConfig, normalize_host
 from .cache import CacheEntry, DiskCache, stat_seal
-from .mediatypes import DISK_SUFFIXES, answers_of, title_format
+from .mediatypes import DISK_SUFFIXES, TAR_BLOCK, answers_of, settle_layer_kind, title_format
 from .reference import Reference, parse_reference
 from .resolve import (
     DiskLayer,
@@ -29,7 +29,7 @@ from .resolve import (
     platform_label,
     resolve,
 )
-from .unpack import CHUNK, BlobReader, unpack_blob
+from .unpack import CHUNK, BlobReader, Whiteouts, unpack_blob
 
 Progress = Callable[[int, int | None], None]
 
@@ -192,11 +192,11 @@ def _pull_oci(
     if on_download is not None and reference.kind == "registry":
         on_download(resolved.manifest.digest)
     downloaded = config_arch_check(source, resolved, arch)
+    whiteouts = Whiteouts()  # what the layers read so far (from the top) deleted under /disk
     for layer in resolved.layers:
-        # the same bytes declared another way (compression, tar or disk, format) are another disk
-        kind = layer.kind
-        layer_key = (f"layer:{origin}:{layer.digest}:{kind.kind}:{kind.compression or 'none'}:"
-                     f"{kind.format or 'auto'}")
+        # the same bytes declared another way (compression, tar or disk, format) are another disk, and
+        # a layer's disk may be deleted by a layer above it
+        layer_key = f"layer:{origin}:{layer.digest}:{layer.kind.cache_tag}{whiteouts.cache_tag}"
         where = f"layer {layer.digest} of {source.where}"
         if hit := cache.lookup(layer_key):
             _check_annotations(hit.disk, hit.size, layer, where)  # as a download would: this manifest's word
@@ -208,7 +208,7 @@ def _pull_oci(
                 return _cached(_remember(cache, resolved, origin, top_key, arch, hit), cache, reference,
                                downloaded)
             try:
-                disk, count = _fetch_layer(source, layer, cache, progress, limits)
+                disk, count = _fetch_layer(source, layer, cache, progress, limits, whiteouts)
             except ImageError as exc:
                 if exc.code == "no_disk" and layer.kind.kind == "tar":
                     downloaded += getattr(exc, "bytes_read", 0)
@@ -229,7 +229,7 @@ def _pull_oci(
                 cached=False,
                 annotations=dict(entry.annotations or {}),
             )
-    raise _no_disk_error(source, resolved)
+    raise _no_disk_error(source, resolved, whiteouts)
 
 
 def _origin(reference: Reference) -> str:
@@ -255,10 +255,15 @@ def _remember(cache: DiskCache, resolved: Resolved, origin: str, top_key: str, a
     return entry
 
 
-def _no_disk_error(source: Source, resolved: Resolved) -> ImageError:
+def _no_disk_error(source: Source, resolved: Resolved, whiteouts: Whiteouts) -> ImageError:
+    deleted = ""
+    if whiteouts.hid:
+        deleted = (f" (a layer has {', '.join(whiteouts.hid)}, deleted by a whiteout in a layer above it: "
+                   f"{', '.join(whiteouts.marks)})")
     return ImageError(
         f"containerDisk {source.where} has no .qcow2, .raw or .img file under /disk in any of its "
-        f"{len(resolved.layers)} layer(s); build the image with the disk at /disk/<name>.qcow2",
+        f"{len(resolved.layers)} layer(s){deleted}; build the image with the disk at /disk/<name>.qcow2"
+        + (", and no later step deleting it" if deleted else ""),
         code="no_disk",
     )
 
@@ -271,7 +276,8 @@ class _Fetched:
 
 
 def _fetch_layer(
-    source: Source, layer: DiskLayer, cache: DiskCache, progress: Progress | None, limits: Limits
+    source: Source, layer: DiskLayer, cache: DiskCache, progress: Progress | None, limits: Limits,
+    whiteouts: Whiteouts,
 ) -> tuple[_Fetched, int]:
     where = f"layer {layer.digest} of {source.where}"
     tmp = cache.tmp_path()
@@ -279,14 +285,16 @@ def _fetch_layer(
     try:
         with source.open_blob(layer.descriptor) as chunks:
             reader = BlobReader(chunks, digest=layer.digest, size=layer.size, where=where, progress=progress)
+            kind = settle_layer_kind(layer.kind, reader.peek(TAR_BLOCK))
             unpacked = unpack_blob(
                 reader,
                 tmp,
-                kind=layer.kind.kind,
-                compression=layer.kind.compression,
-                format_hint=layer.kind.format,
+                kind=kind.kind,
+                compression=kind.compression,
+                format_hint=kind.format,
                 title=layer.title,
                 limits=limits,
+                whiteouts=whiteouts,
             )
         _check_annotations(unpacked.digest, unpacked.size, layer, where)
         _install(cache, tmp, unpacked, limits)
