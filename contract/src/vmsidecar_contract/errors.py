@@ -155,7 +155,7 @@ class ImageError(VmsidecarError):
         "disk_too_large": "over the virtual or decompressed size limit",
         "bad_compression": "a compressed layer or stream that does not decompress",
         "unsupported_compression": "a compression other than zstd, gzip and xz",
-        "unsupported_format": "a disk format other than qcow2 and raw",
+        "unsupported_format": "a disk format other than qcow2 and raw, or a disk stored as a sparse tar entry",
         "compressed_input": "a compressed file where an uncompressed disk is needed",
         "no_disk": "the image holds no disk",
         "several_disks": "the image holds more than one disk",
