@@ -4,8 +4,10 @@ Layout under the cache root::
 
     disks/sha256-<hex>.<qcow2|raw>   decompressed disks, mode 0444, never reopened for writing
     index.json                       key -> entry: which disk a layer/manifest/file resolves to
-    tmp/                             downloads in progress (same filesystem, so os.replace is atomic)
-    locks/                           one flock file per download key, plus index.lock
+    tmp/                             downloads in progress (same filesystem, so os.replace is atomic),
+                                     named by their process's owner token
+    locks/                           one flock file per download key, plus index.lock, and
+                                     tmp-owner.<token>.lock, held by the process that owns tmp/<token>.*
 
 Keys in ``index.json``: ``layer:<blob digest>``, ``ref:<manifest or index digest>@<arch>`` and
 ``file:<realpath>:<dev>:<ino>:<size>:<mtime_ns>``; ``seal:<disk file name>`` holds the disk file's
@@ -30,12 +32,16 @@ disk, the snapshot its guest runs on — each held by a shared flock on ``locks/
 for as long as it is used (released at exit, however the process ends; a lock file, not the disk,
 so QEMU's own image locks are never disturbed). Eviction takes that flock exclusively first and
 skips the item when it cannot. Runtimes sharing a cache volume see each other's locks.
+
+**Temporary files** are named by a random token of their process, which holds
+``locks/tmp-owner.<token>.lock`` exclusively while it lives: a pull removes the files of a token whose
+lock it can take (their process ended, however). A PID in the name said nothing to a runtime in
+another pod (another PID namespace): it removed a live runtime's download as an orphan.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -57,6 +63,11 @@ from vmsidecar_runtime.image.limits import parse_size
 from vmsidecar_runtime.image.sniff import DiskFormat
 
 log = logging.getLogger(__name__)
+
+#: this process's token on its temporary files (see the module's docstring)
+_OWNER = secrets.token_hex(8)
+#: the fd of this process's owner lock, per cache's locks directory
+_owner_locks: dict[Path, int] = {}
 
 GiB = 1 << 30
 #: what the image cache (disks and memory snapshots) may hold when nothing else is said
@@ -208,7 +219,7 @@ class DiskCache:
             if any(key in index for key in keys):
                 for key in keys:
                     index.pop(key, None)
-                tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
+                tmp = self._tmp_name(".index.json")
                 tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
                 os.replace(tmp, self.index_path)
 
@@ -224,7 +235,7 @@ class DiskCache:
         with self.lock("index"):
             index = self._read_index()
             index.update(updates)
-            tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
+            tmp = self._tmp_name(".index.json")
             tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
             os.replace(tmp, self.index_path)
 
@@ -247,8 +258,15 @@ class DiskCache:
             os.close(fd)
 
     def tmp_path(self, suffix: str = ".part") -> Path:
-        """A fresh name under ``tmp/``; the pid in it lets :meth:`clean_stale` find orphans."""
-        return self.tmp / f"{os.getpid()}.{secrets.token_hex(8)}{suffix}"
+        """A fresh name under ``tmp/``; its owner token lets :meth:`clean_stale` find orphans."""
+        return self._tmp_name(suffix)
+
+    def _tmp_name(self, suffix: str) -> Path:
+        if self.locks not in _owner_locks:  # (taken before the process's first temporary file)
+            fd = os.open(self.locks / f"tmp-owner.{_OWNER}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _owner_locks[self.locks] = fd
+        return self.tmp / f"{_OWNER}.{secrets.token_hex(8)}{suffix}"
 
     def install(self, tmp: Path, digest: str, fmt: DiskFormat) -> Path:
         """Make a verified temporary disk visible: fsync, chmod 0444, then ``os.replace``.
@@ -361,18 +379,37 @@ class DiskCache:
                     drop = isinstance(disk, str) and any(n.startswith(disk.replace(":", "-") + ".") for n in gone)
                 if drop:
                     del index[key]
-            tmp = self.tmp / f"{os.getpid()}.index.{secrets.token_hex(4)}.json"
+            tmp = self._tmp_name(".index.json")
             tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
             os.replace(tmp, self.index_path)
 
     def clean_stale(self) -> None:
-        """Remove temporary files left by processes that no longer exist."""
+        """Remove the temporary files of processes that ended: those whose owner lock is free (or gone)."""
+        owned: dict[str, list[Path]] = {}
         for path in self.tmp.iterdir():
-            pid_text = path.name.split(".", 1)[0]
-            if not pid_text.isdigit() or _pid_alive(int(pid_text)):
-                continue
-            with contextlib.suppress(OSError):
-                path.unlink()
+            owned.setdefault(path.name.split(".", 1)[0], []).append(path)
+        owned.pop(_OWNER, None)
+        for owner, paths in owned.items():
+            lock = self.locks / f"tmp-owner.{owner}.lock"
+            try:
+                fd: int | None = os.open(lock, os.O_RDWR)
+            except OSError:
+                fd = None  # no owner lock: a process that ended (or a runtime before owner tokens)
+            try:
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # its process lives, in this pod or another
+                for path in paths:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        lock.unlink()
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
 
 class InUse:
@@ -437,9 +474,3 @@ def hash_file(path: Path) -> str:
     return sha256_digest(h)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM
-    return True
