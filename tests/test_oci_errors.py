@@ -265,7 +265,23 @@ def test_containerdisk_disk_as_symlink(tmp_path: Path) -> None:
     expect(ImageError, ref, tmp_path / "c", "link or special file", code="unsafe_disk")
 
 
-@pytest.mark.parametrize("title", ["../x.qcow2", "/etc/x.qcow2", "..", "sub/x.qcow2"])
+@pytest.mark.parametrize("size", [None, -1, "1024", 1.5, True])
+def test_a_layer_without_a_whole_size_is_refused_before_its_blob_is_read(
+        oci_qcow2: Path, tmp_path: Path, size: object) -> None:
+    """OCI descriptors carry a size, and the blob reader holds the blob to it: without one, a stream
+    that decompresses to nothing (zstd skippable frames) was downloaded for as long as it went on."""
+    c = Crafter(layout=tmp_path / "layout")
+    data = zstandard.ZstdCompressor().compress(oci_qcow2.read_bytes())
+    layer = c.blob(data, "application/vnd.diskimage.qcow2+zstd", {TITLE: "x.qcow2.zst"})
+    if size is None:
+        del layer["size"]
+    else:
+        layer["size"] = size
+    ref = c.tag(c.manifest([layer]), "v")
+    expect(ImageError, ref, tmp_path / "c", layer["digest"], "size", code="bad_manifest")
+
+
+@pytest.mark.parametrize("title", ["../x.qcow2", "/etc/x.qcow2", "..", "sub/x.qcow2", "x\n.qcow2", "x\x1b[2J.qcow2"])
 def test_layer_title_escaping_the_cache(tmp_path: Path, title: str) -> None:
     c = Crafter(layout=tmp_path / "layout")
     layer = c.blob(b"QFI\xfb" + b"\0" * 100, "application/vnd.diskimage.qcow2", {TITLE: title})

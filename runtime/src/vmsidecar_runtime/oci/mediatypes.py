@@ -286,5 +286,7 @@ def check_title(title: str, where: str) -> None:
 
 
 def _plain_name(title: str) -> bool:
-    """Whether a title is a plain file name: not empty, no separator, NUL or leading dot."""
-    return bool(title) and not ("/" in title or "\\" in title or "\0" in title or title.startswith("."))
+    """Whether a title is a plain file name: not empty, no separator, control character (a newline or
+    an escape would reach messages and log lines) or leading dot."""
+    return bool(title) and not ("/" in title or "\\" in title or title.startswith(".")
+                                or any(ord(c) < 32 or ord(c) == 127 for c in title))

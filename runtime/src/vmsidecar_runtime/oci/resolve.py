@@ -206,6 +206,15 @@ def find_disk_layers(doc: dict, where: str) -> list[DiskLayer]:
         kind = classify_layer(d, where)
         if kind is None:
             continue
+        size = d.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            # the blob reader holds a layer to its size: without one, a stream that decompresses to
+            # nothing (zstd's skippable frames) would be read for as long as it goes on
+            raise ImageError(
+                f"{where} has the layer {d['digest'][:80]} with a size of {size!r:.40}, where an OCI descriptor "
+                "carries its blob's size in bytes; push the image again with an OCI tool",
+                code="bad_manifest",
+            )
         annotations = d.get("annotations") or {}
         size_text = annotations.get(ANNOTATION_DISK_SIZE)
         layer = DiskLayer(
