@@ -281,6 +281,21 @@ def test_a_layer_without_a_whole_size_is_refused_before_its_blob_is_read(
     expect(ImageError, ref, tmp_path / "c", layer["digest"], "size", code="bad_manifest")
 
 
+@pytest.mark.parametrize("algorithm", ["sha512", "SHA256", "sha256-upper"])
+def test_a_layer_digest_vmsidecar_cannot_verify_is_named_as_such(
+        oci_qcow2: Path, tmp_path: Path, algorithm: str) -> None:
+    """A sha512 (or upper-case) layer digest was fetched and then reported as a digest mismatch, as if
+    the blob had been altered: the algorithm is what vmsidecar does not verify, and it says so."""
+    c = Crafter(layout=tmp_path / "layout")
+    layer = c.blob(zstandard.ZstdCompressor().compress(oci_qcow2.read_bytes()),
+                   "application/vnd.diskimage.qcow2+zstd", {TITLE: "x.qcow2.zst"})
+    hexdigest = layer["digest"][7:]
+    layer["digest"] = {"sha512": "sha512:" + hexdigest * 2, "SHA256": "SHA256:" + hexdigest,
+                       "sha256-upper": "sha256:" + hexdigest.upper()}[algorithm]
+    ref = c.tag(c.manifest([layer]), "v")
+    expect(ImageError, ref, tmp_path / "c", "not a sha256 digest", "push the image again", code="bad_manifest")
+
+
 @pytest.mark.parametrize("title", ["../x.qcow2", "/etc/x.qcow2", "..", "sub/x.qcow2", "x\n.qcow2", "x\x1b[2J.qcow2"])
 def test_layer_title_escaping_the_cache(tmp_path: Path, title: str) -> None:
     c = Crafter(layout=tmp_path / "layout")

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+import re
+from typing import Any, Protocol
+
+#: a digest as vmsidecar verifies it: sha256, lowercase hex (OCI's canonical form; what podman, skopeo,
+#: oras and docker write)
+_SHA256_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def is_sha256_digest(value: Any) -> bool:
+    """Whether ``value`` is a ``sha256:<64 lowercase hex>`` string."""
+    return isinstance(value, str) and _SHA256_DIGEST.fullmatch(value) is not None
 
 
 class _Sha256(Protocol):

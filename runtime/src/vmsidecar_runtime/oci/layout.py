@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from vmsidecar_contract.errors import DigestMismatchError, ImageError
-from vmsidecar_runtime.image.digest import sha256_digest
+from vmsidecar_runtime.image.digest import is_sha256_digest, sha256_digest
 from vmsidecar_runtime.image.sniff import Compression
 
 from .mediatypes import ANNOTATION_REF_NAME, INDEX_TYPES, OCI_INDEX, load_document
@@ -27,7 +26,6 @@ from .registry import RawManifest
 LAYOUT_VERSION = b'{"imageLayoutVersion":"1.0.0"}'
 MAX_MANIFEST = 4 << 20
 CHUNK = 1 << 20
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class LayoutSource:
@@ -117,7 +115,7 @@ class LayoutSource:
 
         :raise ImageError: (``bad_manifest``) for anything that is not a sha256 digest.
         """
-        if not _DIGEST_RE.match(digest):
+        if not is_sha256_digest(digest):
             raise ImageError(
                 f"OCI layout {self.root} names the invalid digest {digest!r}; write the layout again",
                 code="bad_manifest",

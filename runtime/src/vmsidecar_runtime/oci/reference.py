@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from vmsidecar_contract.errors import BadReferenceError
+from vmsidecar_runtime.image.digest import is_sha256_digest
 
 RefKind = Literal["registry", "layout", "file"]
 
@@ -27,7 +28,6 @@ _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _FOREIGN_TRANSPORTS = ("oci", "oci-archive", "docker-archive", "docker-daemon", "containers-storage", "dir")
 _COMPONENT_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*$"
 )
@@ -240,7 +240,7 @@ def _is_host(component: str) -> bool:
 
 
 def _check_digest(original: str, digest: str) -> None:
-    if not _DIGEST_RE.match(digest):
+    if not is_sha256_digest(digest):
         raise BadReferenceError(
             f"reference {original!r} has the invalid digest {digest!r}; "
             "write @sha256: followed by 64 lowercase hex digits"

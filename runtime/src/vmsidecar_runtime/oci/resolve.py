@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from vmsidecar_contract.arch import oci_arch
 from vmsidecar_contract.errors import ImageError, PlatformError
+from vmsidecar_runtime.image.digest import is_sha256_digest
 
 from .mediatypes import (
     ANNOTATION_DISK_DIGEST,
@@ -206,6 +207,13 @@ def find_disk_layers(doc: dict, where: str) -> list[DiskLayer]:
         kind = classify_layer(d, where)
         if kind is None:
             continue
+        if not is_sha256_digest(d["digest"]):
+            raise ImageError(
+                f"{where} has the layer {d['digest'][:80]!r}, which is not a sha256 digest in lowercase hex, the one "
+                "algorithm vmsidecar verifies (what podman, skopeo, oras and docker write); push the image again "
+                "with sha256 digests",
+                code="bad_manifest",
+            )
         size = d.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             # the blob reader holds a layer to its size: without one, a stream that decompresses to

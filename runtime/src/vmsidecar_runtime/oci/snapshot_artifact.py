@@ -10,7 +10,7 @@ image index listing the artifacts that refer to it.
 
 from __future__ import annotations
 
-import re
+from vmsidecar_runtime.image.digest import is_sha256_digest
 
 #: a file at least this large is published zstd-compressed (guest RAM and migration streams
 #: shrink 3-10x; small files are not worth a decoder)
@@ -22,7 +22,6 @@ MAX_CANDIDATES = 64
 MAX_MANIFESTS_READ = 8
 MAX_FILES = 32
 
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 def referrers_tag(digest: str) -> str:
@@ -33,4 +32,4 @@ def referrers_tag(digest: str) -> str:
 
 def is_digest(value: object) -> bool:
     """Whether ``value`` is a ``sha256:<64 hex>`` digest."""
-    return isinstance(value, str) and bool(_DIGEST_RE.fullmatch(value))
+    return is_sha256_digest(value)
