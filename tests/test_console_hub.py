@@ -319,3 +319,45 @@ async def test_connections_beyond_the_cap_are_told_and_closed_and_memory_stays_b
     assert (await asyncio.wait_for(reader.readexactly(1024), 5)) != b"", "no scrollback for the next client"
     await wait_until_async(lambda: len(hub._clients) == MAX_CLIENTS, 5, "the hub to take the next client in")
     await hub.close()
+
+
+async def test_a_log_disk_that_stalls_holds_a_bounded_backlog_and_says_what_it_lost(tmp_path: Path) -> None:
+    """The console log is written in a thread so a slow disk never stalls the guest; but while a write
+    hung, what the guest printed queued for the log without bound (a guest printing at full speed
+    onto a stalled volume grew the runtime until the OOM killer). The stall is played by holding the
+    log's write (a disk that hangs cannot be made here for real); the bytes are a real hub's."""
+    import threading
+
+    from vmsidecar_runtime.console import LOG_BACKLOG_BYTES
+
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("ttyS0", tmp_path / "console.sock", log_path=tmp_path / "ttyS0.log")
+    await hub.listen()
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    assert hub._log is not None
+    real_write, stalled = hub._log.write, threading.Event()
+
+    def stalled_write(data: bytes) -> None:
+        stalled.wait(30)
+        real_write(data)
+
+    hub._log.write = stalled_write  # type: ignore[method-assign]
+    before = _rss_mib()
+    chunk = b"x" * 65535 + b"\n"
+    for _ in range(1024):  # 64 MiB printed while the log's disk hangs
+        chardev.emit(chunk)
+        await chardev.writer.drain()  # type: ignore[union-attr]
+    await wait_until_async(lambda: hub.bytes_seen == 1024 * len(chunk), 10, "the hub to drain the guest")
+    assert sum(map(len, hub._log_pending)) <= LOG_BACKLOG_BYTES
+    assert _rss_mib() - before < 48, "the log's backlog grew with what the guest printed"
+    stalled.set()
+    await wait_until_async(lambda: not hub._log_pending, 10, "the log to catch up")
+    chardev.emit(b"after the stall\n")
+    await chardev.writer.drain()  # type: ignore[union-attr]
+    logged = tmp_path / "ttyS0.log"
+    await wait_until_async(lambda: logged.read_bytes().endswith(b"after the stall\n"), 10, "the last line logged")
+    text = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("ttyS0.log*")))
+    assert b"bytes of console output not logged" in text
+    await hub.close()

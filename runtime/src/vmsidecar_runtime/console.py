@@ -41,6 +41,9 @@ CLIENT_QUEUE_BYTES = 1 << 20
 #: clients of one stream at once: each may hold up to CLIENT_QUEUE_BYTES of the runtime's memory, and a
 #: lease holder opens one per driver call
 MAX_CLIENTS = 64
+#: console output waiting for the log's thread (a slow or hung disk): past it, output is not logged
+#: (it still reaches the scrollback and every client) and the log says how much was lost
+LOG_BACKLOG_BYTES = 4 << 20
 #: input held while the guest moves to a new backend process (a tty line is 4 KiB; more is dropped)
 HELD_INPUT_BYTES = 64 << 10
 
@@ -173,6 +176,9 @@ class ConsoleHub:
         self._log = RotatingByteLog(log_path) if log_path else None
         #: log bytes not yet on disk; one task at a time writes them in a thread, in order
         self._log_pending: list[bytes] = []
+        self._log_pending_bytes = 0
+        #: output not logged since the log's last write (the backlog was full)
+        self._log_dropped = 0
         #: the log is to be emptied before the next write (:meth:`forget_log`)
         self._log_reset = False
         self._log_task: asyncio.Task[None] | None = None
@@ -311,7 +317,14 @@ class ConsoleHub:
         if len(self._buffer) > self.scrollback:
             del self._buffer[: len(self._buffer) - self.scrollback]
         if self._log:
-            self._log_pending.append(data)
+            if self._log_pending_bytes + len(data) > LOG_BACKLOG_BYTES:
+                if not self._log_dropped:
+                    log.warning("console %s: the log's disk is too slow; output is not logged until it "
+                                "catches up", self.name)
+                self._log_dropped += len(data)
+            else:
+                self._log_pending.append(data)
+                self._log_pending_bytes += len(data)
             self._start_log_task()
         for watcher in list(self._watchers):
             watcher(data)
@@ -328,7 +341,7 @@ class ConsoleHub:
         """Empty the log file (a new lease): what is not written yet is dropped, and the file is
         emptied in the writing task, after any write already under way."""
         if self._log:
-            self._log_pending = []
+            self._log_pending, self._log_pending_bytes, self._log_dropped = [], 0, 0
             self._log_reset = True
             self._start_log_task()
 
@@ -339,13 +352,17 @@ class ConsoleHub:
     async def _write_log(self) -> None:
         """File writes (and rotation) happen in a thread: a slow disk must not stall the drain."""
         assert self._log is not None
-        while self._log_pending or self._log_reset:
+        while self._log_pending or self._log_reset or self._log_dropped:
             try:
                 if self._log_reset:
                     self._log_reset = False
                     await asyncio.to_thread(self._log.reset)
                     continue
-                batch, self._log_pending = b"".join(self._log_pending), []
+                batch, self._log_pending, self._log_pending_bytes = b"".join(self._log_pending), [], 0
+                if self._log_dropped:
+                    batch += (f"\r\n[vmsidecar: {self._log_dropped} bytes of console output not logged: the "
+                              "log's disk was too slow]\r\n").encode()
+                    self._log_dropped = 0
                 await asyncio.to_thread(self._log.write, batch)
             except OSError as e:  # a full disk loses log lines, never console output
                 log.warning("console %s: cannot write the log (%s)", self.name, e)
