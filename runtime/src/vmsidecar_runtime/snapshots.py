@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import subprocess
 import tempfile
 import threading
@@ -476,9 +477,12 @@ class SnapshotStore:
                 continue
             path = snap.path / name
             try:
-                seal = stat_seal(path.stat())
+                st = path.lstat()  # a link would be followed by whoever reads it next (QEMU, a push)
             except OSError as e:
                 return f"{name} cannot be read ({e.strerror})"
+            if not stat.S_ISREG(st.st_mode):
+                return f"{name} is not a regular file (a link or a special file)"
+            seal = stat_seal(st)
             if seals.get(name) != seal:
                 hashed.append(name)
                 if seal_digest(path) != digest:
