@@ -361,3 +361,47 @@ async def test_a_log_disk_that_stalls_holds_a_bounded_backlog_and_says_what_it_l
     text = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("ttyS0.log*")))
     assert b"bytes of console output not logged" in text
     await hub.close()
+
+
+async def test_a_full_state_volume_never_keeps_a_lease_in_the_log_nor_stops_it_for_good(tmp_path: Path) -> None:
+    """The guest fills the state volume (its overlay lives there), then prints: the buffered log file
+    kept what failed to flush, the rotation closed it, every later write raised ValueError ("I/O
+    operation on closed file"), which the writing task did not catch, and the recycle's emptying of
+    the log failed the same way: the last lease's output (a typed secret) stayed in ``ttyS0.log`` for
+    every lease after, and the console was never logged again."""
+    from fixtures.faults import tmpfs
+
+    with tmpfs(tmp_path / "state", "2m") as state:
+        chardev = FakeChardev(tmp_path / "qemu.sock")
+        await chardev.start()
+        hub = ConsoleHub("ttyS0", tmp_path / "console.sock", log_path=state / "ttyS0.log")
+        await hub.listen()
+        await hub.attach(chardev.path)
+        await chardev.connected.wait()
+        logged = state / "ttyS0.log"
+
+        async def prints(data: bytes) -> None:
+            seen = hub.bytes_seen + len(data)
+            chardev.emit(data)
+            await chardev.writer.drain()  # type: ignore[union-attr]
+            await wait_until_async(lambda: hub.bytes_seen >= seen and not hub._log_pending
+                                   and (hub._log_task is None or hub._log_task.done()), 10, "the log to settle",
+                                   interval=0.002)
+
+        await prints(b"export API_TOKEN=lease-n-secret\r\n")
+        for _ in range(31):  # the log near its 1 MiB rotation
+            await prints(os.urandom(16384).hex().encode())
+        filler = state / "overlay.qcow2"  # the guest's writes fill the volume
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        for _ in range(600):  # short lines onto the full volume, past the rotation
+            await prints(b"%d a line on a full volume\r\n" % _)
+        hub.forget_log()  # the recycle
+        await wait_until_async(lambda: hub._log_task is None or hub._log_task.done(), 10, "the log's reset")
+        left = b"".join(p.read_bytes() for p in state.glob("ttyS0.log*"))
+        assert b"lease-n-secret" not in left, "the last lease's console output outlived its recycle"
+        filler.unlink()  # space again
+        await prints(b"the next lease\r\n")
+        assert logged.read_bytes().endswith(b"the next lease\r\n"), logged.read_bytes()[-200:]
+        await hub.close()  # (it raised the log task's ValueError)

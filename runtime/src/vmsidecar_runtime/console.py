@@ -55,30 +55,42 @@ class RotatingByteLog:
     def __init__(self, path: Path, max_bytes: int = 1 << 20, backups: int = 3) -> None:
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         self._remove_backups()
-        self._fh = open(path, "wb")  # noqa: SIM115 - lives as long as the hub
+        # unbuffered: a write that fails (a full volume) keeps nothing back to fail again at the
+        # next flush, or at the close a rotation does
+        self._fh = open(path, "wb", buffering=0)  # noqa: SIM115 - lives as long as the hub
 
     def reset(self) -> None:
         """Empty the log and remove its rotated files (the file replaced by an empty one when it
-        cannot be truncated: nothing of it may stay)."""
+        cannot be truncated: nothing of it may stay).
+
+        :raise OSError: the empty file cannot be made (the old one is gone all the same)."""
         self._remove_backups()
         try:
+            if self._fh.closed:
+                raise OSError("the log file is closed")
             self._fh.seek(0)
             self._fh.truncate()
         except OSError:
             self._fh.close()
             self.path.unlink(missing_ok=True)
-            self._fh = open(self.path, "wb")  # noqa: SIM115
+            self._fh = open(self.path, "wb", buffering=0)  # noqa: SIM115
 
     def _remove_backups(self) -> None:
         for i in range(1, self.backups + 1):
             self.path.with_name(f"{self.path.name}.{i}").unlink(missing_ok=True)
 
     def write(self, data: bytes) -> None:
-        """Append bytes, rotating first when the file would pass ``max_bytes``."""
+        """Append bytes, rotating first when the file would pass ``max_bytes``.
+
+        :raise OSError: they cannot be written (the next write tries again, on a file reopened if
+            a rotation could not make one)."""
+        if self._fh.closed:
+            self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
         if self._fh.tell() + len(data) > self.max_bytes:
             self._rotate()
-        self._fh.write(data)
-        self._fh.flush()
+        view = memoryview(data)
+        while view:
+            view = view[self._fh.write(view) or 0:]
 
     def _rotate(self) -> None:
         self._fh.close()
@@ -87,7 +99,7 @@ class RotatingByteLog:
             if src.exists():
                 os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
         os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        self._fh = open(self.path, "ab")  # noqa: SIM115
+        self._fh = open(self.path, "ab", buffering=0)  # noqa: SIM115
 
     def close(self) -> None:
         """Close the file."""
@@ -187,7 +199,7 @@ class ConsoleHub:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._client_tasks: set[asyncio.Task[None]] = set()
-        self._refusal_logged_at = float("-inf")
+        self._refusal_logged_at = self._log_warned_at = float("-inf")
         self._upstream: asyncio.StreamWriter | None = None
         #: the output pipe's transport when the backend serves this stream through pipes
         self._upstream_output: asyncio.BaseTransport | None = None
@@ -365,7 +377,10 @@ class ConsoleHub:
                     self._log_dropped = 0
                 await asyncio.to_thread(self._log.write, batch)
             except OSError as e:  # a full disk loses log lines, never console output
-                log.warning("console %s: cannot write the log (%s)", self.name, e)
+                now = time.monotonic()
+                if now - self._log_warned_at >= 10:  # (not once per chunk while the disk stays full)
+                    self._log_warned_at = now
+                    log.warning("console %s: cannot write the log (%s)", self.name, e)
 
     def hold_input(self) -> None:
         """From now on client input waits in the hub, for the backend process that comes next."""
