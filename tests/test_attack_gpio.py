@@ -280,3 +280,22 @@ async def test_a_gpio_call_of_an_ended_lease_acts_on_nothing_of_the_next(start_r
         for vm in (lease_n, lease_n1):
             if vm.link._client is not None:
                 await vm.link._client.close()
+
+
+async def test_the_next_lease_finds_the_lines_as_the_spec_wires_them_without_a_boot(start_runtime: Any) -> None:
+    """A recycle without a boot (``recycle(boot=False)``; a runtime with no image yet; a boot that
+    fails) left the lines as lease N set them, until the next power-on: lease N+1 read what lease N
+    had driven. The end of a lease puts them back to the spec's initial values."""
+    rt = await start_runtime({"memory": "256M", "gpio": LINES})
+    spec = {"memory": "256M", "gpio": LINES}
+    lease_n = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
+    lease_n1 = VirtualMachine(socket=str(rt.socket), spec=spec, recycle="InPlaceReuse")
+    try:
+        await lease_n.children["gpio"].children["button"].on()
+        assert await lease_n.children["gpio"].children["button"].read_pin() == 1
+        await lease_n1.link.call(lambda c: c.state())  # the next lease claims: N's generation is recycled
+        assert await lease_n1.children["gpio"].children["button"].read_pin() == 0, "lease N's line value stayed"
+    finally:
+        for vm in (lease_n, lease_n1):
+            if vm.link._client is not None:
+                await vm.link._client.close()

@@ -46,8 +46,11 @@ class GpioDevice:
         await self.vhost.close()
 
     def end_lease(self) -> None:
-        """A lease ended: its pending waits end with ``closed`` and its control connections close."""
+        """A lease ended (its guest is stopped): its pending waits end with ``closed``, its control
+        connections close, and the lines are as the spec wires them again, whether a boot follows
+        or not (the next lease read what the last one drove until its first power-on)."""
         self.control.end_lease()
+        self.model.reset()
 
     async def close(self) -> None:
         """Stop everything and remove both sockets; pending waits end with ``closed``."""
