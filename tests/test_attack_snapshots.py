@@ -140,6 +140,65 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     assert "refused" not in reason, reason  # caught before QEMU was ever asked to load it
 
 
+async def test_a_spare_over_a_ram_file_changed_during_the_lease_is_never_adopted(
+        start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    """With ``standby: true`` the spare restore maps the template's RAM file privately before the
+    lease begins; pages it has not touched yet still read the file. An escaped QEMU of the lease
+    (QEMU 7.2 holds that file read-write) rewrites a page during the lease: a restore would find the
+    seal broken and boot cold, but the recycle adopted the spare without a look, handing the next
+    lease the attacker's page."""
+    cache = tmp_path / "cache"
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "spare-seal"}],
+            "standby": True}
+    rt = await start_runtime(spec, name="spare-seal", extra_args=["--cache-dir", str(cache)])
+    client = rt.client()
+    await client.wait_ready(240)
+    await client.wait_stored()
+    await client.recycle()  # from now on the lease's guest is a restore, and a spare is made after it
+    await client.wait_ready(120)
+    state = await client.wait_spare(120)
+    assert state.snapshot.standby == "ready", state.snapshot
+    _rewrite_ram(_snapshot_dir(cache) / "ram")  # during the lease, as its QEMU's UID
+    await client.recycle()
+    state = await client.wait_ready(240)
+    print(f"after the recycle: {state.snapshot}")
+    assert not state.snapshot.restored_ahead, "the spare over the rewritten RAM file was adopted"
+    assert state.snapshot.boot == "cold", state.snapshot
+    reason = state.snapshot.reason or ""
+    assert "ram" in reason and "BLAKE3" in reason and "removed" in reason, reason
+
+
+def test_a_link_in_a_snapshot_entry_breaks_its_seal(tmp_path: Path) -> None:
+    """A process of the cache's UID (an escaped QEMU, another pod on the cache volume) adds a link to a
+    file it cannot read but the next reader can (the pusher's registry credentials) and seals it in
+    meta.json: the seal check hashed through the link and passed, and `vmsidecar-oci snapshot push`
+    uploaded the target to the repository every pod reads."""
+    from vmsidecar_runtime.disk import DiskImage
+    from vmsidecar_runtime.oci.cache import hash_file
+    from vmsidecar_runtime.snapshots import SnapshotStore
+
+    secret = tmp_path / "pusher-only" / "config.json"
+    secret.parent.mkdir()
+    secret.write_text('{"auths": {"registry.example": {"auth": "c2VjcmV0"}}}')
+    base = tmp_path / "base.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "1M"], check=True)
+    cache = tmp_path / "cache"
+    (cache / "locks").mkdir(parents=True)
+    entry = cache / "snapshots" / "k"
+    entry.mkdir(parents=True)
+    (entry / "memory").write_bytes(b"device state")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", str(base), "-F", "qcow2",
+                    str(entry / "disk.qcow2"), "1M"], check=True)
+    os.symlink(secret, entry / "creds")
+    files = {name: hash_file(entry / name) for name in ("memory", "disk.qcow2", "creds")}
+    (entry / "meta.json").write_text(json.dumps({"guest_agent": False, "files": files, "form": "stream"}))
+    store = SnapshotStore(cache)
+    snap = store.find("k")
+    assert snap is not None
+    broken = store.verify(snap, DiskImage(base, "qcow2", "sha256:" + "0" * 64, "file:base"))
+    assert broken is not None and "creds is not a regular file" in broken, broken
+
+
 async def test_the_snapshot_reaches_qemu_only_after_its_seal_check(tiny_image: Any) -> None:
     # A warm start hashes the RAM file and the memory stream while QEMU starts (issue 21): QEMU
     # starts paused, the RAM file mapped, waiting for a stream, and must be handed nothing (no

@@ -53,10 +53,14 @@ class Boot:
         accel = self._machine.choose_accel(spec)
         await self._snapshots.drop_staging()  # an earlier boot's capture that never happened
         snap = self._snapshots.plan(spec, accel.accel)
-        if snap is not None and (spare := await self._standby.take(spec, snap)) is not None \
-                and await self._adopt(snap, spare):
-            metrics.snapshot_lookup("hit")
-            return True
+        if snap is not None and (spare := await self._standby.take(spec, snap)) is not None:
+            adopted = await self._adopt(snap, spare)
+            if adopted:
+                metrics.snapshot_lookup("hit")
+                return True
+            if adopted is None:
+                await self._cold(spec)
+                return False
         if snap is None:  # a cache miss: the spec's snapshot_source may have one
             snap = await self._snapshots.from_source(spec)
         if snap is not None and await self._restore(spec, snap):
@@ -112,10 +116,22 @@ class Boot:
         await self._snapshots.restored(snap, started, self._machine.backend.guest_agent, new_boot=new_boot)
         return True
 
-    async def _adopt(self, snap: Snapshot, spare: Spare) -> bool:
+    async def _adopt(self, snap: Snapshot, spare: Spare) -> bool | None:
         """Run the spare restore of ``snap`` as this boot (``standby.py``); False when it cannot be
-        (it is ended, and the caller restores as without it)."""
+        (it is ended, and the caller restores as without it), None when ``snap`` failed its seal
+        check (it is ended and ``snap`` removed: the caller boots cold)."""
         started = time.monotonic()
+        # The spare maps the template's RAM file privately since before the lease: the pages it has
+        # not touched yet still read the file, which the lease's QEMU (stopped now) held read-write.
+        # So its seal is checked as a restore's would be (a stat compare unless something changed).
+        intact = await self._snapshots.verify(snap)  # (a broken one is removed, saying why)
+        if intact and (broken := await self._snapshots.check_deferred(snap)) is not None:
+            await self._snapshots.seal_broken(snap, broken)
+            intact = False
+        if not intact:
+            await spare.backend.quit(timeout=1)
+            metrics.snapshot_lookup("seal_broken")
+            return None
         try:
             self._disks.adopt_spare()
         except OSError as e:
