@@ -16,6 +16,7 @@ from real captures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -447,3 +448,52 @@ def test_the_host_cpu_of_an_arm_node_with_two_kinds_of_core_is_both_kinds() -> N
     assert [k.split(",")[0] for k in kinds] == ["0x41 8 0x1 0xd0b 0", "0x41 8 0x2 0xd05 0"], both
     assert kinds[0].split("features ")[1] != kinds[1].split("features ")[1], "the features differ"
     assert host_cpu("") == "unknown"
+
+
+async def test_a_source_that_trickles_its_answer_is_given_up_at_the_fetchs_bound(tmp_path: Path) -> None:
+    """The fetch's bound was checked between a blob's chunks only: a source answering its referrers
+    listing one byte every 0.2 s (a 100 KB body: five and a half hours) held the boot, and the power
+    lock with it, for as long as it went on. The boot now gives up at the bound (then boots cold),
+    whatever the fetching thread is blocked in."""
+    import http.server
+    import socketserver
+    import threading
+
+    from vmsidecar_runtime.oci import auth
+    from vmsidecar_runtime.oci.snapshot_fetch import stage_in_thread
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", OCI_INDEX)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(100000):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"127.0.0.1:{server.server_address[1]}"
+    store = SnapshotStore(tmp_path / "cache")
+    known = identify_before_pull(load_spec({"image": "registry.example/vm/guest:1", "memory": "256M"}), "tcg")
+    started = time.monotonic()
+    try:
+        with auth.settings(insecure=(host,)), pytest.raises(SourceRefused) as refused:
+            await stage_in_thread(f"{host}/snapshots", "sha256:" + "a" * 64, known, store, timeout=1.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    took = time.monotonic() - started
+    assert refused.value.code == "timeout", refused.value.message
+    assert took < 10, f"the fetch took {took:.1f} s for a bound of 1 s"

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -108,20 +110,69 @@ async def stage_in_thread(source: str, subject: str, known: SnapshotIdentity, st
 
     :raise SourceRefused: nothing usable there; the message says why.
     """
-    staged, seconds = await _in_thread(source, timeout, stage_before_pull, subject, known, store)
+    staged, seconds = await _in_thread(source, timeout, stage_before_pull, subject, known, store,
+                                       late=lambda late: store.discard_now(late.snap))
     log.info("%s fetched while the image was pulled, in %.2f s", staged.where, seconds)
     return staged
 
 
-async def _in_thread(source: str, timeout: float, fetch: Callable[..., _T], *args: Any) -> tuple[_T, float]:
-    """``fetch(source, *args, deadline=…)`` in a worker thread and the seconds it took; a refusal is logged."""
+#: what the boot waits past the fetch's own deadline before it gives up on the fetching thread (the
+#: thread looks at the deadline between chunks; a registry that trickles holds it inside one read)
+GIVE_UP_AFTER_S = 5.0
+
+
+async def _in_thread(source: str, timeout: float, fetch: Callable[..., _T], *args: Any,
+                     late: Callable[[_T], None] | None = None) -> tuple[_T, float]:
+    """``fetch(source, *args, deadline=…)`` in a thread of its own and the seconds it took; a refusal is
+    logged. The caller waits no longer than the deadline (and :data:`GIVE_UP_AFTER_S`), whatever the
+    thread is blocked in: a daemon thread, so one a registry keeps in a read holds neither a worker of
+    the loop's executor nor the runtime's exit; what it returns once given up goes to ``late``."""
     started = time.monotonic()
+    done = _in_daemon_thread(fetch, source, *args, deadline=started + timeout)
     try:
-        result = await asyncio.to_thread(fetch, source, *args, deadline=started + timeout)
+        result = await asyncio.wait_for(asyncio.shield(done), timeout + GIVE_UP_AFTER_S)
     except SourceRefused as e:
         log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
         raise
+    except (TimeoutError, asyncio.CancelledError) as e:
+        if late is not None:
+            done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or late(f.result()))
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        message = (f"{source} did not answer within the fetch's bound ({timeout:g} s); the registry is slow or "
+                   "stalls: the next boot tries again")
+        log.warning("no snapshot from %s (timeout): %s; booting cold", source, message)
+        raise SourceRefused("timeout", message) from None
     return result, time.monotonic() - started
+
+
+def _in_daemon_thread(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> asyncio.Future[_T]:
+    """``fn(*args, **kwargs)`` in a new daemon thread, in a copy of the caller's context (the
+    registry settings are context variables), its outcome on the returned future."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = context.run(fn, *args, **kwargs)
+        except BaseException as e:  # handed to the waiting side as it is
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="snapshot-fetch", daemon=True).start()
+    return future
 
 
 def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,
