@@ -14,13 +14,13 @@ import contextlib
 import hashlib
 import http.server
 import json
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fixtures.http_server import LoopbackServer
 from fixtures.registry import AUTH_PASSWORD, AUTH_USER, RunningRegistry, auth_file
 from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
@@ -38,7 +38,7 @@ USER = "pool-robot"
 LEAKS = (SECRET, base64.b64encode(f"{USER}:{SECRET}".encode()).decode())
 
 
-class FakeRegistry:
+class FakeRegistry(LoopbackServer):
     """A real HTTP server on 127.0.0.1 that answers every request with ``answer(handler)`` and
     records the request line and headers of each request (what an attacker's server collects)."""
 
@@ -58,17 +58,7 @@ class FakeRegistry:
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = _any
 
-        self.server = http.server.ThreadingHTTPServer((address, 0), Handler)
-        self.host = f"{address}:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FakeRegistry:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler, address)
 
     def leaked(self) -> list[str]:
         """The requests that carried an Authorization header or the secret in any form."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.http_server import LoopbackServer
 from vmsidecar_contract.errors import RegistryError
 from vmsidecar_runtime.oci.pull import pull
 from vmsidecar_runtime.oci.reference import parse_reference
@@ -45,7 +45,7 @@ MANIFEST_UNKNOWN = b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest u
 Answer = tuple[int, dict[str, str], bytes | None]
 
 
-class Flood:
+class Flood(LoopbackServer):
     """A registry on 127.0.0.1 (HTTP/1.1) answering by path, counting the body bytes it sent."""
 
     def __init__(self) -> None:
@@ -92,18 +92,7 @@ class Flood:
 
             do_HEAD = do_PUT = do_GET
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> Flood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

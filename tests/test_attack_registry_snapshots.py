@@ -456,9 +456,8 @@ async def test_a_source_that_trickles_its_answer_is_given_up_at_the_fetchs_bound
     lock with it, for as long as it went on. The boot now gives up at the bound (then boots cold),
     whatever the fetching thread is blocked in."""
     import http.server
-    import socketserver
-    import threading
 
+    from fixtures.http_server import LoopbackServer
     from vmsidecar_runtime.oci import auth
     from vmsidecar_runtime.oci.snapshot_fetch import stage_in_thread
 
@@ -468,7 +467,7 @@ async def test_a_source_that_trickles_its_answer_is_given_up_at_the_fetchs_bound
         def log_message(self, *_: object) -> None:
             pass
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", OCI_INDEX)
             self.send_header("Content-Length", "100000")
@@ -479,21 +478,12 @@ async def test_a_source_that_trickles_its_answer_is_given_up_at_the_fetchs_bound
                     self.wfile.flush()
                     time.sleep(0.2)
 
-    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-        daemon_threads = True
-
-    server = Server(("127.0.0.1", 0), Trickle)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    host = f"127.0.0.1:{server.server_address[1]}"
     store = SnapshotStore(tmp_path / "cache")
     known = identify_before_pull(load_spec({"image": "registry.example/vm/guest:1", "memory": "256M"}), "tcg")
     started = time.monotonic()
-    try:
-        with auth.settings(insecure=(host,)), pytest.raises(SourceRefused) as refused:
-            await stage_in_thread(f"{host}/snapshots", "sha256:" + "a" * 64, known, store, timeout=1.0)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with LoopbackServer(Trickle) as server, auth.settings(insecure=(server.host,)), \
+            pytest.raises(SourceRefused) as refused:
+        await stage_in_thread(f"{server.host}/snapshots", "sha256:" + "a" * 64, known, store, timeout=1.0)
     took = time.monotonic() - started
     assert refused.value.code == "timeout", refused.value.message
     assert took < 10, f"the fetch took {took:.1f} s for a bound of 1 s"

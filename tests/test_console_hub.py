@@ -12,6 +12,7 @@ import select
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,17 @@ class FakeChardev:
     def emit(self, data: bytes) -> None:
         assert self.writer is not None
         self.writer.write(data)
+
+
+async def _attached(tmp_path: Path, **options: Any) -> tuple[FakeChardev, ConsoleHub]:
+    """A ttyS0 hub serving its socket, attached to a fake QEMU chardev that has connected."""
+    chardev = FakeChardev(tmp_path / "qemu.sock")
+    await chardev.start()
+    hub = ConsoleHub("ttyS0", tmp_path / "console.sock", **options)
+    await hub.listen()
+    await hub.attach(chardev.path)
+    await chardev.connected.wait()
+    return chardev, hub
 
 
 def _descriptors_on(targets: list[str]) -> list[int]:
@@ -294,12 +306,7 @@ async def test_connections_beyond_the_cap_are_told_and_closed_and_memory_stays_b
     the cap and is closed; one of the clients leaving makes room again."""
     from vmsidecar_runtime.console import MAX_CLIENTS
 
-    chardev = FakeChardev(tmp_path / "qemu.sock")
-    await chardev.start()
-    hub = ConsoleHub("ttyS0", tmp_path / "console.sock")  # 256 KiB of scrollback, the default
-    await hub.listen()
-    await hub.attach(chardev.path)
-    await chardev.connected.wait()
+    chardev, hub = await _attached(tmp_path)  # 256 KiB of scrollback, the default
     chardev.emit(os.urandom(256 * 1024))
     await chardev.writer.drain()  # type: ignore[union-attr]
     await wait_until_async(lambda: hub.bytes_seen == 256 * 1024, 5, "the hub to drain the scrollback")
@@ -330,12 +337,7 @@ async def test_a_log_disk_that_stalls_holds_a_bounded_backlog_and_says_what_it_l
 
     from vmsidecar_runtime.console import LOG_BACKLOG_BYTES
 
-    chardev = FakeChardev(tmp_path / "qemu.sock")
-    await chardev.start()
-    hub = ConsoleHub("ttyS0", tmp_path / "console.sock", log_path=tmp_path / "ttyS0.log")
-    await hub.listen()
-    await hub.attach(chardev.path)
-    await chardev.connected.wait()
+    chardev, hub = await _attached(tmp_path, log_path=tmp_path / "ttyS0.log")
     assert hub._log is not None
     real_write, stalled = hub._log.write, threading.Event()
 
@@ -372,12 +374,7 @@ async def test_a_full_state_volume_never_keeps_a_lease_in_the_log_nor_stops_it_f
     from fixtures.faults import tmpfs
 
     with tmpfs(tmp_path / "state", "2m") as state:
-        chardev = FakeChardev(tmp_path / "qemu.sock")
-        await chardev.start()
-        hub = ConsoleHub("ttyS0", tmp_path / "console.sock", log_path=state / "ttyS0.log")
-        await hub.listen()
-        await hub.attach(chardev.path)
-        await chardev.connected.wait()
+        chardev, hub = await _attached(tmp_path, log_path=state / "ttyS0.log")
         logged = state / "ttyS0.log"
 
         async def prints(data: bytes) -> None:
