@@ -112,3 +112,15 @@ def test_bad_references(text: str, needle: str) -> None:
 )
 def test_loopback_hosts_get_plain_http(host: str, loopback: bool) -> None:
     assert is_loopback_host(host) is loopback
+
+
+@pytest.mark.parametrize("text", ["127.0.0.1\n/x:y", "169.254.169.254\n/x:y", "evil.example/x\n/y:t",
+                                  "registry.example/v\rm:1", "registry.example/vm:1\x1b[2J",
+                                  "registry.example\t/vm:1", "registry.example/vm\x00:1", "file:/tmp/x\n.qcow2"])
+def test_a_reference_with_a_control_character_is_refused(text: str) -> None:
+    """``$`` in the parts' patterns also matched before a final newline: ``127.0.0.1\\n`` passed as a
+    host, which name resolution did not find, so the pod's own addresses were not recognised (only
+    the HTTP library's own check kept the pull from connecting), and the newline reached log lines."""
+    with pytest.raises(BadReferenceError, match="control character"):
+        parse_reference(text, look=False)
+    assert parse_reference(" registry.example/vm:1\n").registry == "registry.example"  # (the ends are trimmed)

@@ -77,7 +77,7 @@ class Reference:
 
 def is_loopback_host(registry: str) -> bool:
     """Whether ``HOST[:PORT]`` names this machine (``localhost``, ``127.0.0.0/8``, ``::1``)."""
-    match = _HOST_PORT_RE.match(registry)
+    match = _HOST_PORT_RE.fullmatch(registry)
     host = match.group("host") if match else registry
     host = host.strip("[]").lower()
     if host == "localhost" or host.endswith(".localhost"):
@@ -109,6 +109,9 @@ def parse_reference(text: str | Reference, *, look: bool = True) -> Reference:
         raise BadReferenceError(
             "the image reference is empty; give REGISTRY/REPO:TAG, oci-layout:DIR[:TAG] or file:PATH"
         )
+    if any(ord(c) < 32 or ord(c) == 127 for c in ref):
+        raise BadReferenceError(f"the image reference {ref[:200]!r} holds a control character, which no registry "
+                                "host, repository, tag or path has; give it as REGISTRY/REPO:TAG")
     if ref.startswith(LAYOUT_SCHEME):
         return _parse_layout(ref, ref[len(LAYOUT_SCHEME) :])
     if ref.startswith(FILE_SCHEME):
@@ -179,7 +182,7 @@ def _parse_layout(original: str, rest: str) -> Reference:
     tag = None
     head, sep, tail = rest.rpartition(":")
     if sep and tail and "/" not in tail:
-        if not _TAG_RE.match(tail):
+        if not _TAG_RE.fullmatch(tail):
             raise BadReferenceError(
                 f"layout reference {original!r} has the invalid tag {tail!r}; "
                 "tags are letters, digits, '_', '.' and '-' (at most 128)"
@@ -207,13 +210,13 @@ def _parse_registry(original: str, ref: str) -> Reference:
     last = path.rsplit("/", 1)[-1]
     if ":" in last:
         path, tag = path.rsplit(":", 1)
-        if not _TAG_RE.match(tag):
+        if not _TAG_RE.fullmatch(tag):
             raise BadReferenceError(
                 f"reference {original!r} has the invalid tag {tag!r}; "
                 "tags are letters, digits, '_', '.' and '-' (at most 128, not starting with '.' or '-')"
             )
     components = path.split("/")
-    if not path or not all(_COMPONENT_RE.match(c) for c in components):
+    if not path or not all(_COMPONENT_RE.fullmatch(c) for c in components):
         raise BadReferenceError(
             f"reference {original!r} has the invalid repository {path!r}; use lowercase letters, digits "
             "and single '.', '_' or '-' separators between '/'-separated parts"
@@ -222,7 +225,7 @@ def _parse_registry(original: str, ref: str) -> Reference:
 
 
 def _is_host(component: str) -> bool:
-    match = _HOST_PORT_RE.match(component)
+    match = _HOST_PORT_RE.fullmatch(component)
     if not match:
         return False
     host, port = match.group("host"), match.group("port")
@@ -234,7 +237,7 @@ def _is_host(component: str) -> bool:
         except ValueError:
             return False
         return True
-    if not _HOSTNAME_RE.match(host):
+    if not _HOSTNAME_RE.fullmatch(host):
         return False
     return host == "localhost" or "." in host or port is not None
 
