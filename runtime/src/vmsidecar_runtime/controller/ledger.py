@@ -9,8 +9,12 @@ summary and starts the next generation's.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+#: the flashes a summary names (the last ones: the disk the lease left is the last); it counts them all
+FLASHED_KEPT = 32
 
 
 @dataclass
@@ -19,8 +23,9 @@ class LeaseLedger:
 
     started: float = field(default_factory=time.monotonic)
     claimed_at: float | None = None
-    #: every disk flashed: ``REFERENCE@DIGEST`` (``upload@DIGEST`` for an upload), credentials stripped
-    flashed: list[str] = field(default_factory=list)
+    #: the last disks flashed: ``REFERENCE@DIGEST`` (``upload@DIGEST`` for an upload), credentials stripped
+    flashed: deque[str] = field(default_factory=lambda: deque(maxlen=FLASHED_KEPT))
+    flashes: int = 0
     power_operations: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -31,6 +36,7 @@ class LeaseLedger:
 
     def flash(self, target: str, nbytes: int) -> None:
         self.flashed.append(target)
+        self.flashes += 1
         self.bytes_in += nbytes
 
     def dump(self, nbytes: int) -> None:
@@ -44,6 +50,7 @@ class LeaseLedger:
         generation's start, for a generation no lease claimed)."""
         since = self.claimed_at if self.claimed_at is not None else self.started
         return {"audit": "lease", "generation": generation, "claimed": self.claimed_at is not None,
-                "ended_by": ended_by, "flashed": list(self.flashed), "power_operations": self.power_operations,
+                "ended_by": ended_by, "flashed": list(self.flashed), "flashes": self.flashes,
+                "power_operations": self.power_operations,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "duration_s": round(time.monotonic() - since, 3)}
