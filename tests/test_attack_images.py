@@ -712,3 +712,23 @@ def test_a_qcow2_that_makes_qemu_img_print_megabytes_is_refused_for_it(tmp_path:
     for name in ("a", "b", "c"):
         _qemu_img("snapshot", "-c", name, str(few))
     assert _check_in_a_child(few).verdict == "passed"
+
+
+def test_a_qcow2_whose_bitmaps_would_take_hundreds_of_megabytes_is_refused(tmp_path: Path) -> None:
+    """Persistent dirty bitmaps are loaded whole by every QEMU and qemu-img that opens the disk: 40
+    bitmaps of 512-byte granularity over 64 GiB (1,083 bytes zstd-compressed) passed the check, within
+    its memory bound, then took 674 MB in each overlay's ``qemu-img create``, each dump's ``convert``
+    and the guest's QEMU, none of them bounded. No disk from a registry or a flash needs them."""
+    disk = tmp_path / "bitmaps.qcow2"
+    _qemu_img("create", "-q", "-f", "qcow2", str(disk), "64G")
+    for n in range(3):
+        _qemu_img("bitmap", "--add", "-g", "512", str(disk), f"b{n}")
+    verdict, _, _ = _check_in_a_child(disk)
+    assert verdict.startswith("refused unsafe_disk"), verdict
+    assert "3 persistent bitmaps" in verdict and "48 MiB" in verdict, verdict
+    assert "qemu-img convert -O qcow2 IN OUT" in verdict, verdict
+    # a bitmap of the default granularity over the same disk costs 128 KiB: it passes
+    small = tmp_path / "one-bitmap.qcow2"
+    _qemu_img("create", "-q", "-f", "qcow2", str(small), "64G")
+    _qemu_img("bitmap", "--add", str(small), "backup")
+    assert _check_in_a_child(small).verdict == "passed"

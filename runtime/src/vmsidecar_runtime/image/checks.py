@@ -154,8 +154,11 @@ def check_refcount_memory(header: Qcow2Header, file_size: int, origin: Origin) -
         )
 
 
+#: what a disk's persistent dirty bitmaps may take in memory (a 64 GiB disk's bitmap of QEMU's default
+#: 64 KiB granularity is 128 KiB; incremental backup tools keep a few)
+BITMAP_MEMORY = 32 << 20
 #: bump when :func:`check_image` refuses something it passed before: every cache entry is checked again
-CHECKS_VERSION = 2
+CHECKS_VERSION = 3
 
 
 def verdict(fmt: DiskFormat | str, limits: Limits = DEFAULT_LIMITS) -> str:
@@ -208,10 +211,36 @@ def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limit
     virtual_size = info.get("virtual-size")
     if isinstance(virtual_size, int):
         check_virtual_size(virtual_size, origin, limits)
+        check_bitmap_memory(specific_data, virtual_size, origin)
     rc, out, err = run_qemu_img("check", "-f", "qcow2", "--output=json", str(path), origin=origin)
     # rc 3 = only leaked clusters: wasted space, harmless for a read-only base
     if rc not in (0, 3):
         raise _corrupt(origin, _check_detail(rc, out, err))
+
+
+def check_bitmap_memory(specific: object, virtual_size: int, origin: Origin) -> None:
+    """Refuse a qcow2 whose persistent dirty bitmaps would take more than :data:`BITMAP_MEMORY`: every
+    QEMU and qemu-img that opens the disk loads them whole (a bit per granule of the virtual size),
+    and past the check nothing bounds their memory (the overlay's ``create``, a dump's ``convert``,
+    the guest's QEMU).
+
+    :raise ImageError: (code ``unsafe_disk``) naming how many bitmaps, their memory and the fix.
+    """
+    bitmaps = specific.get("bitmaps") if isinstance(specific, dict) else None
+    if not isinstance(bitmaps, list) or not bitmaps:
+        return
+    need = 0
+    for bitmap in bitmaps:
+        granularity = bitmap.get("granularity") if isinstance(bitmap, dict) else None
+        granularity = granularity if isinstance(granularity, int) and granularity > 0 else 1
+        need += -(-virtual_size // granularity) // 8
+    if need > BITMAP_MEMORY:
+        raise ImageError(
+            f"{origin.what} has {len(bitmaps)} persistent bitmaps that would take {need >> 20} MiB of memory in every "
+            f"QEMU and qemu-img that opens it, more than {BITMAP_MEMORY >> 20} MiB; a boot disk needs none: copy it "
+            f"without them with `qemu-img convert -O qcow2 IN OUT` and {origin.resend}",
+            code="unsafe_disk",
+        )
 
 
 def _qemu_img_info(path: Path, origin: Origin) -> dict:
