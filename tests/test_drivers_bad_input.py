@@ -99,3 +99,22 @@ async def test_a_lease_holders_arguments_of_the_wrong_type_are_refused_naming_th
                     list(client.storage.streamingcall("flash_oci", reference, None))
 
     await asyncio.wait_for(asyncio.to_thread(calls), 120)
+
+
+def test_a_synchronous_runtime_call_gives_up_at_its_timeout(tmp_path: Path) -> None:
+    """``reset()`` claims with a 120 s bound and ``close()`` shuts the runtime down with 60 s, from
+    synchronous code: the bound raised on time, but leaving the call's thread pool waited for the
+    call itself (up to the client's 600 s), so the exporter's reset or close hung that long."""
+    import time
+
+    from jumpstarter_driver_vmsidecar.link import RuntimeLink
+
+    async def slow(_client: Any) -> int:
+        await asyncio.sleep(30)
+        return 0
+
+    link = RuntimeLink(tmp_path / "api.sock")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        link.run_sync(slow, timeout=1)
+    assert time.monotonic() - started < 5, f"run_sync returned after {time.monotonic() - started:.1f} s"

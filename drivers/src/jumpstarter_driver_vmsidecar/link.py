@@ -179,11 +179,15 @@ class RuntimeLink:
             asyncio.run_coroutine_threadsafe(client.close(), loop)
 
     def run_sync(self, coro_fn: Callable[[RuntimeClient], Coroutine[Any, Any, T]], timeout: float = 120) -> T:
-        """Run an API call from synchronous code (``close()``/``reset()``) on a private loop."""
+        """Run an API call from synchronous code (``close()``/``reset()``) on a private loop, given up
+        (cancelled, its connection closed) after ``timeout`` seconds.
+
+        :raise TimeoutError: it did not end within ``timeout``."""
 
         async def runner() -> T:
             async with RuntimeClient(self.socket) as client:
-                return await coro_fn(client)
+                # the bound is kept on the call's own loop: leaving the pool below waits for it
+                return await asyncio.wait_for(coro_fn(client), timeout)
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, runner()).result(timeout)
+            return pool.submit(asyncio.run, runner()).result()
