@@ -8,9 +8,11 @@ test_runtime_lifecycle.py) hit by timing is hit here every run, in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,7 +255,11 @@ async def test_a_claim_during_the_first_boots_pull_answers_at_once(fake_vm: Buil
     vm = fvm.vm
     boot = asyncio.create_task(vm.power_on())
     await held.wait_started()
-    claimed = await asyncio.wait_for(vm.claim(), 1)  # the exporter waits for it before it serves the lease
+    # the exporter's claim at hand-out: its spec again (the same), then the claim; it waits for both
+    # before it serves the lease (the spec's call waited for the pull's lock: the claim timed out, and a
+    # lease using only CAN was never recycled)
+    assert not await asyncio.wait_for(vm.set_spec(fake_spec(fake_images.base), from_api=False), 1)
+    claimed = await asyncio.wait_for(vm.claim(), 1)
     assert claimed.claimed and claimed.generation == 0 and claimed.phase == Phase.PULLING
     held.release.set()
     await boot
@@ -437,3 +443,73 @@ async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on
         await runner.cleanup()
         sock.unlink(missing_ok=True)
         await fvm.vm.power_off(graceful=False)  # (its guest ignores the ACPI button the teardown presses)
+
+
+def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
+        fake_images: Images, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree handed to a lease claims in ``reset()`` within a bound (120 s); past it, the tree gave up
+    for good unless the runtime did not answer at all: served unclaimed, a lease that used only CAN
+    (which asks the runtime nothing) was never recycled, and the next lease got its guest. Here the
+    runtime holds its power lock past the bound (lease N's graceful power-off of a guest that ignores
+    the button); the tree must claim once it can, and recycle at its close."""
+    import threading
+
+    from aiohttp import web
+
+    import jumpstarter_driver_vmsidecar.link as link_module
+    from fixtures.fake_backend import make_controller
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+    from vmsidecar_contract.client import RuntimeClient
+    from vmsidecar_runtime.api.server import make_app
+
+    monkeypatch.setattr(link_module, "CLAIM_TIMEOUT_S", 1.0)
+    spec = fake_spec(fake_images.base)
+    sock = Path(f"/tmp/vmc-{os.getpid()}-{id(tmp_path)}.sock")
+    loop = asyncio.new_event_loop()
+    served = threading.Event()
+    fvm: list[FakeVm] = []
+
+    async def serve() -> None:
+        fvm.append(make_controller(tmp_path / "vm", spec, FakeHypervisor(acpi=False)))
+        await fvm[0].vm.start(boot=False)
+        runner = web.AppRunner(make_app(fvm[0].vm))
+        await runner.setup()
+        await web.UnixSite(runner, str(sock)).start()
+        served.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(serve(), loop).result(30)
+
+    def on_loop(coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    async def lease_n_holds_the_lock() -> Any:
+        async with RuntimeClient(sock) as client:
+            client.generation = (await client.claim()).generation
+            await client.power("on")
+            await client.wait_ready(30)
+            return asyncio.create_task(client.power("off", graceful=True, timeout=4))
+
+    tree = VirtualMachine(socket=str(sock), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
+    try:
+        hold = on_loop(lease_n_holds_the_lock())
+        on_loop(wait_until_async(fvm[0].vm._phases.lock.locked, 5, "lease N's power-off to hold the lock"))
+        tree.reset()  # lease N+1 handed out: its claim waits behind the lock past its bound
+        assert tree.link.claimed_generation is None, "the claim did not wait for the lock: no race here"
+        deadline = time.monotonic() + 20
+        while tree.link.claimed_generation is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # (the claim given up at its bound may still be carried out once the lock is free: the retry's
+        # claim then recycles that generation too; the lease has the VM's current one either way)
+        claimed = tree.link.claimed_generation
+        assert claimed is not None, "the tree never claimed once the runtime could answer"
+        assert claimed == fvm[0].vm.generation and fvm[0].vm.state().claimed, (claimed, fvm[0].vm.state())
+        tree.close()  # the lease ends: its generation is recycled
+        assert fvm[0].vm.generation == claimed + 1, f"the lease's generation {claimed} was not recycled"
+        del hold
+    finally:
+        on_loop(fvm[0].vm.power_off(graceful=False))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        sock.unlink(missing_ok=True)

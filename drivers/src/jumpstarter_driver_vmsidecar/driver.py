@@ -158,11 +158,14 @@ class VirtualMachine(Driver):
                         "push the spec to the runtime", e.message)
             if isinstance(e, RuntimeUnavailableError):
                 self._push_spec_later(self.link, self._spec, claim=lease)
-        except Exception as e:  # runtime not up yet: the exporter keeps running
+        except Exception as e:  # runtime not up yet, or its answer slower than the bound: the exporter keeps running
             log.warning("runtime not reachable at %s yet (%s); will retry on first use", self.socket, e)
+            if isinstance(e, TimeoutError):  # a lease's tree must claim: CAN and forwards never ask
+                self._push_spec_later(self.link, self._spec, claim=lease)
 
     def _push_spec_later(self, link: RuntimeLink, spec: VmSpec | None, *, claim: bool = False) -> None:
-        """Keep offering the spec (and the lease's claim) for a while in the background: in a pod
+        """Keep offering the spec for a while (the lease's claim until it is taken or the lease ends) in
+        the background: in a pod
         the exporter may start before the runtime serves, and a standalone exporter has no "first
         use" until someone connects — without this the guest would not boot and the pod would
         never be Ready. A claim's retry ends with this tree's lease (a claim after ``close`` would
@@ -182,8 +185,8 @@ class VirtualMachine(Driver):
                         link.claim_now()
                     elif spec is not None:
                         link.run_sync(lambda c: c.put_spec(spec), timeout=30)
-                except RuntimeUnavailableError:
-                    return False  # not serving yet
+                except (RuntimeUnavailableError, TimeoutError):
+                    return False  # not serving yet, or busy past the bound (a recycle, a capture)
                 except Exception as e:  # an answer: the first use reports it to the user
                     log.warning("the runtime did not take the %s (%s)", "claim" if claim else "spec", e)
                     return True
@@ -191,7 +194,9 @@ class VirtualMachine(Driver):
             return True
 
         def retry() -> None:
-            deadline = time.monotonic() + SPEC_RETRY_S
+            # a spec's offers end after a while; a claim's with this tree's lease (``stop``), however
+            # long that is: a tree that never claimed is never recycled
+            deadline = float("inf") if claim else time.monotonic() + SPEC_RETRY_S
             while time.monotonic() < deadline and link.claimed_generation is None:
                 if stop.wait(SPEC_RETRY_EVERY_S) or attempt():
                     return

@@ -147,13 +147,14 @@ class RuntimeLink:
             await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
         return (await client.claim()).generation
 
-    def claim_now(self, timeout: float = CLAIM_TIMEOUT_S) -> None:
+    def claim_now(self, timeout: float | None = None) -> None:
         """Claim from synchronous code: ``reset()`` of a tree the exporter hands to a lease (or the
         thread that retries it while the runtime does not answer yet). Never twice: a second claim
         of one lease would recycle its own guest."""
         with self._claim_mutex:
             if self.claim_leases and self.claimed_generation is None and not self.ended:
-                self._claimed(self.run_sync(self._claim_with, timeout), "as the lease was handed out")
+                self._claimed(self.run_sync(self._claim_with, CLAIM_TIMEOUT_S if timeout is None else timeout),
+                              "as the lease was handed out")
 
     def _claimed(self, generation: int, when: str) -> None:
         self.claimed_generation = generation

@@ -166,6 +166,8 @@ class VmController:
         """
         if from_api:
             admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
+        if spec == self.spec:  # the exporter's claim sends it first: it must not wait for a first boot's pull
+            return False
         check_native_can(spec)
         async with self._phases.lock:
             if spec == self.spec:
