@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from qemu.qmp import EventListener, QMPClient
 from qemu.qmp.error import QMPError
+from qemu.qmp.message import Message
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward
@@ -104,6 +105,28 @@ def _poll_waits() -> Iterator[float]:
         yield wait
         wait = min(wait * 2, 0.02)
 
+
+
+class _QmpClient(QMPClient):
+    """qemu.qmp's client, but its default listener (``events``: every event, kept in a history and a
+    queue nothing here reads) hears nothing. A guest can make QEMU emit events without end (a loop
+    writing the ACPI CPU hotplug _OST status: ACPI_DEVICE_OST is not among the events QEMU throttles),
+    and each stayed in the runtime's memory for as long as its QEMU ran (~1.9 KB an event). The
+    listeners are qemu.qmp's own list, which it offers no way to dispatch past but this method."""
+
+    async def _event_dispatch(self, msg: Message) -> None:
+        for listener in self._listeners:
+            if listener is not self.events:
+                await listener.put(msg)
+
+
+class _Events(EventListener):
+    """An event listener that keeps no history (qemu.qmp's keeps every event it accepted): the pump
+    reads each as it comes."""
+
+    async def put(self, event: Message) -> None:
+        if self.accept(event):
+            await self._queue.put(event)
 
 class QemuBackend:
     """Runs one QEMU process for one boot plan."""
@@ -210,7 +233,7 @@ class QemuBackend:
     async def _connect_qmp(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        qmp = QMPClient("vmsidecar")
+        qmp = _QmpClient("vmsidecar")
         while True:
             if self._exited.is_set():
                 raise HostError(self._early_exit_message())
@@ -230,7 +253,7 @@ class QemuBackend:
                 # up to its whole interval to every launch, a warm start's included
                 await asyncio.sleep(0.01)
         self._qmp = qmp
-        listener = EventListener(LISTENED_EVENTS)
+        listener = _Events(LISTENED_EVENTS)
         qmp.register_listener(listener)
         self._tasks.append(asyncio.create_task(self._pump_events(listener), name="qmp-events"))
 
