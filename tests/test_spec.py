@@ -35,6 +35,10 @@ def test_sizes(text: str | int, mib: int) -> None:
         ({"snapshot_source": "registry:5000/snaps:latest"}, "is not a repository; write REGISTRY/REPO, without a tag"),
         ({"snapshotSource": "registry:5000/snaps@sha256:" + "a" * 64}, "is not a repository; write REGISTRY/REPO"),
         ({"cpu": "max,+vmx"}, "cpu: 'max,+vmx' is not a QEMU CPU model name; name one model"),
+        # QEMU's option syntax: a comma would add an option to -object can-host-socketcan
+        ({"can": [{"name": "c0", "mode": "native", "host_interface": "vcan0,canbus=q"}]},
+         "is not a network interface name"),
+        ({"can": [{"name": "c0", "mode": "native", "host_interface": "../../x"}]}, "is not a network interface name"),
     ],
 )
 def test_bad_fields_name_the_field_and_fix(data: dict, message: str) -> None:

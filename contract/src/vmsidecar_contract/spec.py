@@ -265,6 +265,11 @@ class CanBus(_Model):
                 )
         elif not self.host_interface:
             raise ValueError("mode native needs host_interface (a host SocketCAN interface, e.g. vcan0); set it or use mode slcan")
+        name = self.host_interface
+        if name is not None and (not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", "..")):
+            # it goes into QEMU's -object option string (a comma adds an option) and a /sys path
+            raise ValueError(f"host_interface {self.host_interface!r} is not a network interface name; "
+                             "name one like vcan0 (letters, digits, '.', '_', '-')")
         return self
 
 
