@@ -500,16 +500,31 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
         deadline = time.monotonic() + 20
         while tree.link.claimed_generation is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        # (the claim given up at its bound may still be carried out once the lock is free: the retry's
-        # claim then recycles that generation too; the lease has the VM's current one either way)
-        claimed = tree.link.claimed_generation
-        assert claimed is not None, "the tree never claimed once the runtime could answer"
-        assert claimed == fvm[0].vm.generation and fvm[0].vm.state().claimed, (claimed, fvm[0].vm.state())
+        # the claim given up at its bound is still carried out once the lock is free; the retry names
+        # the same token, so it is answered with that generation, not recycled a second time
+        assert tree.link.claimed_generation == 1, "the tree never claimed once the runtime could answer"
+        assert fvm[0].vm.generation == 1 and fvm[0].vm.state().claimed, fvm[0].vm.state()
         tree.close()  # the lease ends: its generation is recycled
-        assert fvm[0].vm.generation == claimed + 1, f"the lease's generation {claimed} was not recycled"
+        assert fvm[0].vm.generation == 2, f"the lease's generation was not recycled ({fvm[0].vm.generation})"
         del hold
     finally:
         on_loop(fvm[0].vm.power_off(graceful=False))
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         sock.unlink(missing_ok=True)
+
+
+async def test_a_claim_asked_again_with_its_token_is_answered_not_made_twice(
+        fake_vm: Build, fake_images: Images) -> None:
+    """A claim whose answer was lost (the tree gave up at its bound while the runtime carried it out)
+    is asked again: with the same token it gets the generation it holds; a second claim without one,
+    or with another token (the next lease), recycles as any claim of a claimed generation does."""
+    fvm = await fake_vm(fake_spec(fake_images.base))
+    await _ready(fvm)
+    first = await fvm.vm.claim(token="lease-one-token")
+    assert (first.generation, first.claimed) == (0, True)
+    again = await fvm.vm.claim(token="lease-one-token")
+    assert again.generation == 0 and fvm.hv.current.alive and len(fvm.hv.backends) == 1, "claimed twice"
+    other = await fvm.vm.claim(token="lease-two-token")
+    assert other.generation == 1, "another lease's claim did not recycle"
+    assert (await fvm.vm.claim(token="lease-one-token")).generation == 2, "a past lease's token held the VM"

@@ -177,9 +177,11 @@ class RuntimeClient:
             body["if_generation"] = if_generation
         return VmState.model_validate(await self._request(api.POST_RECYCLE, json=body))
 
-    async def claim(self) -> VmState:
-        """``POST /v1/vm/lease``: a generation no earlier lease has used."""
-        return VmState.model_validate(await self._request(api.POST_LEASE))
+    async def claim(self, token: str | None = None) -> VmState:
+        """``POST /v1/vm/lease``: a generation no earlier lease has used (``token``: the claimer's, so
+        that asking again after a lost answer claims nothing twice)."""
+        body = {"token": token} if token is not None else None
+        return VmState.model_validate(await self._request(api.POST_LEASE, json=body))
 
     async def shutdown(self) -> None:
         """``POST /v1/shutdown``: the guest stops and the runtime exits 0."""

@@ -188,8 +188,10 @@ POST_LEASE = Endpoint(
     "Claim the VM for a new lease (the exporter does when it hands the lease out): when an earlier lease used "
     "this generation it is recycled first (the answer then comes after the fresh boot has started); the disk "
     "transfer under way is cancelled; no memory snapshot is captured from then on (one under way finishes "
-    "first). Any phase.",
-    (_STATE,), ("bad_request", "host_error", "guest_error"), lease_bound=False)
+    "first). A claim naming the token of the claim that holds the current generation is answered without "
+    "recycling (its first answer was lost). Any phase.",
+    (_STATE,), ("bad_request", "host_error", "guest_error"), lease_bound=False,
+    body=Body("json", "ClaimRequest", required=False))
 PUT_DISK = Endpoint(
     "PUT", "/v1/vm/disk",
     "Flash: the body is the image (qcow2/raw, optionally zstd/gzip/xz), streamed (no size limit but the image "

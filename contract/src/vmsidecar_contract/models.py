@@ -40,6 +40,14 @@ class RecycleRequest(_Request):
     if_generation: Annotated[StrictInt, Field(ge=0), BeforeValidator(_whole_number)] | None = None
 
 
+class ClaimRequest(_Request):
+    """``POST /v1/vm/lease``."""
+
+    #: the claiming tree's token: a claim the runtime already carried out for this token (its answer
+    #: lost to a timeout) is answered again, not made twice (a second claim recycles the lease's guest)
+    token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{8,64}$")
+
+
 class PullRequest(_Request):
     """``POST /v1/vm/disk/pull``."""
 

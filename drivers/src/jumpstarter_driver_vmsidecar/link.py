@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import secrets
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class RuntimeLink:
     ended: bool = False
     #: called once, right after this tree claimed the VM (ExitAndReplace hooks in here)
     on_claim: Callable[[], None] | None = None
+    #: what this tree's claims name: the runtime answers a claim it already carried out for it again
+    claim_token: str = field(default_factory=lambda: secrets.token_hex(16))
     _client: RuntimeClient | None = field(default=None, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _claim_lock: asyncio.Lock | None = field(default=None, repr=False)
@@ -145,7 +148,8 @@ class RuntimeLink:
     async def _claim_with(self, client: RuntimeClient) -> int:
         if self.spec is not None:
             await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
-        return (await client.claim()).generation
+        # the link's token: a claim whose answer a timeout lost is answered again, not made twice
+        return (await client.claim(self.claim_token)).generation
 
     def claim_now(self, timeout: float | None = None) -> None:
         """Claim from synchronous code: ``reset()`` of a tree the exporter hands to a lease (or the

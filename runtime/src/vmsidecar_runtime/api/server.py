@@ -21,7 +21,7 @@ from aiohttp import web
 from vmsidecar_contract import endpoints as api
 from vmsidecar_contract.endpoints import MAX_EVENTS_TIMEOUT, MAX_JSON_BODY, Endpoint
 from vmsidecar_contract.errors import RequestError, TransferError, VmsidecarError
-from vmsidecar_contract.models import Accepted, PowerRequest, PullRequest, RecycleRequest
+from vmsidecar_contract.models import Accepted, ClaimRequest, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
 
 from .. import audit, metrics
@@ -180,7 +180,8 @@ async def post_recycle(request: web.Request) -> web.Response:
 async def post_lease(request: web.Request) -> web.Response:
     """Claim the VM for a new lease (recycles first when an earlier lease used this generation)."""
     vm = _vm(request)
-    await vm.claim()
+    req = await parse(request, ClaimRequest)
+    await vm.claim(token=req.token)
     return _state(vm)
 
 

@@ -53,6 +53,8 @@ class Lease:
         self._events = events
         #: a lease has the current generation (no capture starts; the next claim recycles first)
         self.claimed = False
+        #: the token its claim named (``claimed_by``), if any
+        self.token: str | None = None
         #: what the current generation's lease did, for its summary line when it ends
         self.ledger = LeaseLedger()
 
@@ -86,13 +88,18 @@ class Lease:
         if bound is not None and bound[1] is asyncio.current_task():
             self.require_claimed(bound[0])
 
-    def claim_unclaimed(self) -> bool:
-        """Claim the current generation if no lease has it yet; False when an earlier lease claimed
-        it (the claim then recycles first, so a new lease never sees the previous one)."""
+    def claim_unclaimed(self, token: str | None = None) -> bool:
+        """Claim the current generation if no lease has it yet (for the claimer of ``token``); False
+        when an earlier lease claimed it (the claim then recycles first, so a new lease never sees the
+        previous one)."""
         if self.claimed:
             return False
-        self.claimed = True
+        self.claimed, self.token = True, token
         return True
+
+    def claimed_by(self, token: str | None) -> bool:
+        """Whether the claimer of ``token`` holds the current generation already."""
+        return token is not None and self.claimed and self.token == token
 
     async def clear(self, *, claim: bool) -> None:
         """Drop what the ending lease left (the guest is stopped): its overlay, flashed disks and
@@ -100,7 +107,7 @@ class Lease:
         claiming lease's from the start (its boot is never captured, no other claim can take it)."""
         await self._disks.discard_lease()
         self._streams.clear_for_next_lease()
-        self.claimed = claim
+        self.claimed, self.token = claim, None
         self.summarize("claim" if claim else "recycle")
         self.ledger = LeaseLedger()
 

@@ -247,7 +247,7 @@ class VmController:
             await self._recycle_locked(boot=boot)
             return self.state()
 
-    async def claim(self) -> VmState:
+    async def claim(self, *, token: str | None = None) -> VmState:
         """Start a lease: the caller gets a generation no earlier lease has used.
 
         A generation already claimed (the previous lease's recycle has not run yet) is recycled
@@ -257,14 +257,19 @@ class VmController:
         before it serves the lease): from then on no capture starts; one already under way (it
         began on a guest no lease had) is waited for.
         """
+        if self._lease.claimed_by(token):  # asked again: its first answer was lost
+            return self.state()
         self.transfers.cancel("the next lease claimed the VM")
-        if self._lease.claim_unclaimed():
+        if self._lease.claim_unclaimed(token):
             await self._snapshots.capture_finished()
             self._claimed()
             return self.state()
         async with self._phases.lock:
-            if not self._lease.claim_unclaimed():
+            if self._lease.claimed_by(token):  # (its first request was ahead of this one for the lock)
+                return self.state()
+            if not self._lease.claim_unclaimed(token):
                 await self._recycle_locked(boot=True, claim=True)
+                self._lease.token = token
             self._claimed()
             return self.state()
 
@@ -303,7 +308,11 @@ class VmController:
 
     def reserve_flash(self, reference: str, *, power_off: bool = False) -> Transfer:
         """Refuse a flash from ``reference`` that cannot start, else reserve its transfer for
-        ``flash_reference`` (``DiskOps.reserve_flash``)."""
+        ``flash_reference`` (``DiskOps.reserve_flash``).
+
+        :raise GenerationChangedError: the call is bound to a lease that ended since it arrived (its
+            pull runs in a task of its own, which the power lock's check does not see)."""
+        self._lease.require_bound_call()
         return self._disk_ops.reserve_flash(reference, power_off=power_off)
 
     async def flash_reference(self, reference: str, *, power_off: bool = False, progress: Progress | None = None,
