@@ -58,3 +58,10 @@ def test_a_runtime_in_another_pod_never_removes_a_live_runtimes_download(tmp_pat
                    timeout=60)
     assert not part.exists(), "the file of a runtime that ended was not cleaned"
     assert not list((cache / "locks").glob("tmp-owner.*")), "the ended runtime's lock file was left"
+    # a runtime that ended with no temporary file left (every download installed) leaves its lock
+    # file: the next pull removes it too, or they pile up, one per process, on the shared volume
+    tidy = subprocess.run([sys.executable, "-c", WRITER.replace('tmp.write_bytes(b"half a download")', "pass"),
+                           str(cache)], input="", capture_output=True, text=True, timeout=60, check=True)
+    assert not Path(tidy.stdout.strip()).exists() and list((cache / "locks").glob("tmp-owner.*"))
+    DiskCache(cache).clean_stale()
+    assert not list((cache / "locks").glob("tmp-owner.*")), "an ended runtime's lock file was left"

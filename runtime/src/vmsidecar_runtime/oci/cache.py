@@ -262,10 +262,11 @@ class DiskCache:
         return self._tmp_name(suffix)
 
     def _tmp_name(self, suffix: str) -> Path:
-        if self.locks not in _owner_locks:  # (taken before the process's first temporary file)
-            fd = os.open(self.locks / f"tmp-owner.{_OWNER}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        locks = self.locks.resolve()  # (one lock per directory, however it is named: flock conflicts in-process)
+        if locks not in _owner_locks:  # (taken before the process's first temporary file)
+            fd = os.open(locks / f"tmp-owner.{_OWNER}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            _owner_locks[self.locks] = fd
+            _owner_locks[locks] = fd
         return self.tmp / f"{_OWNER}.{secrets.token_hex(8)}{suffix}"
 
     def install(self, tmp: Path, digest: str, fmt: DiskFormat) -> Path:
@@ -388,6 +389,8 @@ class DiskCache:
         owned: dict[str, list[Path]] = {}
         for path in self.tmp.iterdir():
             owned.setdefault(path.name.split(".", 1)[0], []).append(path)
+        for lock in self.locks.glob("tmp-owner.*.lock"):  # (a process that ended with no file left too)
+            owned.setdefault(lock.name.split(".")[1], [])
         owned.pop(_OWNER, None)
         for owner, paths in owned.items():
             lock = self.locks / f"tmp-owner.{owner}.lock"

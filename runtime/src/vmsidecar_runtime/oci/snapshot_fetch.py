@@ -135,8 +135,9 @@ async def _in_thread(source: str, timeout: float, fetch: Callable[..., _T], *arg
         log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
         raise
     except (TimeoutError, asyncio.CancelledError) as e:
-        if late is not None:
-            done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or late(f.result()))
+        # what the thread ends with is read either way (an unread exception is a traceback in the log)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or late is None
+                               or late(f.result()))
         if isinstance(e, asyncio.CancelledError):
             raise
         message = (f"{source} did not answer within the fetch's bound ({timeout:g} s); the registry is slow or "
