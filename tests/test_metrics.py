@@ -203,10 +203,11 @@ async def test_a_lease_cycle_moves_every_counter_exactly_and_is_audited(
         summary.pop("time")
     assert summaries == [
         {"logger": "vmsidecar.audit", "audit": "lease", "generation": 0, "claimed": True, "ended_by": "recycle",
-         "flashed": [f"{flashed_ref}@{flashed.image_digest}"], "power_operations": 2, "bytes_in": oci_bytes,
+         "flashed": [f"{flashed_ref}@{flashed.image_digest}"], "flashes": 1, "power_operations": 2,
+         "bytes_in": oci_bytes,
          "bytes_out": dumped},
         {"logger": "vmsidecar.audit", "audit": "lease", "generation": 1, "claimed": True, "ended_by": "recycle",
-         "flashed": [], "power_operations": 0, "bytes_in": 0, "bytes_out": 0},
+         "flashed": [], "flashes": 0, "power_operations": 0, "bytes_in": 0, "bytes_out": 0},
     ]
     # no credential in any log line: the pool's, nor one a lease holder wrote into a reference
     log = rt.log_text()
