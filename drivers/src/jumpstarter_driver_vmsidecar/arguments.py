@@ -10,15 +10,15 @@ from typing import Any
 from vmsidecar_contract.endpoints import MAX_WAIT_S, is_wait
 
 
-def seconds(value: Any, name: str = "timeout") -> float:
-    """``value``, a JSON number of seconds in ``[0, MAX_WAIT_S]`` (the contract's ``is_wait``), as a float.
+def seconds(value: Any, name: str = "timeout", *, least: float = 0.0) -> float:
+    """``value``, a JSON number of seconds in ``[least, MAX_WAIT_S]`` (the contract's ``is_wait``), as a float.
 
-    :raise ValueError: not a number (a string such as ``"inf"`` is not, nor a bool), NaN, negative, or
-        past a day.
+    :raise ValueError: not a number (a string such as ``"inf"`` is not, nor a bool), NaN, below
+        ``least``, or past a day.
     """
-    if is_wait(value):
+    if is_wait(value) and value >= least:
         return float(value)
-    raise ValueError(f"{name} must be a number of seconds from 0 to {MAX_WAIT_S:g}; got {value!r:.100}")
+    raise ValueError(f"{name} must be a number of seconds from {least:g} to {MAX_WAIT_S:g}; got {value!r:.100}")
 
 
 def seconds_or_none(value: Any, name: str = "timeout") -> float | None:

@@ -34,9 +34,7 @@ from typing import Any
 
 import can
 
-from vmsidecar_contract.endpoints import MAX_WAIT_S
-
-from .arguments import seconds_or_none
+from .arguments import seconds, seconds_or_none
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +90,6 @@ def decode(line: bytes, channel: Any = None) -> can.Message | None:
     data = bytes.fromhex(hexes[:size].decode())
     return can.Message(timestamp=time.time(), arbitration_id=ident, is_extended_id=extended,
                        is_remote_frame=remote, dlc=dlc, data=data, channel=channel, is_rx=True)
-
-
-def _period(value: Any) -> float:
-    """A periodic send's period: a number of seconds from 1 ms to a day (python-can takes any float:
-    NaN failed inside it, zero or less sent as fast as the bus goes, years held a thread for years)."""
-    if (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0.001 <= value <= MAX_WAIT_S):  # (NaN compares false)
-        return float(value)
-    raise ValueError(f"period must be a number of seconds from 0.001 to {MAX_WAIT_S:g}; got {value!r:.100}")
 
 
 class _PeriodicSend(can.broadcastmanager.ThreadBasedCyclicSendTask):
@@ -431,7 +420,9 @@ class VmsidecarSlcanBus(can.BusABC):
         autostart: bool = True,
         modifier_callback: Callable[[can.Message], None] | None = None,
     ) -> can.broadcastmanager.CyclicSendTaskABC:
-        period = _period(period)
+        # python-can takes any float: NaN failed inside it, zero or less sent as fast as the bus goes,
+        # years held a thread for years
+        period = seconds(period, "period", least=0.001)
         duration = seconds_or_none(duration, "duration")
         with self._lock:  # (shutdown stops, under this lock, every task started before it)
             if self._closed.is_set():

@@ -44,6 +44,8 @@ MAX_CLIENTS = 64
 #: console output waiting for the log's thread (a slow or hung disk): past it, output is not logged
 #: (it still reaches the scrollback and every client) and the log says how much was lost
 LOG_BACKLOG_BYTES = 4 << 20
+#: at most one warning of a kind per this many seconds
+WARN_EVERY = 10.0
 #: input held while the guest moves to a new backend process (a tty line is 4 KiB; more is dropped)
 HELD_INPUT_BYTES = 64 << 10
 
@@ -199,7 +201,9 @@ class ConsoleHub:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._client_tasks: set[asyncio.Task[None]] = set()
-        self._refusal_logged_at = self._log_warned_at = float("-inf")
+        #: when each kind of warning was last logged (a flood of connections or failed writes is not a
+        #: flood of log lines: one every WARN_EVERY seconds)
+        self._warned_at: dict[str, float] = {}
         self._upstream: asyncio.StreamWriter | None = None
         #: the output pipe's transport when the backend serves this stream through pipes
         self._upstream_output: asyncio.BaseTransport | None = None
@@ -251,9 +255,7 @@ class ConsoleHub:
 
     def _refuse(self, conn: socket.socket) -> None:
         """Tell a connection past the cap why it ends, and end it (a new socket's buffer holds the line)."""
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= 10:  # (a flood of connections is not a flood of log lines)
-            self._refusal_logged_at = now
+        if self._may_warn("refused"):
             log.warning("console %s: refusing clients: %d are connected, the most it serves", self.name,
                         MAX_CLIENTS)
         with contextlib.suppress(OSError):
@@ -262,6 +264,14 @@ class ConsoleHub:
                       "close one and connect again\r\n".encode())
             conn.shutdown(socket.SHUT_WR)
         conn.close()
+
+    def _may_warn(self, kind: str) -> bool:
+        """Whether a warning of ``kind`` may be logged now (then not again for WARN_EVERY seconds)."""
+        now = time.monotonic()
+        if now - self._warned_at.get(kind, -WARN_EVERY) < WARN_EVERY:
+            return False
+        self._warned_at[kind] = now
+        return True
 
     async def _serve_client(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -377,9 +387,7 @@ class ConsoleHub:
                     self._log_dropped = 0
                 await asyncio.to_thread(self._log.write, batch)
             except OSError as e:  # a full disk loses log lines, never console output
-                now = time.monotonic()
-                if now - self._log_warned_at >= 10:  # (not once per chunk while the disk stays full)
-                    self._log_warned_at = now
+                if self._may_warn("log"):
                     log.warning("console %s: cannot write the log (%s)", self.name, e)
 
     def hold_input(self) -> None:

@@ -136,6 +136,8 @@ class DiskCache:
         self.disks = self.root / "disks"
         self.tmp = self.root / "tmp"
         self.locks = self.root / "locks"
+        #: the owner lock's key: one per directory however it is named (flock conflicts in-process)
+        self._locks_key = self.locks.resolve()
         self.index_path = self.root / "index.json"
         try:
             for d in (self.disks, self.tmp, self.locks):
@@ -262,7 +264,7 @@ class DiskCache:
         return self._tmp_name(suffix)
 
     def _tmp_name(self, suffix: str) -> Path:
-        locks = self.locks.resolve()  # (one lock per directory, however it is named: flock conflicts in-process)
+        locks = self._locks_key
         if locks not in _owner_locks:  # (taken before the process's first temporary file)
             fd = os.open(locks / f"tmp-owner.{_OWNER}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)

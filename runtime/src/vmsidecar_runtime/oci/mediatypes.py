@@ -19,6 +19,8 @@ from typing import Any, Literal
 from vmsidecar_contract.errors import ImageError, RegistryError
 from vmsidecar_runtime.image.sniff import Compression, DiskFormat
 
+from .reference import has_control_character
+
 log = logging.getLogger(__name__)
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -289,4 +291,4 @@ def _plain_name(title: str) -> bool:
     """Whether a title is a plain file name: not empty, no separator, control character (a newline or
     an escape would reach messages and log lines) or leading dot."""
     return bool(title) and not ("/" in title or "\\" in title or title.startswith(".")
-                                or any(ord(c) < 32 or ord(c) == 127 for c in title))
+                                or has_control_character(title))

@@ -88,6 +88,12 @@ def is_loopback_host(registry: str) -> bool:
         return False
 
 
+def has_control_character(text: str) -> bool:
+    """Whether ``text`` holds a C0 control character or DEL (a newline, an escape: never part of a
+    reference, a path or a title, and each would reach messages and log lines)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def parse_reference(text: str | Reference, *, look: bool = True) -> Reference:
     """Parse an image reference.
 
@@ -109,7 +115,7 @@ def parse_reference(text: str | Reference, *, look: bool = True) -> Reference:
         raise BadReferenceError(
             "the image reference is empty; give REGISTRY/REPO:TAG, oci-layout:DIR[:TAG] or file:PATH"
         )
-    if any(ord(c) < 32 or ord(c) == 127 for c in ref):
+    if has_control_character(ref):
         raise BadReferenceError(f"the image reference {ref[:200]!r} holds a control character, which no registry "
                                 "host, repository, tag or path has; give it as REGISTRY/REPO:TAG")
     if ref.startswith(LAYOUT_SCHEME):
