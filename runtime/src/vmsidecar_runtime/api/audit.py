@@ -25,9 +25,9 @@ from .health import CONTROLLER
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: the parsed JSON body of a request (``parsing.json_body`` keeps it for this middleware)
-BODY_KEY = "vmsidecar.body"
+BODY_KEY = web.RequestKey("vmsidecar.body", object)
 #: the error code a progress stream ended with after its 200 (``ndjson.progress_stream``)
-STREAM_ERROR_KEY = "vmsidecar.stream_error"
+STREAM_ERROR_KEY = web.RequestKey("vmsidecar.stream_error", str)
 AUDITED: dict[tuple[str, str], Endpoint] = {
     (row.method, row.path): row
     for row in (api.PUT_SPEC, api.POST_POWER, api.POST_RECYCLE, api.POST_LEASE, api.PUT_DISK, api.POST_PULL,
