@@ -36,7 +36,7 @@ from fixtures.runtime import BACKENDS
 from vmsidecar_contract.spec import Network, VmSpec
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.backend.libvirt.xml import render_domain
-from vmsidecar_runtime.backend.netguard import LocalAddresses, qemu_args, refusal, refused
+from vmsidecar_runtime.backend.netguard import LocalAddresses, NetGuard, qemu_args, refusal, refused
 from vmsidecar_runtime.backend.qemu_argv import NETDEV_ID, build_argv
 from vmsidecar_runtime.plan import BootPlan
 
@@ -327,6 +327,24 @@ def test_refusal_is_an_icmp_the_guest_accepts() -> None:
     for group in (_ipv4("255.255.255.255", proto=17), _ipv4("10.0.2.255", proto=17),
                   _ipv4("224.0.0.1", proto=17), _ipv6("ff02::1", next_header=17)):
         assert refused(group, Network()) and refusal(group) is None
+
+
+def test_the_guests_routine_multicast_does_not_hide_what_it_aims_at_the_pod(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A guest's OS sends IGMP, MLD and mDNS at every boot, all refused: one line tells of them, and
+    the first lines stay for the frames aimed at an address (the operator's clue to an attack)."""
+    guard = NetGuard(BootPlan(spec=VmSpec(), accel="tcg", disk=Path("/x"), disk_format="qcow2", run_dir=tmp_path))
+    caplog.set_level("INFO", logger="vmsidecar_runtime.backend.netguard")
+    routine = [_ipv6("ff02::16", 0), _ipv4("224.0.0.22", 2), _ipv4("224.0.0.251", 17, 5353),
+               _ipv4("255.255.255.255", 17, 9), _ipv4("10.0.2.255", 17, 137)] * 4
+    for frame in [*routine, _ipv4("10.0.2.2", port=8080), _ipv6("fec0::2", port=8080)]:
+        guard._count(frame)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert "ff02::16" in lines[0] and "only counted" in lines[0]
+    assert lines[1:] == ["guest NIC: refused a frame to 10.0.2.2 (21 so far)",
+                         "guest NIC: refused a frame to fec0::2 (22 so far)"]
+    assert (guard.refused, guard.refused_to_groups) == (22, 20)
 
 
 def _sum(data: bytes) -> int:

@@ -286,8 +286,9 @@ class NetGuard:
     def __init__(self, plan: BootPlan) -> None:
         self.plan = plan
         self.policy = plan.spec.network
-        #: frames refused since the start (for the log)
+        #: frames refused since the start (for the log), and of them those to a group address
         self.refused = 0
+        self.refused_to_groups = 0
         self._local = LocalAddresses.read()
         self._local_read_at = time.monotonic()
         self._task: asyncio.Task[None] | None = None
@@ -344,9 +345,19 @@ class NetGuard:
         return self._local
 
     def _count(self, frame: bytes) -> None:
+        # a guest's OS sends multicast at every boot (MLD, IGMP, mDNS, SSDP): one line says so, and
+        # the first lines stay for what a guest aims at the pod's or another host's own addresses
         self.refused += 1
-        if self.refused <= 5 or self.refused % 1000 == 0:
+        if _to_group(frame):
+            self.refused_to_groups += 1
+            if self.refused_to_groups == 1:
+                log.info("guest NIC: refused a frame to %s (broadcast and multicast leave the guest's network; "
+                         "the next ones are only counted)", _destination(frame))
+        elif self.refused - self.refused_to_groups <= 5:
             log.info("guest NIC: refused a frame to %s (%d so far)", _destination(frame), self.refused)
+        if self.refused % 1000 == 0:
+            log.info("guest NIC: %d frames refused so far, %d of them to broadcast or multicast addresses",
+                     self.refused, self.refused_to_groups)
 
     async def close(self) -> None:
         """Stop reading and close the sockets (QEMU is gone or going). Idempotent."""
@@ -358,6 +369,14 @@ class NetGuard:
         for writer in self._writers:
             writer.close()
         self._writers = []
+
+
+def _to_group(frame: bytes) -> bool:
+    """Whether an IP frame is addressed to a broadcast or multicast address."""
+    ethertype = int.from_bytes(frame[12:14], "big") if len(frame) >= 14 else 0
+    if ethertype == _ETH_IPV4 and len(frame) >= 34:
+        return _group4(int.from_bytes(frame[30:34], "big"))
+    return ethertype == _ETH_IPV6 and len(frame) >= 54 and frame[38] == 0xFF
 
 
 def _destination(frame: bytes) -> str:
