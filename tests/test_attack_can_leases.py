@@ -34,7 +34,7 @@ import pytest
 from fixtures.runtime import RuntimeProcess
 from fixtures.vmdev import vm_runtime
 from fixtures.waiting import wait_until
-from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+from jumpstarter_driver_vmsidecar.driver import VirtualMachine, forget_queued_frames
 from jumpstarter_driver_vmsidecar.slcan import MAX_PERIODIC_SENDS, VmsidecarSlcanBus
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import clean_environ
@@ -351,3 +351,21 @@ def test_periodic_sends_are_bounded_per_bus(slcan_can: Any) -> None:
         slcan_can._start_task(held)  # upstream's exported restart counts too
     slcan_can._stop_task(tasks[0])
     slcan_can._send_periodic_internal([_frame()], 60.0)  # one stopped: room for one
+
+
+def test_a_native_bus_forgets_what_its_socket_queued_before_the_claim() -> None:
+    """A native bus's tree opens the host's interface while the last lease's guest still runs, so
+    its raw socket queues that guest's frames until the claim recycles it. This kernel has no
+    SocketCAN (the native path is otherwise tested only as refused): a datagram socket pair stands
+    in for the bus's raw socket, with frames of a CAN FD frame's size."""
+    host, raw = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with host, raw:
+        bus = type("NativeBus", (), {"socket": raw})()
+        for n in range(50):  # lease N's guest, before the claim
+            host.send(bytes([n]) * 72)
+        forget_queued_frames(bus)
+        with pytest.raises(BlockingIOError):
+            raw.recv(72, socket.MSG_DONTWAIT)
+        host.send(b"\xab" * 72)  # the lease's own guest, after it
+        assert raw.recv(72, socket.MSG_DONTWAIT) == b"\xab" * 72
+    forget_queued_frames(bus)  # a bus shut down since (its socket closed) stays quiet
