@@ -223,7 +223,8 @@ POST_PULL = Endpoint(
 GET_EVENTS = Endpoint(
     "GET", "/v1/events",
     "Event stream (NDJSON of Event; a hello event first) until the client disconnects, or until timeout seconds "
-    "have passed. Any phase.",
+    "have passed; a stream opened with a lease's generation header ends as that lease does, before any event "
+    "of the next generation. Any phase.",
     (Answer(200, "events", "ndjson", "Event"),), ("bad_request",),
     # {types}: the document fills in the names of events.EVENTS (pydantic models: not imported here)
     query=(Query("types", {"type": "string"}, "comma-separated event types, exact names ({types})"),

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 #: how often an idle event stream checks that its client is still there
 EVENTS_IDLE_CHECK_S = 1.0
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+#: the generation a lease-bound request named (:func:`generation_middleware`)
+BOUND_GENERATION_KEY = web.RequestKey("vmsidecar.generation", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -116,6 +118,7 @@ async def generation_middleware(request: web.Request, handler: Handler) -> web.S
                                "lease claimed, a whole number")
         vm = request.app[CONTROLLER]
         vm.require_lease_generation(int(value))
+        request[BOUND_GENERATION_KEY] = int(value)
         with vm.lease_bound_call(int(value)):  # checked again once it holds the power lock
             return await handler(request)
     return await handler(request)
@@ -288,12 +291,15 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     until = _events_deadline(request)
     response = await open_stream(request)
     loop = asyncio.get_running_loop()
+    # a stream a lease opened with its generation is that lease's: it ends where the lease does,
+    # before anything of the next (its claim, boots, flashes) is told to it
+    bound = request.get(BOUND_GENERATION_KEY)
     async with vm.events.listen(types) as queue:
         await write_line(response, {"type": "hello", "time": 0, "generation": vm.generation,
                                     "data": {"phase": vm.phase.value}})
         while True:
             wait = EVENTS_IDLE_CHECK_S if until is None else min(EVENTS_IDLE_CHECK_S, until - loop.time())
-            if wait <= 0:
+            if wait <= 0 or (bound is not None and vm.generation != bound):
                 await response.write_eof()
                 return response
             try:
@@ -304,6 +310,8 @@ async def get_events(request: web.Request) -> web.StreamResponse:
                 if client_gone(request):
                     return response
                 continue
+            if bound is not None and event.generation != bound:
+                continue  # (the loop's check ends the stream)
             await write_line(response, event.model_dump_json())
 
 
