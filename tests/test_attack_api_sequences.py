@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from fixtures.fake_backend import Build, FakeVm, Images, fake_spec, until
+from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.state import Phase
 from vmsidecar_runtime.api.server import make_app
@@ -65,3 +68,53 @@ async def test_an_event_stream_of_lease_n_ends_when_the_next_lease_claims(
     later = [e for e in seen if e["generation"] != lease_n.generation]
     assert not later, f"lease N's stream read {len(later)} events of lease N+1: {later[:3]}"
 
+
+
+async def _dump_read_short_of_the_end(sock: Path, keep: int) -> tuple[bytes, socket.socket]:
+    """``GET /v1/vm/disk?format=raw`` on a raw socket, its body read but for its last ``keep``
+    bytes (small buffers: the runtime's last write waits); the socket stays open. The status line,
+    and the socket."""
+    reader = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(reader, str(sock))
+    await loop.sock_sendall(reader, b"GET /v1/vm/disk?format=raw HTTP/1.1\r\nHost: runtime\r\n\r\n")
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += await loop.sock_recv(reader, 4096)
+    head, body = got.split(b"\r\n\r\n", 1)
+    status = head.split(b"\r\n")[0]
+    length = int(re.search(rb"(?im)^content-length: *([0-9]+)", head).group(1)) if b" 200 " in status else 0
+    read = len(body)
+    while read < length - keep:
+        read += len(await loop.sock_recv(reader, min(65536, length - keep - read)))
+    return status, reader
+
+
+async def test_a_dump_read_to_its_last_chunk_holds_the_transfer_until_the_lease_ends(
+        served: tuple[FakeVm, Path]) -> None:
+    """A dump read to its last MiB and left there freed the VM's one transfer while its full-size
+    copy stayed in the state volume: dump after dump, five copies, none removed by the next claim
+    (the volume filled for the next lease's guest). The transfer must stay held, and the next claim
+    must cut the dump and remove its copy."""
+    fvm, sock = served
+    readers: list[socket.socket] = []
+    try:
+        async with RuntimeClient(sock) as lease_n:
+            await lease_n.power("off", graceful=False)
+            status, reader = await _dump_read_short_of_the_end(sock, 1 << 20)
+            readers.append(reader)
+            assert b" 200 " in status, status
+            await asyncio.sleep(0.3)
+            for _ in range(3):  # the lease asks again while its reader waits
+                status, reader = await _dump_read_short_of_the_end(sock, 1 << 20)
+                readers.append(reader)
+                assert b" 409 " in status, f"a second dump began while the first one's copy stays: {status!r}"
+            assert len(list(fvm.paths.state.glob("dump-*"))) == 1
+            await lease_n.claim("lease-n1-token")  # the next lease
+        await wait_until_async(lambda: not list(fvm.paths.state.glob("dump-*")), 5,
+                               "the cut dump's copy to be removed")
+    finally:
+        for reader in readers:
+            reader.close()

@@ -272,16 +272,15 @@ async def get_disk(request: web.Request) -> web.StreamResponse:
 
 
 async def _send_file(response: web.StreamResponse, path: Path, all_read: Callable[[], None]) -> None:
-    """Send the file; ``all_read()`` as its last bytes go out: the reader has them before this
-    handler ends, and a flash or dump it asks for next must not find the slot still held (a 409)."""
+    """Send the file; ``all_read()`` once its last bytes are written, with no await between: the
+    reader may have them all from then on, and a flash or dump it asks for next must not find the
+    slot still held (a 409). Not before: a reader that stops short of the end holds the write, and
+    the slot with it, so the lease's end cuts it and removes the copy (before, a reader stopping at
+    the last chunk freed the slot and kept its full-size copy, dump after dump)."""
     with open(path, "rb") as fh:
-        chunk = await asyncio.to_thread(fh.read, 1 << 20)
-        while chunk:
-            following = await asyncio.to_thread(fh.read, 1 << 20)
-            if not following:
-                all_read()
+        while chunk := await asyncio.to_thread(fh.read, 1 << 20):
             await response.write(chunk)
-            chunk = following
+    all_read()
 
 
 async def get_events(request: web.Request) -> web.StreamResponse:
