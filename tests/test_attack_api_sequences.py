@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from fixtures.fake_backend import Build, FakeVm, Images, fake_spec, until
+from fixtures.fake_backend import Build, FakeHypervisor, FakeVm, Images, fake_spec, served_on_a_thread, until
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.state import Phase
@@ -118,3 +118,39 @@ async def test_a_dump_read_to_its_last_chunk_holds_the_transfer_until_the_lease_
     finally:
         for reader in readers:
             reader.close()
+
+
+def test_a_spec_lease_n_sets_is_gone_at_the_next_claim_and_never_wedges_it(
+        fake_images: Images, tmp_path: Path) -> None:
+    """Lease N powered off, set a spec of its own (any field its admission allows: here the memory)
+    and booted it. Its recycle kept that spec; the next tree's claim sent the pool's spec first,
+    which the runtime refused while the guest ran (409 wrong_phase): that lease and every later one
+    was served unclaimed (every call: "cannot replace the spec while the VM is Ready"), never
+    recycled, on lease N's spec. The pool's spec must be back for the next lease, claimed."""
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    pool = fake_spec(fake_images.base)
+    with served_on_a_thread(tmp_path / "vm", pool, FakeHypervisor()) as served:
+        vm = served.fvm.vm
+        tree_n = VirtualMachine(socket=str(served.socket), spec=pool.to_json(),
+                                recycle="InPlaceReuse")
+        tree_n.reset()
+
+        async def lease_n_sets_its_own_spec() -> None:
+            async with RuntimeClient(served.socket) as client:
+                client.generation = tree_n.link.claimed_generation
+                await client.power("off", graceful=False)
+                await client.put_spec(pool.model_copy(update={"memory": 512}))
+                await client.power("on")
+                await client.wait_ready(10)
+        served.run(lease_n_sets_its_own_spec())
+        tree_n.close()  # its recycle boots the pool's spec, not lease N's
+        assert vm.spec == pool and not vm.state().claimed, vm.spec
+        for lease in (1, 2):
+            tree = VirtualMachine(socket=str(served.socket), spec=pool.to_json(),
+                                  recycle="InPlaceReuse")
+            tree.reset()
+            assert tree.link.claimed_generation == vm.generation, f"lease N+{lease} was not claimed"
+            assert vm.spec == pool, f"lease N+{lease} runs lease N's spec (memory {vm.spec and vm.spec.memory})"
+            served.run(until(vm, Phase.READY))
+            tree.close()

@@ -8,7 +8,6 @@ test_runtime_lifecycle.py) hit by timing is hit here every run, in milliseconds.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -452,49 +451,26 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
     (which asks the runtime nothing) was never recycled, and the next lease got its guest. Here the
     runtime holds its power lock past the bound (lease N's graceful power-off of a guest that ignores
     the button); the tree must claim once it can, and recycle at its close."""
-    import threading
-
-    from aiohttp import web
-
     import jumpstarter_driver_vmsidecar.link as link_module
-    from fixtures.fake_backend import make_controller
+    from fixtures.fake_backend import served_on_a_thread
     from jumpstarter_driver_vmsidecar.driver import VirtualMachine
     from vmsidecar_contract.client import RuntimeClient
-    from vmsidecar_runtime.api.server import make_app
 
     monkeypatch.setattr(link_module, "CLAIM_TIMEOUT_S", 1.0)
     spec = fake_spec(fake_images.base)
-    sock = Path(f"/tmp/vmc-{os.getpid()}-{id(tmp_path)}.sock")
-    loop = asyncio.new_event_loop()
-    served = threading.Event()
-    fvm: list[FakeVm] = []
+    with served_on_a_thread(tmp_path / "vm", spec, FakeHypervisor(acpi=False)) as served:
+        vm = served.fvm.vm
 
-    async def serve() -> None:
-        fvm.append(make_controller(tmp_path / "vm", spec, FakeHypervisor(acpi=False)))
-        await fvm[0].vm.start(boot=False)
-        runner = web.AppRunner(make_app(fvm[0].vm))
-        await runner.setup()
-        await web.UnixSite(runner, str(sock)).start()
-        served.set()
+        async def lease_n_holds_the_lock() -> Any:
+            async with RuntimeClient(served.socket) as client:
+                client.generation = (await client.claim()).generation
+                await client.power("on")
+                await client.wait_ready(30)
+                return asyncio.create_task(client.power("off", graceful=True, timeout=4))
 
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(serve(), loop).result(30)
-
-    def on_loop(coro: Any, timeout: float = 30) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-    async def lease_n_holds_the_lock() -> Any:
-        async with RuntimeClient(sock) as client:
-            client.generation = (await client.claim()).generation
-            await client.power("on")
-            await client.wait_ready(30)
-            return asyncio.create_task(client.power("off", graceful=True, timeout=4))
-
-    tree = VirtualMachine(socket=str(sock), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
-    try:
-        hold = on_loop(lease_n_holds_the_lock())
-        on_loop(wait_until_async(fvm[0].vm._phases.lock.locked, 5, "lease N's power-off to hold the lock"))
+        tree = VirtualMachine(socket=str(served.socket), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
+        hold = served.run(lease_n_holds_the_lock())
+        served.run(wait_until_async(vm._phases.lock.locked, 5, "lease N's power-off to hold the lock"))
         tree.reset()  # lease N+1 handed out: its claim waits behind the lock past its bound
         assert tree.link.claimed_generation is None, "the claim did not wait for the lock: no race here"
         deadline = time.monotonic() + 20
@@ -503,15 +479,10 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
         # the claim given up at its bound is still carried out once the lock is free; the retry names
         # the same token, so it is answered with that generation, not recycled a second time
         assert tree.link.claimed_generation == 1, "the tree never claimed once the runtime could answer"
-        assert fvm[0].vm.generation == 1 and fvm[0].vm.state().claimed, fvm[0].vm.state()
+        assert vm.generation == 1 and vm.state().claimed, vm.state()
         tree.close()  # the lease ends: its generation is recycled
-        assert fvm[0].vm.generation == 2, f"the lease's generation was not recycled ({fvm[0].vm.generation})"
+        assert vm.generation == 2, f"the lease's generation was not recycled ({vm.generation})"
         del hold
-    finally:
-        on_loop(fvm[0].vm.power_off(graceful=False))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        sock.unlink(missing_ok=True)
 
 
 async def test_a_claim_asked_again_with_its_token_is_answered_not_made_twice(

@@ -177,11 +177,13 @@ class RuntimeClient:
             body["if_generation"] = if_generation
         return VmState.model_validate(await self._request(api.POST_RECYCLE, json=body))
 
-    async def claim(self, token: str | None = None) -> VmState:
+    async def claim(self, token: str | None = None, spec: VmSpec | None = None) -> VmState:
         """``POST /v1/vm/lease``: a generation no earlier lease has used (``token``: the claimer's, so
-        that asking again after a lost answer claims nothing twice)."""
-        body = {"token": token} if token is not None else None
-        return VmState.model_validate(await self._request(api.POST_LEASE, json=body))
+        that asking again after a lost answer claims nothing twice), running ``spec`` when given."""
+        body: dict[str, Any] = {} if token is None else {"token": token}
+        if spec is not None:
+            body["spec"] = spec.to_json()
+        return VmState.model_validate(await self._request(api.POST_LEASE, json=body or None))
 
     async def shutdown(self) -> None:
         """``POST /v1/shutdown``: the guest stops and the runtime exits 0."""

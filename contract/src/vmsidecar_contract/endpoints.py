@@ -189,8 +189,11 @@ POST_LEASE = Endpoint(
     "this generation it is recycled first (the answer then comes after the fresh boot has started); the disk "
     "transfer under way is cancelled; no memory snapshot is captured from then on (one under way finishes "
     "first). A claim naming the token of the claim that holds the current generation is answered without "
-    "recycling (its first answer was lost). Any phase.",
-    (_STATE,), ("bad_request", "host_error", "guest_error"), lease_bound=False,
+    "recycling (its first answer was lost). With a spec (the exporter's, checked as PUT /v1/vm/spec checks "
+    "one), a VM running another (an earlier lease set one) is recycled onto it, and the recycles that end the "
+    "lease return to it. Any phase.",
+    (_STATE,), ("bad_request", "invalid_spec", "host_path_not_allowed", "host_error", "guest_error"),
+    lease_bound=False,
     body=Body("json", "ClaimRequest", required=False))
 PUT_DISK = Endpoint(
     "PUT", "/v1/vm/disk",

@@ -46,6 +46,9 @@ class ClaimRequest(_Request):
     #: the claiming tree's token: a claim the runtime already carried out for this token (its answer
     #: lost to a timeout) is answered again, not made twice (a second claim recycles the lease's guest)
     token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{8,64}$")
+    #: the spec the lease is served (the exporter's), as ``PUT /v1/vm/spec`` takes it: a VM with another
+    #: (an earlier lease set one) is recycled onto it, and the recycles that end the lease return to it
+    spec: dict[str, Any] | None = Field(default=None, min_length=1)
 
 
 class PullRequest(_Request):

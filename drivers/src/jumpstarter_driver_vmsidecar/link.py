@@ -146,10 +146,9 @@ class RuntimeLink:
             self._claimed(await self._claim_with(client), when)
 
     async def _claim_with(self, client: RuntimeClient) -> int:
-        if self.spec is not None:
-            await client.put_spec(self.spec)  # idempotent; covers a runtime that started without one
-        # the link's token: a claim whose answer a timeout lost is answered again, not made twice
-        return (await client.claim(self.claim_token)).generation
+        # the link's token: a claim whose answer a timeout lost is answered again, not made twice; the
+        # spec: a runtime that started without one, or runs one an earlier lease set, runs this one
+        return (await client.claim(self.claim_token, spec=self.spec)).generation
 
     def claim_now(self, timeout: float | None = None) -> None:
         """Claim from synchronous code: ``reset()`` of a tree the exporter hands to a lease (or the

@@ -184,7 +184,7 @@ async def post_lease(request: web.Request) -> web.Response:
     """Claim the VM for a new lease (recycles first when an earlier lease used this generation)."""
     vm = _vm(request)
     req = await parse(request, ClaimRequest)
-    await vm.claim(token=req.token)
+    await vm.claim(token=req.token, spec=None if req.spec is None else load_spec(req.spec, wire=True))
     return _state(vm)
 
 

@@ -69,6 +69,9 @@ class VmController:
                                  self.host_paths, lambda: self._lease.ledger)
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
+        #: the spec the last claim named (the exporter's): what a lease changed over the API is
+        #: undone by the recycles that end it
+        self._served_spec: VmSpec | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- state ---------------------------------------------------------------------------
@@ -173,16 +176,20 @@ class VmController:
             if spec == self.spec:
                 return False
             self._phases.require(BOOTABLE, "replace the spec")
-            if self.spec is None or spec.image != self.spec.image or spec.arch != self.spec.arch:
-                self.disks.forget_image()
-            self.spec = spec
-            await self._power.standby.drop("the spec changed; the next Ready makes a spare of the new one")
-            await self.streams.open_for(spec)
-            self.events.publish("spec", spec=spec.model_dump(mode="json"))
+            await self._apply_spec(spec)
             if self._boot_on_spec and spec.image:
                 self._boot_on_spec = False
                 self._spawn(self._autostart())
             return True
+
+    async def _apply_spec(self, spec: VmSpec) -> None:
+        """Make ``spec`` the VM's (under the lock, the guest not running)."""
+        if self.spec is None or spec.image != self.spec.image or spec.arch != self.spec.arch:
+            self.disks.forget_image()
+        self.spec = spec
+        await self._power.standby.drop("the spec changed; the next Ready makes a spare of the new one")
+        await self.streams.open_for(spec)
+        self.events.publish("spec", spec=spec.model_dump(mode="json"))
 
     # ---- power ---------------------------------------------------------------------------
     async def power_on(self) -> VmState:
@@ -247,7 +254,7 @@ class VmController:
             await self._recycle_locked(boot=boot)
             return self.state()
 
-    async def claim(self, *, token: str | None = None) -> VmState:
+    async def claim(self, *, token: str | None = None, spec: VmSpec | None = None) -> VmState:
         """Start a lease: the caller gets a generation no earlier lease has used.
 
         A generation already claimed (the previous lease's recycle has not run yet) is recycled
@@ -256,18 +263,30 @@ class VmController:
         the lock (a first boot may hold it for a whole pull, and the exporter waits for the claim
         before it serves the lease): from then on no capture starts; one already under way (it
         began on a guest no lease had) is waited for.
+
+        ``spec``: the spec the lease is served (the exporter's): a VM with another (an earlier
+        lease set one over the API) is recycled onto it, and the recycles that end this lease and
+        the next return to it.
+
+        :raise SpecError, HostPathError: ``spec`` is not one the API takes.
         """
+        if spec is not None:
+            admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
+            check_native_can(spec)
         if self._lease.claimed_by(token):  # asked again: its first answer was lost
             return self.state()
         self.transfers.cancel("the next lease claimed the VM")
-        if self._lease.claim_unclaimed(token):
+        if (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
+            self._served_spec = spec or self._served_spec
             await self._snapshots.capture_finished()
             self._claimed()
             return self.state()
         async with self._phases.lock:
             if self._lease.claimed_by(token):  # (its first request was ahead of this one for the lock)
                 return self.state()
-            if not self._lease.claim_unclaimed(token):
+            self._served_spec = spec or self._served_spec
+            foreign = self._served_spec is not None and self.spec != self._served_spec
+            if foreign or not self._lease.claim_unclaimed(token):
                 await self._recycle_locked(boot=True, claim=True)
                 self._lease.token = token
             self._claimed()
@@ -290,7 +309,10 @@ class VmController:
             self.events.generation += 1
             self._phases.set(Phase.STOPPED, reason="recycled")
             self.events.publish("recycled", generation=self.generation)
+            if self._served_spec is not None and self.spec != self._served_spec:  # a lease set its own
+                await self._apply_spec(self._served_spec)
             if boot and self.spec is not None and self.spec.image:
+                self._boot_on_spec = False
                 await self._power.boot(self.spec, recycle_started=started)
 
     # ---- disks ---------------------------------------------------------------------------
