@@ -66,7 +66,12 @@ async def test_a_flash_url_naming_the_pod_or_the_metadata_service_is_never_fetch
         # taken the URL for one that does not resolve, and let it through)
         for url in (f"http://127.0.0.1:{port}/disk.qcow2", f"http://localhost:{port}/disk.qcow2",
                     f"http://127.0.0.1:+{port}/disk.qcow2",
-                    "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token"):
+                    "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token",
+                    # the IPv6 metadata services (AWS, GCP: unique-local, not link-local), and the IPv4
+                    # one inside NAT64's and the IPv4-compatible prefix
+                    "http://[fd00:ec2::254]/latest/meta-data/iam/security-credentials/",
+                    "http://[fd20:ce::254]/computeMetadata/v1/instance/service-accounts/default/token",
+                    "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "http://[::a9fe:a9fe]/latest/meta-data/"):
             result = await asyncio.to_thread(run_shell, exp.shell_args, f"j vm storage flash {url}", cwd=tmp_path)
             assert result.returncode != 0, result.stdout
             message = " ".join(result.stderr.split())

@@ -1,6 +1,6 @@
 """Addresses a lease may not make the pod reach on its word: the pod's loopback (the exporter's
-gRPC port, health ports), link-local addresses (the cloud metadata service), unspecified and
-multicast ones. The exporter checks the URLs a lease holder gives it, the runtime the redirects a
+gRPC port, health ports), link-local addresses and the IPv6 ones of the cloud metadata services,
+unspecified and multicast ones, and each inside an IPv6 address that embeds it. The exporter checks the URLs a lease holder gives it, the runtime the redirects a
 registry answers; both resolve names first (``docs/security.md``, row 12)."""
 
 from __future__ import annotations
@@ -8,14 +8,33 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+#: the cloud metadata services' IPv6 addresses (AWS, GCP): unique-local, which no test above catches
+METADATA_V6 = ("fd00:ec2::254", "fd20:ce::254")
+_METADATA_V6 = frozenset(ipaddress.IPv6Address(a) for a in METADATA_V6)
+#: IPv6 networks whose last 32 bits are an IPv4 address the pod's network may connect: IPv4-compatible
+#: and NAT64's well-known prefix (IPv4-mapped addresses are ``ipv4_mapped``)
+_EMBEDDING = (ipaddress.IPv6Network("::/96"), ipaddress.IPv6Network("64:ff9b::/96"))
+#: "this network": Linux connects 0.0.0.0 to the host itself
+_THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
+
+
+def _local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    return (ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip in _METADATA_V6
+            or ip in _THIS_NETWORK)
+
 
 def is_pod_local(address: str) -> bool:
-    """Whether the IP ``address`` (an IPv6 zone and IPv4-mapped forms allowed) is one a lease may not
-    reach."""
+    """Whether the IP ``address`` (an IPv6 zone, and IPv4 addresses inside IPv6 ones, allowed) is one a
+    lease may not reach."""
     ip = ipaddress.ip_address(address.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast
+    if _local(ip):
+        return True
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return _local(ip.ipv4_mapped)
+        if any(ip in net for net in _EMBEDDING):
+            return _local(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return False
 
 
 def resolves_to_pod(host: str, port: int) -> bool:

@@ -51,6 +51,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.reach import METADATA_V6
 from vmsidecar_contract.spec import Network
 
 from ..plan import BootPlan
@@ -73,7 +74,7 @@ _TCP, _UDP, _ICMP, _ICMP6 = 6, 17, 1, 58
 _ETH_IPV4, _ETH_IPV6 = 0x0800, 0x86DD
 #: ARP, and RARP: QEMU's own announcements after a restore (slirp ignores them)
 _ETH_ADDRESSING = (0x0806, 0x8035)
-_V6_METADATA = frozenset(socket.inet_pton(socket.AF_INET6, a) for a in ("fd00:ec2::254", "fd20:ce::254"))
+_V6_METADATA = frozenset(socket.inet_pton(socket.AF_INET6, a) for a in METADATA_V6)
 _V6_ZERO96 = bytes(12)
 _V6_MAPPED = bytes(10) + b"\xff\xff"
 #: IPv6 prefixes whose last 32 bits are an IPv4 address some part of the pod's network connects:
