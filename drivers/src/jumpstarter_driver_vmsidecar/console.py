@@ -11,6 +11,7 @@ from anyio import connect_unix
 from jumpstarter.driver import Driver, export, exportstream
 
 from .metrics import metered_driver
+from .uploads import RefusesUploads
 
 if TYPE_CHECKING:
     from .driver import VirtualMachine
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 @metered_driver
 @dataclass(kw_only=True)
-class VmConsole(Driver):
+class VmConsole(RefusesUploads, Driver):
     """``j vm console start-console|pipe`` and ``.pexpect()``: the guest's serial or virtio console.
 
     A new connection first receives the current boot's scrollback, then live output.

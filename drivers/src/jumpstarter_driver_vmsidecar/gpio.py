@@ -19,6 +19,7 @@ from jumpstarter.driver import Driver, export
 
 from .arguments import seconds_or_none
 from .metrics import metered_driver
+from .uploads import RefusesUploads
 
 if TYPE_CHECKING:
     from .driver import VirtualMachine
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 @metered_driver
 @dataclass(kw_only=True)
-class VmGpio(Driver):
+class VmGpio(RefusesUploads, Driver):
     """``gpio``: one child per line of the spec."""
 
     parent: VirtualMachine
@@ -37,7 +38,7 @@ class VmGpio(Driver):
 
 
 @dataclass(kw_only=True)
-class _Line(Driver):
+class _Line(RefusesUploads, Driver):
     parent: VirtualMachine
     line: str
 

@@ -12,6 +12,7 @@ from jumpstarter.driver import Driver, export, exportstream
 from jumpstarter_driver_network.driver import NetworkInterface
 
 from .metrics import metered_driver
+from .uploads import RefusesUploads
 
 if TYPE_CHECKING:
     from .driver import VirtualMachine
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 @metered_driver
 @dataclass(kw_only=True)
-class VmForward(NetworkInterface, Driver):
+class VmForward(RefusesUploads, NetworkInterface, Driver):
     """``j vm <name> forward-tcp PORT``: the runtime picked the host port at boot; it is read each time."""
 
     parent: VirtualMachine

@@ -11,6 +11,7 @@ from jumpstarter_driver_power.common import PowerReading
 from jumpstarter_driver_power.driver import PowerInterface
 
 from .metrics import metered_driver
+from .uploads import RefusesUploads
 
 if TYPE_CHECKING:
     from .driver import VirtualMachine
@@ -22,7 +23,7 @@ OFF_READING = PowerReading(voltage=0.0, current=0.0)
 
 @metered_driver
 @dataclass(kw_only=True)
-class VmPower(PowerInterface, Driver):
+class VmPower(RefusesUploads, PowerInterface, Driver):
     """``j vm power on|off|cycle|read``; ``hard_reset`` presses the reset button."""
 
     parent: VirtualMachine

@@ -17,9 +17,10 @@ import contextlib
 import errno
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin
+from uuid import UUID
 
 import aiohttp
 import yarl
@@ -35,6 +36,7 @@ from vmsidecar_contract.reach import is_pod_local, resolves_to_pod
 
 from .arguments import text
 from .metrics import metered_driver
+from .uploads import BoundedUploads
 
 if TYPE_CHECKING:
     from .driver import VirtualMachine
@@ -141,10 +143,11 @@ async def _check_handle(resource: Resource, method: str | None, what: str, strea
 
 @metered_driver
 @dataclass(kw_only=True)
-class VmStorage(FlasherInterface, Driver):
+class VmStorage(BoundedUploads, FlasherInterface, Driver):
     """``j vm storage flash FILE|URL|oci://REF`` and ``dump FILE``."""
 
     parent: VirtualMachine
+    uploads_reading: set[UUID] = field(default_factory=set, init=False)
 
     @classmethod
     def client(cls) -> str:
