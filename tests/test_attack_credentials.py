@@ -14,6 +14,8 @@ import contextlib
 import hashlib
 import http.server
 import json
+import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -442,6 +444,21 @@ async def test_qemu_of_a_booted_guest_sees_no_secret(start_runtime: Any, tiny_im
     names = {e.split("=", 1)[0] for e in environ.split("\0") if e}
     assert names <= set(procs.CHILD_ENV) | {n for n in names if n.startswith(procs.CHILD_ENV_PREFIXES)}, names
     assert "PATH" in names
+
+    # a guest escaped into QEMU is QEMU: the runtime's UID (here root, as in upstream's pool pods),
+    # with no capability (it had every one the container had: CAP_DAC_OVERRIDE, CAP_NET_RAW ...)
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines()
+                  if ":\t" in line)
+    if os.geteuid() == 0:
+        assert {status[c].strip() for c in ("CapPrm", "CapEff", "CapBnd", "CapAmb")} == {"0" * 16}, status
+    # ... and it reads nothing of the runtime: not its environment, nor what its fds hold (the auth
+    # file), nor its memory (before: the password, read by the runtime's own UID, no capability needed)
+    as_qemu = ["setpriv", *procs.NO_CAPABILITIES, "--"] if os.geteuid() == 0 else []
+    for inside in ("environ", "mem", "fd"):
+        peek = subprocess.run([*as_qemu, *(["ls", "-l"] if inside == "fd" else ["cat"]), f"/proc/{rt.proc.pid}/{inside}"],
+                              capture_output=True, timeout=10)
+        assert peek.returncode != 0 and SECRET.encode() not in peek.stdout, (inside, peek)
+        assert b"Permission denied" in peek.stderr, (inside, peek.stderr)
 
 
 def test_which_entry_is_whose(tmp_path: Path) -> None:

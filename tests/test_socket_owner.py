@@ -86,3 +86,29 @@ async def test_every_shared_socket_is_handed_to_the_exporter(start_runtime: Any)
     # anyone else is refused (not world-accessible)
     done = _as_user(EXPORTER + 1, EXPORTER + 1, "-c", CONNECT, str(rt.shared / "gpio.sock"))
     assert done.returncode != 0 and "PermissionError" in done.stderr, done.stderr
+
+    # ... and the directory stays root's: the exporter's user connects, but adds, renames and
+    # removes nothing there (a link it planted was followed by the root runtime)
+    st = rt.shared.lstat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o755), f"uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):o}"
+    for sub in [rt.shared, *(p for p in rt.shared.rglob("*") if p.is_dir())]:
+        done = _as_user(EXPORTER, 0, "-c", "import os, sys; os.symlink('/etc/shadow', sys.argv[1])", str(sub / "x"))
+        assert done.returncode != 0 and "PermissionError" in done.stderr, f"{sub}: {done.stderr}"
+
+
+async def test_a_lock_file_the_exporter_planted_as_a_link_is_refused_not_followed(
+        start_runtime: Any, tmp_path: Path) -> None:
+    """The exporter's user made the shared directory first (its emptyDir is everyone's) and left
+    ``.runtime.lock`` as a link to a root-owned file: the root runtime opened it, truncated it and
+    wrote its pid there (an auditor's run: 29 bytes became 4)."""
+    shared = tmp_path / "rt" / "shared"
+    shared.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("root's file, not the runtime's\n")
+    (shared / ".runtime.lock").symlink_to(victim)
+    os.chown(shared, EXPORTER, EXPORTER)
+    env = {"VMSIDECAR_SOCKET_OWNER": f"{EXPORTER}:{EXPORTER}"}
+    with pytest.raises(Exception, match=r"runtime\.lock is a symbolic link"):
+        await start_runtime(SPEC, env=env, name="rt")
+    assert victim.read_text() == "root's file, not the runtime's\n"
+

@@ -56,7 +56,7 @@ def reap_orphans() -> None:
 #: kills the child when the runtime dies, however it dies, and no Python code runs between fork and
 #: exec (``preexec_fn`` is not safe in a process with threads: the child may inherit a lock that
 #: another thread held at fork time and deadlock before exec)
-DEATH_SIGNAL = ("--pdeathsig", "KILL", "--")
+DEATH_SIGNAL = ("--pdeathsig", "KILL")
 
 #: the runtime's environment may hold secrets (registry credentials, the auth file's path, whatever
 #: the pod injects); QEMU, qemu-img, libvirtd and their helpers need none of it, and a guest that
@@ -82,16 +82,28 @@ def _util_linux(program: str, why: str) -> str:
     return path
 
 
-def die_with_parent_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
-    """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies."""
+#: setpriv's options that leave a program started by root no capability at all: root's exec
+#: grants what the bounding set holds, which pod runtimes fill (CAP_DAC_OVERRIDE, CAP_CHOWN,
+#: CAP_NET_RAW, CAP_SETUID ...: a guest escaped into a root QEMU had them; upstream's pools run the
+#: runtime as root)
+NO_CAPABILITIES = ("--inh-caps", "-all", "--ambient-caps", "-all", "--bounding-set", "-all")
+
+
+def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False) -> tuple[str, ...]:
+    """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies;
+    ``no_capabilities``: and so that, started by root, it holds none."""
     why = "the runtime starts QEMU through `setpriv --pdeathsig KILL` so that no guest outlives it"
-    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *argv)
+    drop = NO_CAPABILITIES if no_capabilities and os.geteuid() == 0 else ()
+    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *argv)
 
 
-async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asyncio.subprocess.Process:
+async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool = False,
+                **kwargs: Any) -> asyncio.subprocess.Process:
     """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid.
 
-    ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies.
+    ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies;
+    ``no_capabilities`` with it: a child of a root runtime runs with no capability (QEMU: it needs
+    none; libvirt's helpers do).
     The child gets :func:`child_env` unless ``env`` is given.
     PDEATHSIG follows the thread that forked, not the process: ``spawn`` is a coroutine, so the
     fork happens on the event-loop thread, which lives as long as the runtime does. setpriv execs
@@ -103,7 +115,7 @@ async def spawn(*argv: str, die_with_parent: bool = False, **kwargs: Any) -> asy
     if "preexec_fn" in kwargs:
         raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
     if die_with_parent and sys.platform == "linux":
-        argv = die_with_parent_argv(argv)
+        argv = die_with_parent_argv(argv, no_capabilities=no_capabilities)
     kwargs.setdefault("env", child_env())
     with _starting_child():
         proc = await asyncio.create_subprocess_exec(*argv, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -37,7 +38,7 @@ from .controller import RuntimePaths, VmController
 from .controller.transfers import DEFAULT_PULL_TIMEOUT_S
 from .hostpaths import HostPathPolicy
 from .oci.cache import DiskCache
-from .perms import restrict_umask, share
+from .perms import forbid_inspection, restrict_umask, share_dir
 from .plan import stream_names
 from .snapshots import SnapshotStore, qemu_version
 
@@ -146,6 +147,9 @@ def prepare_dirs(paths: RuntimePaths) -> None:
     """
     for what, flag, path in (("shared", "--shared-dir", paths.shared), ("image cache", "--cache-dir", paths.cache),
                              ("state", "--state-dir", paths.state)):
+        if path is paths.shared and path.is_symlink():  # the exporter may write where it points
+            raise HostError(f"the shared directory {path} is a symbolic link; pass the directory itself "
+                            f"({flag} {path.resolve()})")
         try:
             path.mkdir(parents=True, exist_ok=True)
             problem = "" if os.access(path, os.W_OK | os.X_OK) else "is not writable"
@@ -199,7 +203,14 @@ class SharedDirLock:
         :raise HostError: when another live runtime holds it.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
+        # never through a link: the file is truncated and written (as root, the link's target)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise HostError(f"{self.path} is a symbolic link; something else writes into the shared directory: "
+                            "give the runtime a directory of its own (--shared-dir)") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -275,8 +286,9 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
     a thread while the guest boots, and the API answers once both are done. ``qemu --version``
     (part of a snapshot's key) runs meanwhile too.
     """
-    threading.Thread(target=qemu_version, args=(spec.arch if spec is not None else host_arch(),), daemon=True).start()
+    forbid_inspection()  # before the first thread and the first credential read
     restrict_umask()
+    threading.Thread(target=qemu_version, args=(spec.arch if spec is not None else host_arch(),), daemon=True).start()
     lock = SharedDirLock(paths.shared / ".runtime.lock")
     try:
         prepare_dirs(paths)
@@ -289,7 +301,7 @@ async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: b
         shutil.rmtree(paths.run, ignore_errors=True)  # the private run dir default_paths made
         raise
     try:
-        share(paths.shared, 0o2770)
+        share_dir(paths.shared)
     except PermissionError:
         # a volume mounted as the shared dir itself and owned by someone else (a Kubernetes emptyDir
         # is root's, 0777): its mode stays the volume's; the sockets in it are 0660 all the same

@@ -180,6 +180,7 @@ class QemuBackend:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
                 die_with_parent=True,
+                no_capabilities=True,
                 pass_fds=(*ram_fd, *self._pipes.qemu_fds),
             )
         except BaseException:
