@@ -204,6 +204,7 @@ class ConsoleHub:
         #: when each kind of warning was last logged (a flood of connections or failed writes is not a
         #: flood of log lines: one every WARN_EVERY seconds)
         self._warned_at: dict[str, float] = {}
+        self._dropped_since_warning = 0
         self._upstream: asyncio.StreamWriter | None = None
         #: the output pipe's transport when the backend serves this stream through pipes
         self._upstream_output: asyncio.BaseTransport | None = None
@@ -354,7 +355,13 @@ class ConsoleHub:
             try:
                 queue.offer(data)
             except asyncio.QueueFull:
-                log.warning("console %s: dropping a client that stopped reading", self.name)
+                # (a lease holder opening streams it never reads would make one line each)
+                self._dropped_since_warning += 1
+                if self._may_warn("dropped"):
+                    log.warning("console %s: dropping a client that stopped reading (%d dropped since this "
+                                "line was last logged, once in %.0f s at most)", self.name,
+                                self._dropped_since_warning, WARN_EVERY)
+                    self._dropped_since_warning = 0
                 metrics.console_dropped_readers.inc()
                 self._clients.discard(queue)
                 _drop(queue)

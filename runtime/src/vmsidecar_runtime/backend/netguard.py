@@ -89,6 +89,8 @@ _DHCP_PORT, _DHCP6_PORT = 67, 547
 
 #: how often the pod's own addresses are read again (a laptop's Wi-Fi changes them)
 LOCAL_REFRESH_S = 5.0
+#: the refused frames' count is logged at most this often (a guest refused 470 frames a millisecond)
+COUNT_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ class NetGuard:
         #: frames refused since the start (for the log), and of them those to a group address
         self.refused = 0
         self.refused_to_groups = 0
+        self._counted_at = -COUNT_EVERY_S
         self._local = LocalAddresses.read()
         self._local_read_at = time.monotonic()
         self._task: asyncio.Task[None] | None = None
@@ -356,7 +359,9 @@ class NetGuard:
                          "the next ones are only counted)", _destination(frame))
         elif self.refused - self.refused_to_groups <= 5:
             log.info("guest NIC: refused a frame to %s (%d so far)", _destination(frame), self.refused)
-        if self.refused % 1000 == 0:
+        now = time.monotonic()
+        if self.refused % 1000 == 0 and now - self._counted_at >= COUNT_EVERY_S:  # a flood logs no flood
+            self._counted_at = now
             log.info("guest NIC: %d frames refused so far, %d of them to broadcast or multicast addresses",
                      self.refused, self.refused_to_groups)
 
