@@ -13,6 +13,11 @@ a recycle swaps the guest behind the same ``can/<bus>.sock``. Four ways lease N 
   period, and any number of sends) kept its thread and bus for that long after the lease ended, so
   the exporter's threads piled up lease after lease.
 
+And (item 5) the lease holder's arguments to the exported ``Can`` calls, which the tree's ``VmCan``
+checks for both kinds of bus: periodic sends made unstarted and without a bound on their frames
+grew the exporter without end, and python-can's socketcan bus (``mode: native``) took any timeout,
+period and channel, and a ``recv`` waiting in its ``select`` outlived the lease.
+
 Real guests under QEMU (the tiny image: ``cansend``, ``candump``, slcand on a virtio console); the
 one fake socket stands in for the runtime where what is tested is the bus's own bookkeeping.
 """
@@ -34,8 +39,10 @@ import pytest
 from fixtures.runtime import RuntimeProcess
 from fixtures.vmdev import vm_runtime
 from fixtures.waiting import wait_until
+from jumpstarter_driver_vmsidecar.arguments import MAX_PERIODIC_FRAMES, MAX_PERIODIC_SENDS
+from jumpstarter_driver_vmsidecar.can import VmCan
 from jumpstarter_driver_vmsidecar.driver import VirtualMachine, forget_queued_frames
-from jumpstarter_driver_vmsidecar.slcan import MAX_PERIODIC_SENDS, VmsidecarSlcanBus
+from jumpstarter_driver_vmsidecar.slcan import VmsidecarSlcanBus
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import clean_environ
 from vmsidecar_images.console import Console
@@ -280,13 +287,8 @@ def test_the_spec_retry_of_the_start_up_tree_outlives_its_close(
 
 
 # ---- item 4: a lease's periodic sends end with it, and are bounded -------------------------------
-@pytest.fixture()
-def slcan_can(tmp_path: Path) -> Iterator[Any]:
-    """Upstream's ``Can`` driver on our bus, the socket served by a listener that reads and drops
-    (the runtime's side does not matter here: what is tested is the exporter's threads)."""
-    from jumpstarter_driver_can.driver import Can
-
-    path = tmp_path / "can0.sock"
+def _drop_listener(path: Path) -> socket.socket:
+    """A CAN bus socket at ``path`` that takes every connection and reads and drops what comes."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(8)
@@ -299,11 +301,31 @@ def slcan_can(tmp_path: Path) -> Iterator[Any]:
                                  daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
-    driver = Can(channel=f"{path};bitrate=500000", interface="vmsidecar-slcan")
+    return listener
+
+
+@pytest.fixture()
+def slcan_can(tmp_path: Path) -> Iterator[Any]:
+    """The tree's CAN driver on our bus, the socket served by a listener that reads and drops
+    (the runtime's side does not matter here: what is tested is the exporter's threads)."""
+    listener = _drop_listener(tmp_path / "can0.sock")
+    driver = VmCan(channel=f"{tmp_path / 'can0.sock'};bitrate=500000", interface="vmsidecar-slcan")
     try:
         yield driver
     finally:
-        driver.bus.shutdown()
+        driver.shut_bus_down()
+        listener.close()
+
+
+@pytest.fixture()
+def slcan_bus(tmp_path: Path) -> Iterator[VmsidecarSlcanBus]:
+    """Our python-can bus alone (a python-can interface of its own: its checks stand without the driver)."""
+    listener = _drop_listener(tmp_path / "can0.sock")
+    bus = VmsidecarSlcanBus(f"{tmp_path / 'can0.sock'};bitrate=500000")
+    try:
+        yield bus
+    finally:
+        bus.shutdown()
         listener.close()
 
 
@@ -322,7 +344,7 @@ def test_a_periodic_send_of_a_long_period_ends_its_thread_with_the_lease(slcan_c
     slcan_can._send_periodic_internal([_frame()], 3600.0, 7200.0)
     threads = [t for t in threading.enumerate() if t.name.startswith("Cyclic send task")]
     assert len(threads) >= 2, "the periodic sends started no thread"
-    slcan_can.bus.shutdown()  # what VirtualMachine._shut_can_down does at the lease's end
+    slcan_can.shut_bus_down()  # what VirtualMachine._shut_can_down does at the lease's end
     deadline = time.monotonic() + 5
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -342,13 +364,12 @@ def test_a_periodic_send_period_outside_a_millisecond_to_a_day_is_refused(slcan_
 
 def test_periodic_sends_are_bounded_per_bus(slcan_can: Any) -> None:
     """Each periodic send is a thread of the exporter: a lease holder may not start them without
-    bound (the exporter's threads are every lease's). The cap counts sends that run."""
+    bound (the exporter's threads are every lease's). The cap counts every send kept, started or not."""
     held = slcan_can._send_periodic_internal([_frame()], 60.0, None, False)  # made, not started
-    tasks = [slcan_can._send_periodic_internal([_frame()], 60.0) for _ in range(MAX_PERIODIC_SENDS)]
-    with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends already run on"):
+    tasks = [slcan_can._send_periodic_internal([_frame()], 60.0) for _ in range(MAX_PERIODIC_SENDS - 1)]
+    with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends are already kept on"):
         slcan_can._send_periodic_internal([_frame()], 60.0)
-    with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends already run on"):
-        slcan_can._start_task(held)  # upstream's exported restart counts too
+    slcan_can._start_task(held)  # counted since it was made: starting it takes no more room
     slcan_can._stop_task(tasks[0])
     slcan_can._send_periodic_internal([_frame()], 60.0)  # one stopped: room for one
 
@@ -369,3 +390,194 @@ def test_a_native_bus_forgets_what_its_socket_queued_before_the_claim() -> None:
         host.send(b"\xab" * 72)  # the lease's own guest, after it
         assert raw.recv(72, socket.MSG_DONTWAIT) == b"\xab" * 72
     forget_queued_frames(bus)  # a bus shut down since (its socket closed) stays quiet
+
+
+# ---- item 5: a lease holder's arguments, checked by the tree's driver for both kinds of bus -------
+class _Call:
+    """An exported call run on a thread of its own (as the exporter's worker threads run them)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.error: Exception | None = None
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Any, *args: Any) -> None:
+        try:
+            self.result = fn(*args)
+        except Exception as e:  # (what the exporter answers the client with)
+            self.error = e
+
+    def ended(self, within: float) -> bool:
+        self.thread.join(within)
+        return not self.thread.is_alive()
+
+
+_standins = iter(range(1_000_000))
+
+
+def _native_standin() -> VmCan:
+    """The tree's driver on python-can's ``virtual`` bus, standing in for its socketcan bus (``mode:
+    native``), which needs SocketCAN in the kernel (this one has none). What matters is the same:
+    it checks none of its arguments, and a ``recv`` waiting in it is not woken by its shutdown."""
+    return VmCan(channel=f"native-standin-{next(_standins)}", interface="virtual")
+
+
+@pytest.fixture(params=["slcan", "native-standin"])
+def any_can(request: pytest.FixtureRequest, can_rt: Any, tiny_image: Any) -> Iterator[Any]:
+    """The CAN driver of a tree built against the real runtime (not claimed: the bus connects at its
+    first use), or the same driver on the stand-in for a native bus."""
+    tree = _tree(can_rt, tiny_image)
+    if request.param == "native-standin":
+        tree.children["can"] = standin = _native_standin()
+        tree._can_children[:] = [standin]
+    try:
+        yield tree.children["can"]
+    finally:
+        tree.close()
+
+
+def _tasks_of(driver: Any) -> dict[Any, Any]:
+    """The periodic sends the driver keeps for its lease, by the id its client holds."""
+    kept = getattr(driver, "_kept", None)
+    return kept.tasks if kept is not None else driver._Can__tasks
+
+
+def test_periodic_sends_made_unstarted_count_against_the_cap(any_can: Any) -> None:
+    """Upstream's ``Can`` keeps every task its ``_send_periodic_internal`` made, with its frames,
+    until its ``_stop_task``; ``autostart=False`` makes one that never runs. Before, such tasks
+    were not counted (python-can's ``stopped`` is True until a start) and a call with 15,000 frames
+    grew the exporter by ~20 MiB, as often as the lease holder liked."""
+    made = [any_can._send_periodic_internal([_frame()], 60.0, None, False) for _ in range(MAX_PERIODIC_SENDS)]
+    for autostart in (False, True):
+        with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends are already kept on"):
+            any_can._send_periodic_internal([_frame()], 60.0, None, autostart)
+    any_can._stop_task(made[0])
+    any_can._send_periodic_internal([_frame()], 60.0, None, False)  # one stopped: room for one
+    assert len(_tasks_of(any_can)) == MAX_PERIODIC_SENDS
+
+
+def test_a_periodic_send_cycles_through_a_bounded_number_of_frames(any_can: Any) -> None:
+    """One task's frames are kept as long as the task: at most ``MAX_PERIODIC_FRAMES`` of them."""
+    with pytest.raises(ValueError, match=f"at most {MAX_PERIODIC_FRAMES} frames, not {MAX_PERIODIC_FRAMES + 1}"):
+        any_can._send_periodic_internal([_frame()] * (MAX_PERIODIC_FRAMES + 1), 60.0, None, False)
+    assert not _tasks_of(any_can)
+    any_can._send_periodic_internal([_frame()] * MAX_PERIODIC_FRAMES, 60.0, None, False)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, 1e9, "nan", "-inf"])
+def test_recv_and_send_timeouts_outside_a_day_are_refused(any_can: Any, timeout: Any) -> None:
+    """python-can's socketcan bus hands a timeout to ``select`` as it comes: NaN and a negative
+    failed inside it, infinity and 1e9 s waited for ever (and outlived the lease)."""
+    for call in (_Call(any_can._recv_internal, timeout), _Call(any_can.send, _frame(), timeout)):
+        assert call.ended(5), f"a call with timeout {timeout!r} was still waiting after 5 s"
+        assert isinstance(call.error, ValueError), f"timeout {timeout!r}: {call.error!r}"
+        assert "timeout must be a number of seconds from 0 to 86400" in str(call.error)
+
+
+@pytest.mark.parametrize("period", [float("nan"), float("inf"), -1.0, 0.0, 1e-6, 1e9])
+def test_periods_and_durations_outside_their_range_are_refused(any_can: Any, period: float) -> None:
+    """The socketcan bus hands a period to the kernel's broadcast manager: microseconds flood the
+    bus, and NaN or a negative went in as they were."""
+    with pytest.raises(ValueError, match=r"period must be a number of seconds from 0\.001 to 86400"):
+        any_can._send_periodic_internal([_frame()], period, None, False)
+    for duration in (float("nan"), -1.0, 1e9):
+        with pytest.raises(ValueError, match="duration must be a number of seconds"):
+            any_can._send_periodic_internal([_frame()], 1.0, duration, False)
+    assert not _tasks_of(any_can)
+
+
+def test_a_frame_naming_another_channel_is_sent_on_the_bus_own(any_can: Any) -> None:
+    """python-can's socketcan bus opens its broadcast-manager socket on the channel of a periodic
+    send's first frame (``msgs[0].channel or self.channel``), one per channel named: a lease holder
+    sent on any CAN interface of the host. That socket needs SocketCAN, so what is read here is the
+    frames the bus is given: every one is on the driver's own channel, whatever it named."""
+    from jumpstarter_driver_can.common import CanMessage
+
+    foreign = CanMessage.construct(can.Message(arbitration_id=PERIODIC_ID, data=b"\x02", is_extended_id=False,
+                                               channel="vcan-of-another-lease"))
+    uuid = any_can._send_periodic_internal([foreign, foreign], 60.0, None, False)
+    channels = {msg.channel for msg in _tasks_of(any_can)[uuid].messages}
+    assert channels == {any_can.channel}, f"the periodic send's frames name {channels}"
+
+
+def test_a_frame_that_is_not_a_can_frame_is_refused(any_can: Any) -> None:
+    """A lease holder's frame is checked by python-can (``check=True``): 1 MiB of data in a classic
+    frame, an id past 29 bits, a NaN timestamp are a ``ValueError``, not bytes the bus packs."""
+    from jumpstarter_driver_can.common import CanMessage
+
+    ok = can.Message(arbitration_id=PERIODIC_ID, data=b"\x01", is_extended_id=False)
+    for bad, why in ((dict(data=b"x" * (1 << 20)), "DLC"), (dict(arbitration_id=1 << 40), "arbitration ID"),
+                     (dict(timestamp=float("nan")), "timestamp")):
+        msg = CanMessage.construct(ok).model_copy(update=bad)
+        with pytest.raises(ValueError, match=why):
+            any_can._send_periodic_internal([msg], 60.0, None, False)
+        with pytest.raises(ValueError, match=why):
+            any_can.send(msg, 1)
+
+
+@pytest.mark.parametrize("kind", ["slcan", "native-standin"])
+def test_recv_without_timeout_ends_promptly_when_the_tree_shuts_down(
+    can_rt: Any, tiny_image: Any, kind: str
+) -> None:
+    """``recv(None)`` (CanClient's default) waits until a frame or the end of the lease. On the
+    socketcan bus it waited in ``select``, which the close of its socket does not wake (the stand-in
+    waits in a queue no shutdown wakes either): 40 of them held every worker thread of the exporter,
+    whose event loop serves every lease, and hung every later driver call."""
+    tree = _tree(can_rt, tiny_image)
+    if kind == "native-standin":
+        tree.children["can"] = driver = _native_standin()
+        tree._can_children[:] = [driver]
+    else:
+        driver = tree.children["can"]
+    calls = [_Call(driver._recv_internal, None) for _ in range(8)]
+    time.sleep(0.5)
+    assert not any(call.ended(0) for call in calls), "a recv(None) returned with no frame sent"
+    began = time.monotonic()
+    tree.close()  # the lease ends
+    for call in calls:
+        assert call.ended(max(0.0, began + 2 - time.monotonic())), "recv(None) outlived the tree's shutdown by 2 s"
+        assert isinstance(call.error, can.CanOperationError) and "shut down" in str(call.error), call.error
+    with pytest.raises(can.CanOperationError, match="shut down"):
+        driver._recv_internal(0)
+
+
+def test_a_native_send_waiting_for_room_ends_when_the_tree_shuts_down(tmp_path: Path) -> None:
+    """python-can's socketcan ``send(msg, timeout)`` waits in ``select`` for room in the
+    interface's queue (then "Transmit buffer full"), which the bus's shutdown does not wake: a full
+    queue and a timeout of a day held a worker thread for a day. A full SocketCAN queue cannot be
+    made on this kernel: the stand-in bus waits out its timeout and answers as socketcan does."""
+    from can.interfaces.virtual import VirtualBus
+
+    class FullQueue(VirtualBus):
+        def send(self, msg: can.Message, timeout: float | None = None) -> None:
+            time.sleep(timeout or 0)
+            raise can.CanOperationError("Transmit buffer full")
+
+    tree = VirtualMachine(socket=str(tmp_path / "api.sock"), spec={"can": [{"name": "can0"}]})
+    tree.children["can"] = driver = _native_standin()
+    tree._can_children[:] = [driver]
+    driver.bus.shutdown()
+    driver.bus = FullQueue(channel=driver.channel)
+    with pytest.raises(can.CanOperationError, match="Transmit buffer full"):
+        driver.send(_frame(), 0.6)  # the timeout kept, across slices
+    call = _Call(driver.send, _frame(), 86400)
+    assert not call.ended(1)
+    tree.close()
+    assert call.ended(2), "a send waiting for room outlived the tree's shutdown by 2 s"
+    assert isinstance(call.error, can.CanOperationError) and "shut down" in str(call.error), call.error
+
+
+def test_our_bus_alone_counts_unstarted_periodic_sends_and_bounds_their_frames(slcan_bus: VmsidecarSlcanBus) -> None:
+    """The python-can interface on its own (a test's ``can.Bus(interface="vmsidecar-slcan")``) keeps
+    the same bounds: a task made unstarted counts until its ``stop``."""
+    msg = can.Message(arbitration_id=PERIODIC_ID, data=b"\x01", is_extended_id=False)
+    tasks = [slcan_bus.send_periodic(msg, 60.0, autostart=False) for _ in range(MAX_PERIODIC_SENDS)]
+    with pytest.raises(ValueError, match=f"{MAX_PERIODIC_SENDS} periodic sends are already kept on"):
+        slcan_bus.send_periodic(msg, 60.0, autostart=False)
+    tasks[0].stop()
+    tasks[1].start()  # counted already: starting takes no more room
+    slcan_bus.send_periodic(msg, 60.0, autostart=False)
+    tasks[1].stop()
+    with pytest.raises(ValueError, match=f"at most {MAX_PERIODIC_FRAMES} frames"):
+        slcan_bus.send_periodic([msg] * (MAX_PERIODIC_FRAMES + 1), 60.0, autostart=False)

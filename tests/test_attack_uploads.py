@@ -56,11 +56,12 @@ def _buffered(driver: Any) -> int:
 def test_uploads_no_call_reads_are_refused_or_dropped_with_their_buffers(tmp_path: Any) -> None:
     from jumpstarter.common.utils import serve
 
-    vm = VirtualMachine(socket=str(tmp_path / "absent.sock"), spec={"gpio": [{"name": "led", "direction": "out"}]})
+    vm = VirtualMachine(socket=str(tmp_path / "absent.sock"), spec={"gpio": [{"name": "led", "direction": "out"}],
+                                                                          "can": [{"name": "can0"}]})
 
     with serve(vm) as client:
         # a driver that reads no upload refuses one
-        for child in (client.power, client.console, client.gpio, client.gpio.led):
+        for child in (client.power, client.console, client, client.gpio, client.gpio.led, client.can):
 
             async def upload(child: Any = child) -> None:
                 with anyio.move_on_after(3):  # (an upload taken waits for a call: no refusal came)

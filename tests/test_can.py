@@ -83,6 +83,45 @@ async def test_host_to_guest_and_back_through_canclient(can_vm: tuple[Any, Any])
     await con.close()
 
 
+async def test_periodic_sends_and_refusals_through_canclient(can_vm: tuple[Any, Any]) -> None:
+    """The stock ``CanClient`` through Jumpstarter on the tree's checked driver: a periodic send
+    reaches the guest and stops; sends made unstarted count against the bus's cap, a task's frames
+    are bounded, and a timeout that is no finite wait is ``DriverInvalidArgument`` (before: the
+    unstarted sends were not counted, and 257 frames a task were taken)."""
+    from jumpstarter.client.core import DriverInvalidArgument
+
+    from jumpstarter_driver_vmsidecar.arguments import MAX_PERIODIC_FRAMES, MAX_PERIODIC_SENDS
+
+    rt, client = can_vm
+    bus = client.can
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        await con.run(in_background_until_listening("candump -L -n 3 can0 > /tmp/periodic"))
+        msg = can.Message(arbitration_id=0x5A5, data=b"\x5a", is_extended_id=False, channel="vcan-elsewhere")
+        task = await asyncio.to_thread(bus.send_periodic, msg, 0.05)
+        rx = await con.run("wait; cat /tmp/periodic")
+        await asyncio.to_thread(task.stop)
+        assert rx.count("can0 5A5#5A") == 3, rx
+
+        held = [await asyncio.to_thread(bus.send_periodic, msg, 60.0, None, True, False)
+                for _ in range(MAX_PERIODIC_SENDS)]
+        with pytest.raises(DriverInvalidArgument, match="periodic sends are already kept"):
+            await asyncio.to_thread(bus.send_periodic, msg, 60.0, None, True, False)
+        for t in held:
+            await asyncio.to_thread(t.stop)
+        with pytest.raises(DriverInvalidArgument, match=f"at most {MAX_PERIODIC_FRAMES} frames"):
+            await asyncio.to_thread(bus.send_periodic, [msg] * (MAX_PERIODIC_FRAMES + 1), 60.0)
+        with pytest.raises(DriverInvalidArgument, match="period must be"):
+            await asyncio.to_thread(bus.send_periodic, msg, 1e-6)
+        with pytest.raises(DriverInvalidArgument, match="timeout must be"):
+            # (not infinity: the client's JSON encoding sends inf and NaN as null, a recv(None))
+            await asyncio.to_thread(bus.recv, 1e9)
+        assert await asyncio.to_thread(bus.recv, 0.1) is None  # the bus still serves
+    finally:
+        await con.close()
+
+
 async def test_frame_rate_without_loss(can_vm: tuple[Any, Any], record_property: Any) -> None:
     """Frames per second both ways on the bus socket (python-can, no gRPC), counted by the guest."""
     rt, _ = can_vm

@@ -40,6 +40,7 @@ from .link import RuntimeLink
 from .metrics import lease_ended, lease_started, metered_driver
 from .power import VmPower
 from .storage import VmStorage
+from .uploads import RefusesUploads
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def forget_queued_frames(bus: Any) -> None:
 
 @metered_driver
 @dataclass(kw_only=True)
-class VirtualMachine(Driver):
+class VirtualMachine(RefusesUploads, Driver):
     """A VM served by a vmsidecar runtime over its Unix-socket API."""
 
     socket: str = "/shared/vmsidecar/api.sock"
@@ -129,22 +130,23 @@ class VirtualMachine(Driver):
                 self.children["gpio"] = gpio
 
     def _add_can(self, spec: VmSpec) -> None:
-        """``can`` for one bus, else one child per bus; slcan buses use our python-can interface."""
+        """``can`` for one bus, else one child per bus (``VmCan``: upstream's ``Can``, its arguments
+        checked); slcan buses use our python-can interface, native ones python-can's socketcan."""
         try:
             check_native_can(spec)
         except VmsidecarError as e:
             raise ValueError(f"spec in the exporter config: {e.message}") from e
         if spec.can:
-            from jumpstarter_driver_can.driver import Can
+            from .can import VmCan
         for bus in spec.can:
             name = "can" if len(spec.can) == 1 else bus.name
             if len(spec.can) > 1 and (name in RESERVED_NAMES or name in self.children):
                 raise ValueError(f"CAN bus name {name!r} clashes with a child driver; rename the bus")
             if bus.mode == "slcan":
                 channel = f"{Path(self.socket).parent / 'can' / f'{bus.name}.sock'};bitrate={bus.bitrate}"
-                self.children[name] = Can(channel=channel, interface="vmsidecar-slcan")
+                self.children[name] = VmCan(channel=channel, interface="vmsidecar-slcan")
             else:
-                self.children[name] = Can(channel=bus.host_interface, interface="socketcan")
+                self.children[name] = VmCan(channel=bus.host_interface, interface="socketcan")
             self._can_children.append(self.children[name])
 
     @classmethod
@@ -235,13 +237,8 @@ class VirtualMachine(Driver):
         """End everything of this tree on its CAN buses: periodic sends, ``recv``, ``send``, and
         any reconnection (a shut-down bus refuses it)."""
         for child in self._can_children:  # upstream's Can never shuts its python-can bus down
-            # upstream's Can starts periodic sends with the bus's _send_periodic_internal, which
-            # BusABC.shutdown does not stop: a native bus (python-can's) would go on sending
-            for task in list(getattr(child, "_Can__tasks", {}).values()):
-                with contextlib.suppress(Exception):
-                    task.stop()
             with contextlib.suppress(Exception):
-                child.bus.shutdown()
+                child.shut_bus_down()
 
     def _stop_retry(self) -> None:
         """Stop the background claim retry; wait for an attempt under way, so that a claim it

@@ -34,7 +34,7 @@ from typing import Any
 
 import can
 
-from .arguments import seconds, seconds_or_none
+from .arguments import periodic_send, room_for_periodic_send, seconds_or_none
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,6 @@ SLCAN_BITRATES = (10000, 20000, 50000, 100000, 125000, 250000, 500000, 800000, 1
 #: the longest SLCAN line is an extended data frame with a timestamp (T + 8 + 1 + 16 + 4 = 30);
 #: anything longer is not SLCAN, and is dropped up to the next CR instead of being buffered
 MAX_LINE = 64
-#: periodic sends running at once on one bus: each is a thread of the exporter, whose threads serve
-#: every lease (a lease holder calls the exported Can._send_periodic_internal as often as they like)
-MAX_PERIODIC_SENDS = 64
 #: received frames kept for python-can's recv (a guest writing faster than the test reads loses
 #: the oldest; a minute of a saturated 1 Mbit/s bus is ~500,000, so this is seconds of backlog)
 RX_LIMIT = 10_000
@@ -96,20 +93,30 @@ class _PeriodicSend(can.broadcastmanager.ThreadBasedCyclicSendTask):
     """python-can's thread-based periodic send, except that its wait for the next frame ends at
     ``stop``: python-can's thread sleeps out the period after a stop, so a lease's send with a
     period of hours kept its thread and bus for hours after the lease, and the exporter's threads
-    (every lease's) piled up. Its loop is python-can 4's ``_run`` with that one wait changed."""
+    (every lease's) piled up. Its loop is python-can 4's ``_run`` with that one wait changed.
+
+    ``kept`` from its making until its ``stop``: a task made unstarted, or ended by its duration or
+    a failed send, still holds its frames for whoever may start it again, so the bus's cap counts it.
+    """
 
     def __init__(self, bus: VmsidecarSlcanBus, lock: threading.Lock, messages: Sequence[can.Message] | can.Message,
                  period: float, duration: float | None, on_error: Callable[[Exception], bool],
                  modifier_callback: Callable[[can.Message], None] | None) -> None:
         self._woken = threading.Event()
+        self.kept = True
         super().__init__(bus, lock, messages, period, duration, on_error, False, modifier_callback)
 
     def stop(self) -> None:
+        self.kept = False
+        self._end()
+
+    def _end(self) -> None:
         super().stop()
         self._woken.set()
 
     def start(self) -> None:
         def start() -> None:
+            self.kept = True
             self._woken.clear()
             super(_PeriodicSend, self).start()
 
@@ -122,7 +129,7 @@ class _PeriodicSend(can.broadcastmanager.ThreadBasedCyclicSendTask):
         due = time.perf_counter()
         while not self.stopped:
             if self.end_time is not None and time.perf_counter() >= self.end_time:
-                self.stop()
+                self._end()
                 break
             try:
                 if self.modifier_callback is not None:
@@ -131,7 +138,7 @@ class _PeriodicSend(can.broadcastmanager.ThreadBasedCyclicSendTask):
                     self.bus.send(self.messages[index])
             except Exception as exc:
                 if self.on_error is None or not self.on_error(exc):
-                    self.stop()
+                    self._end()
                     break
             due += self.period
             index = (index + 1) % len(self.messages)
@@ -167,9 +174,9 @@ class VmsidecarSlcanBus(can.BusABC):
         self._reader: threading.Thread | None = None
         #: the runtime ended the connection (the guest behind it changed): none until ``reconnect``
         self._ended = False
-        #: periodic sends started on this bus, also those upstream's ``Can`` driver starts without
+        #: periodic sends made on this bus, also those upstream's ``Can`` driver makes without
         #: ``send_periodic`` (BusABC.shutdown stops only the ones that one recorded)
-        self._cyclic: weakref.WeakSet[can.broadcastmanager.CyclicSendTaskABC] = weakref.WeakSet()
+        self._cyclic: weakref.WeakSet[_PeriodicSend] = weakref.WeakSet()
         self._periodic_lock = threading.Lock()  # one periodic frame on the socket at a time
         # no connection yet: whoever is behind the socket now may be the previous lease's guest
         super().__init__(channel=channel, **kwargs)
@@ -420,14 +427,12 @@ class VmsidecarSlcanBus(can.BusABC):
         autostart: bool = True,
         modifier_callback: Callable[[can.Message], None] | None = None,
     ) -> can.broadcastmanager.CyclicSendTaskABC:
-        # python-can takes any float: NaN failed inside it, zero or less sent as fast as the bus goes,
-        # years held a thread for years
-        period = seconds(period, "period", least=0.001)
-        duration = seconds_or_none(duration, "duration")
         with self._lock:  # (shutdown stops, under this lock, every task started before it)
             if self._closed.is_set():
                 raise self._shut_down()
-            self._room_for_periodic_send()
+            # python-can takes any float: NaN failed inside it, zero or less sent as fast as the bus
+            # goes, years held a thread for years
+            period, duration = periodic_send(msgs, period, duration, kept=self._kept(), channel=self.channel)
             # a send that fails (the bus shut down, its connection ended) ends the task with a warning,
             # not an exception left unhandled in its thread
             task = _PeriodicSend(self, self._periodic_lock, msgs, period, duration, self._periodic_send_failed,
@@ -437,14 +442,9 @@ class VmsidecarSlcanBus(can.BusABC):
             task.start()
         return task
 
-    def _room_for_periodic_send(self, starting: object = None) -> None:
-        """Raise unless another periodic send may run (called under ``_lock``).
-
-        :raise ValueError: ``MAX_PERIODIC_SENDS`` run already (``starting`` not counted)."""
-        if sum(1 for task in self._cyclic if task is not starting and not getattr(task, "stopped", True)) \
-                >= MAX_PERIODIC_SENDS:
-            raise ValueError(f"{MAX_PERIODIC_SENDS} periodic sends already run on the CAN bus {self.channel}; "
-                             "stop one (CanClient: task.stop()) before starting another")
+    def _kept(self, besides: object = None) -> int:
+        """Periodic sends kept on this bus but ``besides``, running or not (called under ``_lock``)."""
+        return sum(1 for task in self._cyclic if task is not besides and task.kept)
 
     def _start_periodic_send(self, task: _PeriodicSend, start: Callable[[], None]) -> None:
         """Start (or restart: upstream's exported ``Can._start_task``) ``task`` within the cap, and
@@ -452,7 +452,7 @@ class VmsidecarSlcanBus(can.BusABC):
         with self._lock:
             if self._closed.is_set():
                 raise self._shut_down()
-            self._room_for_periodic_send(task)
+            room_for_periodic_send(self._kept(task), self.channel)
             start()
 
     def _periodic_send_failed(self, exc: Exception) -> bool:
@@ -469,7 +469,7 @@ class VmsidecarSlcanBus(can.BusABC):
                 task.stop()
         deadline = time.monotonic() + 1.0  # (woken at once; one may be in a paced send)
         for task in tasks:
-            if isinstance(task, _PeriodicSend) and task.thread is not None:
+            if task.thread is not None:
                 task.thread.join(max(0.0, deadline - time.monotonic()))
         with self._rx_ready:
             self._rx.clear()
