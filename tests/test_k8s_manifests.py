@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -256,3 +257,335 @@ def test_a_bad_podmonitor_is_caught() -> None:
     bad["spec"]["podMetricsEndpoints"] = [{"portNumber": 70000}]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, _crd_schema(bad["kind"], bad["apiVersion"]))
+
+
+# ---- the security review of the pod templates (2026-11-29) ------------------------------------------
+
+def _sample_pod() -> dict:
+    return next(d for d in _docs(ROOT / "container" / "k8s" / "pod-sidecar.yaml") if d["kind"] == "Pod")
+
+
+def test_the_sample_pod_restarts_a_failed_exporter_beside_its_running_runtime() -> None:
+    """With ``restartPolicy: Never`` a crashed or OOM-killed exporter ended the pod, and the kubelet
+    stopped the runtime (a sidecar) and the guest with it. OnFailure restarts only the exporter; an
+    exporter that exits 0 (ExitAndReplace after its lease, or stopped by a signal) still completes the pod."""
+    spec = _sample_pod()["spec"]
+    assert spec["restartPolicy"] == "OnFailure"
+    runtime = _runtime_container(spec)
+    assert runtime in spec["initContainers"] and runtime["restartPolicy"] == "Always"  # a native sidecar
+    assert [c["name"] for c in spec["containers"]] == ["exporter"]
+
+
+def _networkpolicy() -> dict:
+    path = ROOT / "container" / "k8s" / "networkpolicy.yaml"
+    return next(d for d in _docs(path) if d["kind"] == "NetworkPolicy")
+
+
+def _pod_specs_with_metadata() -> dict[str, dict]:
+    rendered = subprocess.run([str(ROOT / "scripts" / "pod"), "render", "--image", "r/x:1"],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return {"pod.yaml": next(d for d in yaml.safe_load_all(rendered) if d["kind"] == "Pod")}
+
+
+def _pool_pod_labels() -> dict[str, dict[str, str]]:
+    """The labels of every pod the samples make: the Pods we ship, and the ExporterSets' pods, which
+    upstream's qemu provisioner labels with the template's labels (``RenderPod``: maps.Clone of
+    ``spec.template.metadata.labels``)."""
+    labels = {"pod-sidecar.yaml": _sample_pod()["metadata"].get("labels", {}),
+              "pod.yaml": _pod_specs_with_metadata()["pod.yaml"]["metadata"]["labels"]}
+    for path in MANIFESTS:
+        for doc in _docs(path):
+            if doc["kind"] == "ExporterSet":
+                labels[path.name] = doc["spec"]["template"].get("metadata", {}).get("labels", {})
+    assert len(labels) == 5, labels
+    return labels
+
+
+def test_the_networkpolicy_selects_every_pool_pod() -> None:
+    selector = _networkpolicy()["spec"]["podSelector"]
+    assert set(selector) == {"matchLabels"} and selector["matchLabels"], selector  # never {}: no other pods
+    for name, labels in _pool_pod_labels().items():
+        assert selector["matchLabels"].items() <= labels.items(), f"{name}'s pods ({labels}) are not selected"
+
+
+def test_the_networkpolicy_denies_by_default_and_admits_only_the_scrapes() -> None:
+    """Both directions are denied but for the rules (policyTypes both); ingress: only the two GET-only
+    listeners the sample pod declares, from a namespace chosen by its label, never from anywhere."""
+    spec = _networkpolicy()["spec"]
+    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
+    pod = _sample_pod()["spec"]
+    declared = {p["containerPort"] for c in pod["initContainers"] + pod["containers"] for p in c.get("ports", [])}
+    assert declared == {8081, 8082}
+    admitted = set()
+    for rule in spec["ingress"]:
+        assert rule.get("from") and rule.get("ports"), rule  # a rule without either admits everything
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector"} and peer["namespaceSelector"]["matchLabels"], peer
+        admitted |= {(p["protocol"], p["port"]) for p in rule["ports"]}
+    assert admitted == {("TCP", 8081), ("TCP", 8082)}
+
+
+def test_the_networkpolicy_keeps_the_guest_from_the_metadata_service_and_the_cluster() -> None:
+    """The guest's connections are the pod's (slirp): every egress rule names its peers and ports,
+    DNS goes to kube-dns only, and an ipBlock never covers the metadata address, nor the pod and
+    service CIDRs it excepts."""
+    import ipaddress
+
+    egress = _networkpolicy()["spec"]["egress"]
+    metadata = ipaddress.ip_address("169.254.169.254")
+    dns = []
+    for rule in egress:
+        assert rule.get("to") and rule.get("ports"), rule  # a rule without either allows all of it
+        for peer in rule["to"]:
+            if block := peer.get("ipBlock"):
+                cidr = ipaddress.ip_network(block["cidr"])
+                excepted = [ipaddress.ip_network(e) for e in block.get("except", [])]
+                if metadata in cidr:
+                    assert any(metadata in e for e in excepted), f"{block} reaches the metadata service"
+                    assert "169.254.169.254/32" in block["except"]
+                if cidr.prefixlen == 0:  # as wide as the internet: the cluster's own ranges are excepted
+                    assert len([e for e in excepted if e.is_private and metadata not in e]) >= 2, block
+            else:
+                assert peer.get("namespaceSelector", {}).get("matchLabels"), peer  # a namespace, named
+                assert peer.get("podSelector"), peer  # and pods in it: never a whole namespace
+        if any(p["port"] == 53 for p in rule["ports"]):
+            dns.append(rule)
+    assert len(dns) == 1
+    assert {(p["protocol"], p["port"]) for p in dns[0]["ports"]} == {("UDP", 53), ("TCP", 53)}
+    kube_system = {"kubernetes.io/metadata.name": "kube-system"}
+    assert dns[0]["to"] == [{"namespaceSelector": {"matchLabels": kube_system},
+                             "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+
+
+#: the runtime's memory rule (docs/containers.md, "Resources"), MiB
+RUNTIME_ITSELF, TCG_CACHE, QEMU_IMG_CHECK = 150, 64, 768
+
+
+def _runtime_memory_floor(memory_mib: int, standby: bool) -> int:
+    """150 MiB + max(a capturing boot: 2 x the guest + TCG's cache, a flash's qemu-img check with the
+    guest off) + a standby spare (the guest's RAM at worst + its own TCG cache)."""
+    floor = RUNTIME_ITSELF + max(2 * memory_mib + TCG_CACHE, QEMU_IMG_CHECK)
+    return floor + (memory_mib + TCG_CACHE if standby else 0)
+
+
+def test_the_rule_counts_the_capture_the_flash_and_the_spare() -> None:
+    assert _runtime_memory_floor(512, False) == 1238 and _runtime_memory_floor(512, True) == 1814
+    assert _runtime_memory_floor(128, False) == 150 + 768  # a small guest: the flash's check dominates
+
+
+def _mib(quantity: str) -> int:
+    return parse_size(quantity) >> 20
+
+
+def _vm_specs(drivers: dict[str, dict]) -> list:
+    return [load_spec(d["config"]["spec"]) for d in drivers.values() if d["type"].endswith(".VirtualMachine")]
+
+
+def test_the_runtimes_memory_limit_fits_its_guests() -> None:
+    """Each sample's limit is at least the rule's floor for its driver spec (memory, standby): a
+    capturing boot or a spare over it is OOM-killed, and the guest with it."""
+    classes = {d["metadata"]["name"]: d for d in _docs(ROOT / "container" / "k8s" / "virtualtargetclass.yaml")
+               if d["kind"] == "VirtualTargetClass"}
+    checked = []
+    for path in MANIFESTS:
+        for doc in _docs(path):
+            if doc["kind"] == "ExporterSet":
+                resources = classes[doc["spec"]["virtualTargetClassName"]]["spec"]["scheduling"]["resources"]
+                specs = _vm_specs({d["name"]: d for d in doc["spec"]["template"]["spec"]["drivers"]})
+                checked.append((path.name, resources, specs))
+    sample = _docs(ROOT / "container" / "k8s" / "pod-sidecar.yaml")
+    secret = next(d for d in sample if d["kind"] == "Secret")
+    pod = _sample_pod()["spec"]
+    assert secret["metadata"]["name"] in {v.get("secret", {}).get("secretName") for v in pod["volumes"]}
+    config = yaml.safe_load(secret["stringData"]["config.yaml"])
+    checked.append(("pod-sidecar.yaml", _runtime_container(pod)["resources"], _vm_specs(config["export"])))
+    assert len(checked) == 4
+    for name, resources, specs in checked:
+        assert len(specs) == 1, name
+        floor = _runtime_memory_floor(specs[0].memory, specs[0].standby)
+        limit = _mib(resources["limits"]["memory"])
+        assert limit >= floor, f"{name}: the runtime's memory limit {limit} MiB < the rule's {floor} MiB"
+        assert resources["requests"]["memory"] == resources["limits"]["memory"], name  # guest RAM is reserved
+        assert "cpu" in resources["requests"] and "cpu" not in resources["limits"], name  # no CFS throttling
+
+
+def test_the_sample_pods_containers_have_requests_and_limits() -> None:
+    """Both containers request CPU, memory and ephemeral storage and have memory and ephemeral-storage
+    limits; the exporter's memory limit holds its upload streams (2 x 128 MiB) over its ~85 MB."""
+    spec = _sample_pod()["spec"]
+    for c in spec["initContainers"] + spec["containers"]:
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        assert {"cpu", "memory", "ephemeral-storage"} <= set(requests), c["name"]
+        assert {"memory", "ephemeral-storage"} <= set(limits) and "cpu" not in limits, c["name"]
+        for key in ("memory", "ephemeral-storage"):
+            assert parse_size(requests[key]) <= parse_size(limits[key]), (c["name"], key)
+    exporter = spec["containers"][0]
+    assert _mib(exporter["resources"]["limits"]["memory"]) >= 96 + 2 * 128
+
+
+#: what a container's logs may hold on the node (the kubelet's default rotation: 5 files of 10Mi) and more
+LOG_ALLOWANCE_MIB = 64
+
+
+def test_the_sample_pods_ephemeral_storage_covers_its_empty_dirs() -> None:
+    """A disk emptyDir counts against the pod's ephemeral-storage limit (the sum of its containers'):
+    below the sizeLimits, the kubelet would evict the pod before an emptyDir reached its own bound.
+    Each container's limit covers the emptyDirs charged to it (the shared one to the runtime) and its logs."""
+    spec = _sample_pod()["spec"]
+    sizes = {v["name"]: _mib(v["emptyDir"]["sizeLimit"]) for v in spec["volumes"]
+             if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"}
+    charged: set[str] = set()
+    total = 0
+    for c in spec["initContainers"] + spec["containers"]:  # the runtime first: it makes the shared dir
+        mine = {m["name"] for m in c["volumeMounts"] if m["name"] in sizes} - charged
+        charged |= mine
+        limit = _mib(c["resources"]["limits"]["ephemeral-storage"])
+        need = sum(sizes[v] for v in mine) + LOG_ALLOWANCE_MIB
+        assert limit >= need, f"{c['name']}: ephemeral-storage {limit} MiB < its emptyDirs and logs' {need}"
+        total += limit
+    assert charged == set(sizes)
+    assert total >= sum(sizes.values()) + LOG_ALLOWANCE_MIB * len(spec["initContainers"] + spec["containers"])
+
+
+def test_the_pool_classes_bound_the_runtimes_writable_layer() -> None:
+    """Upstream's pool pods mount nothing but /shared: the cache (the runtime's default budget) and the
+    state are on the runtime's writable layer, bounded by the class's ephemeral-storage limit."""
+    for doc in _docs(ROOT / "container" / "k8s" / "virtualtargetclass.yaml"):
+        resources = doc["spec"]["scheduling"]["resources"]
+        limit = parse_size(resources["limits"]["ephemeral-storage"])
+        assert parse_size(resources["requests"]["ephemeral-storage"]) <= limit
+        # the budget with ~15% for a pull and a capture (as for pod-sidecar.yaml's cache volume), and
+        # 4 GiB for the state: the lease's overlay and a flashed disk
+        assert limit >= DEFAULT_BUDGET / 0.85 + (4 << 30), f"{doc['metadata']['name']}: no room for the state"
+
+
+def test_every_image_of_the_samples_says_to_pin_by_digest() -> None:
+    """A tag can be moved to other bytes by whoever can push to it; nodes pulling it at different
+    times then run different code next to lease holders. Every image reference in the samples is
+    pinned (@sha256:) or says, on its line or in the comment just above it, that a pool pins it."""
+    for path in MANIFESTS:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if not re.search(r"\bimage: *[\w.-]+\.[\w.-]+(:\d+)?/", line.split("#")[0]):
+                continue
+            above = [text for text in lines[max(0, i - 2):i] if text.lstrip().startswith("#")]
+            pinned = "@sha256:" in line or any("sha256" in text for text in [line, *above])
+            assert pinned, f"{path.name}:{i + 1}: {line.strip()}"
+
+
+def _stub_podman(tmp_path: Path, existing_networks: dict[str, str] | None = None
+                 ) -> tuple[dict[str, str], Path]:
+    """A `podman` that logs its arguments and answers as an empty host (no pod; the networks given, name
+    -> isolate option), for running scripts/pod without podman."""
+    bin_dir, log, nets = tmp_path / "bin", tmp_path / "podman.log", tmp_path / "networks"
+    bin_dir.mkdir(parents=True)
+    nets.mkdir()
+    for name, isolate in (existing_networks or {}).items():
+        (nets / name).write_text(isolate)
+    stub = bin_dir / "podman"
+    stub.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$1 $2" in
+  "pod exists") exit 1;;
+  "network exists") [ -e "{nets}/$3" ];;
+  "network create") for last; do :; done; echo true > "{nets}/$last";;
+  "network inspect") for last; do :; done; cat "{nets}/$last";;
+  "network rm") rm -f "{nets}/$3";;
+  "kube play") cat > /dev/null;;
+esac
+""")
+    stub.chmod(0o755)
+    import os
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_scripts_pod_plays_each_pod_on_an_isolated_network_of_its_own(tmp_path: Path) -> None:
+    """On podman's default kube network one pod's guest (root, the lease holder: slirp makes its
+    connections the pod's) reached another pod's exporter, insecure gRPC on 0.0.0.0:19090, and drove
+    its VM. scripts/pod creates NAME-net with isolate=true (netavark blocks traffic between such
+    networks), plays the pod on it, and removes it at down; checked with podman for real in
+    docs/containers.md. --host-network pods use the host's network instead."""
+    env, log = _stub_podman(tmp_path)
+    pod = ROOT / "scripts" / "pod"
+
+    def up(name: str, *extra: str) -> list[str]:
+        before = len(_calls(log))
+        subprocess.run([str(pod), "up", "--name", name, "--image", "r/x:1", *extra], cwd=ROOT, env=env,
+                       capture_output=True, text=True, check=True)
+        return _calls(log)[before:]
+
+    a, b = up("pod-a"), up("pod-b")
+    for name, calls in (("pod-a", a), ("pod-b", b)):
+        assert f"network create --opt isolate=true {name}-net" in calls, calls
+        plays = [c for c in calls if c.startswith("kube play")]
+        assert plays == [f"kube play --quiet --network {name}-net -"], plays
+        assert calls.index(f"network create --opt isolate=true {name}-net") < calls.index(plays[0])
+    before = len(_calls(log))
+    subprocess.run([str(pod), "down", "--name", "pod-a"], cwd=ROOT, env=env, capture_output=True, check=True)
+    down = _calls(log)[before:]
+    assert "network rm pod-a-net" in down  # never -f: that would remove containers still on it
+    assert down.index("network rm pod-a-net") > down.index("pod rm -f -t 30 pod-a")
+    networks = tmp_path / "networks"
+    assert not (networks / "pod-a-net").exists() and (networks / "pod-b-net").exists()
+    host = up("pod-h", "--host-network")
+    assert not any(c.startswith("network create") for c in host)
+    assert [c for c in host if c.startswith("kube play")] == ["kube play --quiet -"]
+
+
+def test_scripts_pod_refuses_a_leftover_network_that_is_not_isolated(tmp_path: Path) -> None:
+    env, log = _stub_podman(tmp_path, {"pod-c-net": "false"})
+    result = subprocess.run([str(ROOT / "scripts" / "pod"), "up", "--name", "pod-c", "--image", "r/x:1"],
+                            cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and "not isolated" in result.stderr, result.stderr
+    assert not any(c.startswith("kube play") for c in _calls(log))
+    env, log = _stub_podman(tmp_path / "again", {"pod-c-net": "true"})  # an isolated leftover is reused
+    subprocess.run([str(ROOT / "scripts" / "pod"), "up", "--name", "pod-c", "--image", "r/x:1"],
+                   cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert "kube play --quiet --network pod-c-net -" in _calls(log)
+
+
+def _containerfile_stages() -> list[tuple[str, str, list[str]]]:
+    """(name, parent, RUN instructions with their continuation lines joined) of each stage."""
+    stages: list[tuple[str, str, list[str]]] = []
+    text = (ROOT / "Containerfile").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if m := re.match(r"FROM\s+(\S+)\s+AS\s+(\S+)", line, re.I):
+            stages.append((m.group(2), m.group(1), []))
+        elif line.startswith("RUN ") and stages:
+            stages[-1][2].append(line)
+    return stages
+
+
+STRIP_SETID = re.compile(r"find / -xdev -perm /6000 -type f -exec chmod a-s \{\} \+")
+
+
+def test_the_images_carry_no_setuid_or_setgid_file() -> None:
+    """su, mount, passwd, chsh, newgrp, unix_chkpwd … were in every image, and upstream's pool pods
+    cannot set allowPrivilegeEscalation: false. The base stage strips the bits of the whole root
+    filesystem, so every stage derived from it starts without; a stage that installs packages after
+    it strips again in the RUN that installs them."""
+    stages = _containerfile_stages()
+    names = {name: parent for name, parent, _ in stages}
+    assert stages[0][0] == "base"
+    base_runs = stages[0][2]
+    assert any(STRIP_SETID.search(run) for run in base_runs), base_runs
+    assert STRIP_SETID.search(base_runs[-1]), "the strip is not base's last RUN"
+
+    def ancestry(name: str) -> list[str]:
+        chain = [name]
+        while chain[-1] in names:
+            chain.append(names[chain[-1]])
+        return chain
+
+    for name, _, runs in stages:
+        chain = ancestry(name)
+        assert chain[-2:] == ["base", stages[0][1]], f"stage {name} does not derive from base: {chain}"
+        if name == "base" or "builder" in chain:  # base: above; builders: only /opt/vmsidecar is copied out
+            continue
+        for run in runs:
+            if "apt-get install" in run:
+                assert STRIP_SETID.search(run.split("apt-get install", 1)[1]), f"{name}: {run[:80]} …"
