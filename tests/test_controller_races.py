@@ -254,14 +254,27 @@ async def test_a_claim_during_the_first_boots_pull_answers_at_once(fake_vm: Buil
     vm = fvm.vm
     boot = asyncio.create_task(vm.power_on())
     await held.wait_started()
-    # the exporter's claim at hand-out: its spec again (the same), then the claim; it waits for both
-    # before it serves the lease (the spec's call waited for the pull's lock: the claim timed out, and a
-    # lease using only CAN was never recycled)
-    assert not await asyncio.wait_for(vm.set_spec(fake_spec(fake_images.base), from_api=False), 1)
-    claimed = await asyncio.wait_for(vm.claim(), 1)
+    # the exporter's claim at hand-out carries its spec (the same); it waits for the claim before it
+    # serves the lease (the spec's call waited for the pull's lock: the claim timed out, and a lease
+    # using only CAN was never recycled)
+    claimed = await asyncio.wait_for(vm.claim(token="lease-token", spec=fake_spec(fake_images.base)), 1)
     assert claimed.claimed and claimed.generation == 0 and claimed.phase == Phase.PULLING
     held.release.set()
     await boot
+    assert (await until(vm, READY)).generation == 0 and vm.state().claimed
+
+
+async def test_a_pool_pods_first_claim_takes_its_spec_and_answers_during_the_pull(
+        fake_vm: Build, fake_images: Images) -> None:
+    """A pool pod's runtime starts with no spec; the first tree's claim brings it (the start-up
+    tree's offer may not have landed yet): it answered only after the whole pull."""
+    held = HeldPull(f"file:{fake_images.base}")
+    fvm = await fake_vm(None, pull_fn=held, host_paths=_allow(fake_images))
+    vm = fvm.vm
+    claimed = await asyncio.wait_for(vm.claim(token="lease-token", spec=fake_spec(fake_images.base)), 1)
+    assert claimed.claimed and claimed.generation == 0 and vm.spec == fake_spec(fake_images.base)
+    await held.wait_started()
+    held.release.set()
     assert (await until(vm, READY)).generation == 0 and vm.state().claimed
 
 

@@ -171,3 +171,19 @@ def test_a_helper_that_prints_without_end_is_killed_and_its_stderr_kept_to_its_t
         procs.run("sh", "-c", "exec sleep 30 >/dev/null 2>&1", timeout=0.5)
     assert time.monotonic() - started < 10
     assert not procs.OWN - before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the capability drop concerns a runtime started by root")
+def test_a_root_runtime_starts_qemu_without_capabilities_or_says_why_it_cannot() -> None:
+    """Started by root, QEMU held every capability of the container; ``setpriv --bounding-set -all``
+    drops them, but only with CAP_SETPCAP, and says nothing when it cannot."""
+    show = ("grep", "-E", "^Cap(Prm|Eff|Bnd|Amb)", "/proc/self/status")
+    out = subprocess.run(procs.die_with_parent_argv(show, no_capabilities=True), capture_output=True, text=True,
+                         check=True).stdout
+    assert {line.split()[1] for line in out.splitlines()} == {"0" * 16}, out
+    probe = ("import logging, sys; logging.basicConfig(); from vmsidecar_runtime import procs; "
+             "procs.die_with_parent_argv(('true',), no_capabilities=True)")
+    without = subprocess.run(["setpriv", "--bounding-set", "-setpcap", "--", sys.executable, "-c", probe],
+                             capture_output=True, text=True, timeout=60)
+    assert "without CAP_SETPCAP" in without.stderr and "give the runtime container CAP_SETPCAP" in without.stderr, (
+        without.stderr)

@@ -167,7 +167,8 @@ PUT_SPEC = Endpoint(
     "PUT", "/v1/vm/spec",
     "Replace the spec (idempotent) with the whole spec, at least one field (an empty spec is a 400). "
     "Stopped|Crashed|Error, or any phase when unchanged. Host paths (file:, oci-layout:, kernel, initrd) only "
-    "under the runtime's --allow-host-paths, extra_args only with --allow-extra-args (else 400).",
+    "under the runtime's --allow-host-paths, extra_args only with --allow-extra-args (else 400). When the lease "
+    "was claimed with a spec (POST /v1/vm/lease), the recycles that end it return to that spec.",
     (_STATE,), ("bad_request", "invalid_spec", "host_path_not_allowed", "wrong_phase"),
     body=Body("json", "VmSpec", schema_extra={"minProperties": 1}))
 POST_POWER = Endpoint(

@@ -82,6 +82,8 @@ class VmCan(RefusesUploads, Can):
         whatever channel it names (socketcan opened a socket on the named one for periodic sends)."""
         # (the driver's channel: python-can buses keep theirs in ``channel`` or not, not always a name)
         fields = {**msg.__dict__, "channel": self.channel}
+        if not fields.get("is_remote_frame"):  # a data frame's length is its data's (upstream let dlc differ)
+            fields.pop("dlc", None)
         try:
             return can.Message(**fields, check=True)
         except (TypeError, ValueError) as e:

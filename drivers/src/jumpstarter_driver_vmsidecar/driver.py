@@ -51,6 +51,8 @@ SPEC_RETRY_S = 120.0
 SPEC_RETRY_EVERY_S = 0.5
 #: a CAN FD frame on a raw SocketCAN socket (``CANFD_MTU``), the largest a native bus reads
 CANFD_FRAME_BYTES = 72
+#: the most frames a claim drops from a native bus's socket: more than its receive buffer holds
+MAX_QUEUED_FRAMES = 100_000
 
 
 def forget_queued_frames(bus: Any) -> None:
@@ -61,7 +63,7 @@ def forget_queued_frames(bus: Any) -> None:
     if not isinstance(sock, socket.socket):
         return
     with contextlib.suppress(OSError):  # BlockingIOError: empty; any other: a closed bus stays so
-        while True:
+        for _ in range(MAX_QUEUED_FRAMES):  # (a host interface others flood must not hold the claim)
             sock.recv(CANFD_FRAME_BYTES, socket.MSG_DONTWAIT)
 
 

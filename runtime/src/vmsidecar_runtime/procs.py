@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import logging
 import os
 import selectors
 import shutil
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.errors import HostError
+
+log = logging.getLogger(__name__)
 
 #: pids started through ``spawn`` and not yet waited for; the reaper leaves these to asyncio
 OWN: set[int] = set()
@@ -89,11 +92,34 @@ def _util_linux(program: str, why: str) -> str:
 NO_CAPABILITIES = ("--inh-caps", "-all", "--ambient-caps", "-all", "--bounding-set", "-all")
 
 
+#: CAP_SETPCAP's bit: dropping from the bounding set needs it (setpriv says nothing when it fails)
+_CAP_SETPCAP = 1 << 8
+
+
+@functools.cache
+def _warn_capabilities_kept() -> None:
+    log.warning("the runtime runs as root without CAP_SETPCAP: QEMU cannot be started without the "
+                "container's capabilities (a guest escaped into it would hold them); give the runtime "
+                "container CAP_SETPCAP, or run it as a user other than root")
+
+
+def _can_drop_bounding_set() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) & _CAP_SETPCAP)
+    return False
+
+
 def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False) -> tuple[str, ...]:
     """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies;
-    ``no_capabilities``: and so that, started by root, it holds none."""
+    ``no_capabilities``: and so that, started by root, it holds none (said in the log once when the
+    runtime cannot: without CAP_SETPCAP, root's exec gets the bounding set back)."""
     why = "the runtime starts QEMU through `setpriv --pdeathsig KILL` so that no guest outlives it"
-    drop = NO_CAPABILITIES if no_capabilities and os.geteuid() == 0 else ()
+    drop: tuple[str, ...] = ()
+    if no_capabilities and os.geteuid() == 0:
+        drop = NO_CAPABILITIES
+        if not _can_drop_bounding_set():
+            _warn_capabilities_kept()
     return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *argv)
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
@@ -278,7 +279,9 @@ async def _send_file(response: web.StreamResponse, path: Path, all_read: Callabl
     the slot with it, so the lease's end cuts it and removes the copy (before, a reader stopping at
     the last chunk freed the slot and kept its full-size copy, dump after dump)."""
     with open(path, "rb") as fh:
-        while chunk := await asyncio.to_thread(fh.read, 1 << 20):
+        left = os.fstat(fh.fileno()).st_size
+        while left > 0 and (chunk := await asyncio.to_thread(fh.read, min(left, 1 << 20))):
+            left -= len(chunk)
             await response.write(chunk)
     all_read()
 

@@ -69,8 +69,8 @@ class VmController:
                                  self.host_paths, lambda: self._lease.ledger)
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
-        #: the spec the last claim named (the exporter's): what a lease changed over the API is
-        #: undone by the recycles that end it
+        #: the spec the last claim named (the exporter's; None when it named none): what a lease
+        #: changed over the API is undone by the recycles that end it
         self._served_spec: VmSpec | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -265,8 +265,9 @@ class VmController:
         began on a guest no lease had) is waited for.
 
         ``spec``: the spec the lease is served (the exporter's): a VM with another (an earlier
-        lease set one over the API) is recycled onto it, and the recycles that end this lease and
-        the next return to it.
+        lease set one over the API) is recycled onto it, and the recycles that end this lease
+        return to it; a runtime with none yet takes it and boots it in the background, as a ``PUT``.
+        A claim without one leaves the VM's spec as it is (an exporter with no spec of its own).
 
         :raise SpecError, HostPathError: ``spec`` is not one the API takes.
         """
@@ -276,16 +277,18 @@ class VmController:
         if self._lease.claimed_by(token):  # asked again: its first answer was lost
             return self.state()
         self.transfers.cancel("the next lease claimed the VM")
+        if spec is not None and self.spec is None:  # a pool pod's first claim: no boot to wait for
+            await self.set_spec(spec, from_api=False)
         if (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
-            self._served_spec = spec or self._served_spec
+            self._served_spec = spec
             await self._snapshots.capture_finished()
             self._claimed()
             return self.state()
         async with self._phases.lock:
             if self._lease.claimed_by(token):  # (its first request was ahead of this one for the lock)
                 return self.state()
-            self._served_spec = spec or self._served_spec
-            foreign = self._served_spec is not None and self.spec != self._served_spec
+            self._served_spec = spec
+            foreign = spec is not None and self.spec != spec
             if foreign or not self._lease.claim_unclaimed(token):
                 await self._recycle_locked(boot=True, claim=True)
                 self._lease.token = token
