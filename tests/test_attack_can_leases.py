@@ -40,8 +40,8 @@ from fixtures.runtime import RuntimeProcess
 from fixtures.vmdev import vm_runtime
 from fixtures.waiting import wait_until
 from jumpstarter_driver_vmsidecar.arguments import MAX_PERIODIC_FRAMES, MAX_PERIODIC_SENDS
-from jumpstarter_driver_vmsidecar.can import VmCan
-from jumpstarter_driver_vmsidecar.driver import VirtualMachine, forget_queued_frames
+from jumpstarter_driver_vmsidecar.can import VmCan, forget_queued_frames
+from jumpstarter_driver_vmsidecar.driver import VirtualMachine
 from jumpstarter_driver_vmsidecar.slcan import VmsidecarSlcanBus
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import clean_environ

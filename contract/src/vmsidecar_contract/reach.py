@@ -11,9 +11,10 @@ import socket
 #: the cloud metadata services' IPv6 addresses (AWS, GCP): unique-local, which no test above catches
 METADATA_V6 = ("fd00:ec2::254", "fd20:ce::254")
 _METADATA_V6 = frozenset(ipaddress.IPv6Address(a) for a in METADATA_V6)
-#: IPv6 networks whose last 32 bits are an IPv4 address the pod's network may connect: IPv4-compatible
-#: and NAT64's well-known prefix (IPv4-mapped addresses are ``ipv4_mapped``)
-_EMBEDDING = (ipaddress.IPv6Network("::/96"), ipaddress.IPv6Network("64:ff9b::/96"))
+#: IPv6 /96 networks whose last 32 bits are an IPv4 address some part of the pod's network connects:
+#: IPv4-compatible, IPv4-mapped, NAT64's well-known prefix (the NIC guard judges the same)
+EMBEDDING_V6 = ("::", "::ffff:0:0", "64:ff9b::")
+_EMBEDDING = tuple(ipaddress.IPv6Network(f"{prefix}/96") for prefix in EMBEDDING_V6)
 #: "this network": Linux connects 0.0.0.0 to the host itself
 _THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
 
@@ -29,11 +30,8 @@ def is_pod_local(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%")[0])
     if _local(ip):
         return True
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return _local(ip.ipv4_mapped)
-        if any(ip in net for net in _EMBEDDING):
-            return _local(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    if isinstance(ip, ipaddress.IPv6Address) and any(ip in net for net in _EMBEDDING):
+        return _local(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     return False
 
 

@@ -19,10 +19,12 @@ The exported names and signatures are upstream's (its validation included), so t
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import field
+from typing import Any
 from uuid import UUID, uuid4
 
 import can
@@ -38,6 +40,22 @@ from .uploads import RefusesUploads
 
 #: the longest one wait of a ``recv`` (or a native ``send``) on the bus: how late it sees the bus shut down
 WAIT_SLICE_S = 0.25
+#: a CAN FD frame on a raw SocketCAN socket (``CANFD_MTU``), the largest a native bus reads
+CANFD_FRAME_BYTES = 72
+#: the most frames a claim drops from a native bus's socket: more than its receive buffer holds
+MAX_QUEUED_FRAMES = 100_000
+
+
+def forget_queued_frames(bus: Any) -> None:
+    """Drop what a native bus's socket holds: its tree opens the host's interface when it is made,
+    while the last lease's guest still runs, and the claim has recycled that guest since; the
+    kernel queues no frame of the recycled guest after the claim (its QEMU has ended)."""
+    sock = getattr(bus, "socket", None)
+    if not isinstance(sock, socket.socket):
+        return
+    with contextlib.suppress(OSError):  # BlockingIOError: empty; any other: a closed bus stays so
+        for _ in range(MAX_QUEUED_FRAMES):  # (a host interface others flood must not hold the claim)
+            sock.recv(CANFD_FRAME_BYTES, socket.MSG_DONTWAIT)
 
 
 class _Kept:
@@ -59,6 +77,15 @@ class VmCan(RefusesUploads, Can):
     _kept: _Kept = field(init=False, default_factory=_Kept, repr=False)
 
     # ---- what the tree calls ---------------------------------------------------------------
+    def forget_before_claim(self) -> None:
+        """The claim may have recycled the guest behind the bus: nothing it received before is this
+        lease's (our bus connects anew; a native one drops what its socket queued)."""
+        if isinstance(self.bus, VmsidecarSlcanBus):
+            with contextlib.suppress(Exception):  # (a shut-down bus stays down; the claim stands)
+                self.bus.reconnect()
+        else:
+            forget_queued_frames(self.bus)
+
     def shut_bus_down(self) -> None:
         """End everything of this bus: its periodic sends, every ``recv`` and ``send`` (within
         ``WAIT_SLICE_S``), and any later call; the python-can bus is shut down."""

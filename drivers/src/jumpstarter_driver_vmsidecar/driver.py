@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,24 +48,6 @@ RESERVED_NAMES = {"power", "console", "hvc0", "storage", "can", "gpio"}
 #: how long (and how often) a spec the runtime could not take at session start is offered again
 SPEC_RETRY_S = 120.0
 SPEC_RETRY_EVERY_S = 0.5
-#: a CAN FD frame on a raw SocketCAN socket (``CANFD_MTU``), the largest a native bus reads
-CANFD_FRAME_BYTES = 72
-#: the most frames a claim drops from a native bus's socket: more than its receive buffer holds
-MAX_QUEUED_FRAMES = 100_000
-
-
-def forget_queued_frames(bus: Any) -> None:
-    """Drop what a native bus's socket holds: its tree opens the host's interface when it is made,
-    while the last lease's guest still runs, and the claim has recycled that guest since; the
-    kernel queues no frame of the recycled guest after the claim (its QEMU has ended)."""
-    sock = getattr(bus, "socket", None)
-    if not isinstance(sock, socket.socket):
-        return
-    with contextlib.suppress(OSError):  # BlockingIOError: empty; any other: a closed bus stays so
-        for _ in range(MAX_QUEUED_FRAMES):  # (a host interface others flood must not hold the claim)
-            sock.recv(CANFD_FRAME_BYTES, socket.MSG_DONTWAIT)
-
-
 @metered_driver
 @dataclass(kw_only=True)
 class VirtualMachine(RefusesUploads, Driver):
@@ -226,12 +207,7 @@ class VirtualMachine(RefusesUploads, Driver):
         # the claim may have recycled the guest behind the CAN sockets: nothing a bus received
         # before it is this lease's, and from now on the guest there is
         for child in self._can_children:
-            reconnect = getattr(child.bus, "reconnect", None)
-            if reconnect is not None:
-                with contextlib.suppress(Exception):  # (a shut-down bus stays down; the claim stands)
-                    reconnect()
-            else:
-                forget_queued_frames(child.bus)
+            child.forget_before_claim()
         if self.recycle == "ExitAndReplace":
             request_exit_after_lease(log)
 

@@ -103,6 +103,7 @@ def _warn_capabilities_kept() -> None:
                 "container CAP_SETPCAP, or run it as a user other than root")
 
 
+@functools.cache  # (the runtime's capabilities do not change: read once, not at every QEMU's start)
 def _can_drop_bounding_set() -> bool:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):

@@ -51,7 +51,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
-from vmsidecar_contract.reach import METADATA_V6
+from vmsidecar_contract.reach import EMBEDDING_V6, METADATA_V6
 from vmsidecar_contract.spec import Network
 
 from ..plan import BootPlan
@@ -77,9 +77,9 @@ _ETH_ADDRESSING = (0x0806, 0x8035)
 _V6_METADATA = frozenset(socket.inet_pton(socket.AF_INET6, a) for a in METADATA_V6)
 _V6_ZERO96 = bytes(12)
 _V6_MAPPED = bytes(10) + b"\xff\xff"
-#: IPv6 prefixes whose last 32 bits are an IPv4 address some part of the pod's network connects:
-#: IPv4-compatible (::/96), IPv4-mapped (::ffff:0:0/96), NAT64's well-known prefix (64:ff9b::/96)
-_V6_EMBEDDING = (_V6_ZERO96, _V6_MAPPED, socket.inet_pton(socket.AF_INET6, "64:ff9b::")[:12])
+#: IPv6 prefixes whose last 32 bits are an IPv4 address some part of the pod's network connects
+#: (``reach.EMBEDDING_V6``: IPv4-compatible, IPv4-mapped, NAT64's well-known prefix)
+_V6_EMBEDDING = tuple(socket.inet_pton(socket.AF_INET6, prefix)[:12] for prefix in EMBEDDING_V6)
 _BROADCAST = 0xFFFFFFFF
 _SLIRP_BROADCAST = SLIRP_NET | 0xFF
 #: DHCPv6's all-servers-and-relays group (link scope), which slirp answers itself
