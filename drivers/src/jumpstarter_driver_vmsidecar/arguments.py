@@ -46,7 +46,6 @@ def text(value: Any, name: str) -> str:
     return value
 
 
-
 def periodic_send(msgs: Any, period: Any, duration: Any, *, kept: int, channel: object) -> tuple[float, float | None]:
     """The period and duration of a periodic send of ``msgs`` (a list or tuple of frames, or one)
     on the CAN bus ``channel``, which keeps ``kept`` periodic sends already.
