@@ -110,6 +110,7 @@ async def recycles(scores: Scores, recycles: int, work: Path) -> None:
     for standby, tag in ((False, "restore"), (True, "spare")):
         samples = await recycle_trace.trace(scores.guest, recycles, "templated", work / tag, False, standby=standby)
         scores.add(f"{tag}_recycle", *samples["recycle"])
+        scores.add(f"{tag}_claim", *samples["claim"])
         scores.add(f"{tag}_first_cmd", *samples["first_cmd"])
 
 
@@ -167,6 +168,9 @@ ROWS = [
         lambda s: _ratio(s.median("dirty_templated_big"), s.median("dirty_templated_small")), "x", 1.20, "within 20 %"),
     Row("the same with a spare", lambda s: _ratio(s.median("dirty_spare_big"), s.median("dirty_spare_small")), "x",
         1.20, "within 20 %"),
+    Row("recycle → the next lease's claim answered (its guest's clock set), templated restore",
+        lambda s: s.median("restore_claim"), "s"),
+    Row("the same with a spare", lambda s: s.median("spare_claim"), "s"),
     Row("recycle → first shell command, templated", lambda s: s.median("restore_first_cmd"), "s",
         before="not measured"),
     Row("recycle → first shell command, full stream", lambda s: s.median("stream_first_cmd"), "s",

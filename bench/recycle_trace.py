@@ -3,11 +3,12 @@
     uv run python bench/recycle_trace.py [--guest tiny] [--guest debian] [--recycles 5] [--form templated] [--standby]
 
 One runtime per guest (a fresh cache: the cold start captures), then ``--recycles`` recycles. For
-each: recycle → Ready (the API's view), recycle → the first shell command answered on the serial
-console, and every log line in between, as seconds after the POST (``--log-format json
---log-level DEBUG``: the lines carry their time). Then the medians, per guest, of recycle → Ready,
-of restore_seconds (the restore up to the guest running), of the gap between the two (what comes
-after the restore: the clock, the phase change) and of the first command. ``--standby``: the
+each: recycle → Ready (the API's view), then as the next lease would: recycle → its claim answered
+(once a restored guest's clock is set: Ready comes before it) and → the first shell command
+answered on the serial console; and every log line in between, as seconds after the POST
+(``--log-format json --log-level DEBUG``: the lines carry their time). Then the medians, per guest,
+of recycle → Ready, of restore_seconds (the restore up to the guest running), of the gap between
+the two (what comes after the restore: the phase change), of the claim and of the first command. ``--standby``: the
 spec's ``standby`` (a spare restore, waited for before each recycle). The recycles start once the
 capture is stored (it waits for the guest to settle, as in a pool whose first lease comes later);
 ``--claim-at-ready`` claims at Ready instead, which captures at once (a developer's first lease).
@@ -54,7 +55,8 @@ async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: boo
     spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "standby": standby}
     rt = RuntimeProcess.start(work / "rt", spec=spec, cache=work / "cache", env=env,
                               args=["--log-format", "json", "--log-level", "DEBUG"])
-    samples: dict[str, list[float]] = {"cold": [], "recycle": [], "restore": [], "after_restore": [], "first_cmd": []}
+    samples: dict[str, list[float]] = {"cold": [], "recycle": [], "restore": [], "after_restore": [], "claim": [],
+                                       "first_cmd": []}
     started = time.monotonic()
     try:
         await rt.wait_ready(guest.timeout, poll=0.02)
@@ -76,12 +78,17 @@ async def trace(guest: Guest, recycles: int, form: str, work: Path, verbose: boo
                 snap = state.snapshot
                 assert snap.boot == "restored" and snap.restore_seconds is not None, snap
                 samples["recycle"].append(took)
+                # then as the next lease: its claim (answered once a restored guest's clock is set),
+                # then its first command
+                clock = (await client.claim()).snapshot.clock
+                samples["claim"].append(time.monotonic() - started)
                 samples["first_cmd"].append(await first_answer(rt.shared / "console.sock", started, 120))
                 samples["restore"].append(snap.restore_seconds)
                 samples["after_restore"].append(took - snap.restore_seconds)
                 print(f"{guest.name} {form} recycle {i + 1}: → Ready {took:.3f} s, restore_seconds "
-                      f"{snap.restore_seconds:.3f}, clock {snap.clock}, restored ahead {snap.restored_ahead}, first "
-                      f"command answered {samples['first_cmd'][-1]:.3f} s", flush=True)
+                      f"{snap.restore_seconds:.3f}, clock {snap.clock} at Ready, {clock} at the claim answered "
+                      f"{samples['claim'][-1]:.3f} s, restored ahead {snap.restored_ahead}, first command answered "
+                      f"{samples['first_cmd'][-1]:.3f} s", flush=True)
                 if verbose:
                     for at, text in _lines_between(rt.log, wall, wall + took):
                         print(f"    +{at:6.3f} {text}")

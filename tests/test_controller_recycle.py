@@ -38,6 +38,7 @@ from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import READY_MARKER
 from vmsidecar_contract.state import VmState
 from vmsidecar_runtime.hostpaths import HostPathPolicy
+from vmsidecar_runtime.plan import SERIAL
 
 RECYCLED = [SP, S, ST, R, RD]
 FORWARD = {"forwards": [{"name": "web", "guest_port": 80}]}
@@ -163,6 +164,94 @@ async def test_the_first_pristine_boot_is_captured_and_every_recycle_restores_it
     # ... yet its console shows the pristine boot, as captured
     assert b"fake kernel booting" in await console_shows(fvm, READY_MARKER.encode())
     assert fvm.hv.clock_sets == 2 and fvm.hv.max_alive == 1
+
+
+async def test_a_restored_guest_is_ready_before_its_clock_and_a_claim_and_console_input_wait_for_it(
+        fake_vm: Build, fake_images: Images) -> None:
+    """A restore is Ready as the guest runs; its clock is set through the agent after that
+    (docs/decisions.md, "Ready before the clock"). Until it is, what a console client types waits in
+    the runtime and a claim is not answered: nothing of the next lease reaches the guest on the
+    capture's clock."""
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"))
+    await ready(fvm)
+    assert fvm.hv.clock_sets == 1  # the captured boot's
+    fvm.hv.agent_gate = asyncio.Event()  # the restored guest's agent reads nothing yet
+    state = await recycled(fvm)
+    assert state.snapshot.boot == "restored" and state.snapshot.clock == "setting", state.snapshot
+    restored = fvm.hv.current
+    _, writer = await asyncio.open_unix_connection(str(fvm.paths.stream_socket(SERIAL)))
+    try:
+        writer.write(b"typed-before-the-clock\n")
+        await writer.drain()
+        claim = asyncio.ensure_future(fvm.vm.claim())
+        await asyncio.sleep(0.5)
+        assert not claim.done(), "the claim was answered before the restored guest's clock was set"
+        assert b"typed-before-the-clock" not in restored.typed and fvm.hv.clock_sets == 1
+        fvm.hv.agent_gate.set()
+        claimed = await asyncio.wait_for(claim, 5)
+        assert claimed.claimed and claimed.snapshot.clock == "corrected", claimed.snapshot
+        assert fvm.hv.clock_sets == 2
+        async with asyncio.timeout(5):
+            while b"typed-before-the-clock" not in restored.typed:
+                await asyncio.sleep(0.02)
+    finally:
+        writer.close()
+
+
+async def test_a_claim_that_comes_during_a_recycle_is_answered_once_the_restored_guest_has_its_clock(
+        fake_vm: Build, fake_images: Images, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jumpstarter 0.9.0 reports the exporter available before it closes the ended lease's tree, so
+    the next lease's claim can come while that tree's recycle runs, its generation already moved on
+    (unclaimed) and its guest not booted yet: such a claim waits for the recycle, then for the
+    restored guest's clock. The recycle's boot is held where a real one waits for the last
+    capture's store (``SnapshotOps.drop_staging``), which the in-memory hypervisor never makes."""
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"))
+    await ready(fvm)
+    store_written = asyncio.Event()
+    drop_staging = fvm.vm._snapshots.drop_staging
+
+    async def store_still_being_written() -> None:
+        await store_written.wait()
+        await drop_staging()
+
+    monkeypatch.setattr(fvm.vm._snapshots, "drop_staging", store_still_being_written)
+    fvm.hv.agent_gate = asyncio.Event()
+    async with fvm.vm.events.listen({"recycled"}) as queue:
+        recycle = asyncio.create_task(fvm.vm.recycle())
+        await asyncio.wait_for(queue.get(), 5)  # the generation moved on; its boot waits for the store
+    claim = asyncio.create_task(fvm.vm.claim())
+    await asyncio.wait({claim}, timeout=0.3)  # must stay: time for a claim that did not wait to answer
+    assert not claim.done(), f"answered before the recycle's boot: {claim.result()}"
+    store_written.set()
+    assert (await asyncio.wait_for(recycle, 5)).snapshot.clock == "setting"
+    await asyncio.wait({claim}, timeout=0.3)
+    assert not claim.done(), f"answered before the clock was set: {claim.result().snapshot}"
+    fvm.hv.agent_gate.set()
+    claimed = await asyncio.wait_for(claim, 5)
+    assert claimed.claimed and claimed.generation == 1 and claimed.snapshot.clock == "corrected", claimed
+
+
+async def test_a_guest_stopped_while_its_clock_is_set_leaves_the_next_boot_its_own_clock(
+        fake_vm: Build, fake_images: Images) -> None:
+    """The clock's outcome belongs to the boot it was set for: a restore stopped before its agent
+    read the clock records the failure on its own boot; the boot after it sets and shows its own."""
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"))
+    await ready(fvm)
+    fvm.hv.agent_gate = asyncio.Event()
+    assert (await recycled(fvm)).snapshot.clock == "setting"
+    stopped = await fvm.vm.recycle(boot=False)  # the guest goes while its agent has not read the clock
+    assert stopped.phase == S
+    async with asyncio.timeout(5):
+        while (fvm.vm.state().snapshot.clock or "") == "setting":
+            await asyncio.sleep(0.02)
+    assert (fvm.vm.state().snapshot.clock or "").startswith("failed:"), fvm.vm.state().snapshot
+    fvm.hv.agent_gate.set()
+    await fvm.vm.power_on()
+    state = await until(fvm.vm, RD)
+    claimed = await asyncio.wait_for(fvm.vm.claim(), 5)
+    assert state.snapshot.boot == "restored" and claimed.snapshot.clock == "corrected", claimed.snapshot
+    await asyncio.sleep(0.2)  # (an earlier boot's outcome, were it recorded late, would land now)
+    assert fvm.vm.state().snapshot.clock == "corrected" and fvm.hv.clock_sets == 2
 
 
 async def test_a_restored_guest_that_reboots_at_once_starts_a_new_boot(fake_vm: Build, fake_images: Images) -> None:

@@ -55,8 +55,9 @@ async def test_a_guest_agent_answering_with_json_nested_past_the_parser_is_no_cl
         start_runtime: Any, tiny_image: Any, image_cache: Path) -> None:
     """A hostile image's "agent": a program in the guest holding the agent's port and writing lines of a
     million ``[`` (under the session's 1 MiB line bound), which Python's JSON parser cannot nest and
-    answers with a ``RecursionError``, not a ``ValueError``. The restore sets no clock, says why, and
-    the guest is Ready all the same, restore after restore."""
+    answers with a ``RecursionError``, not a ``ValueError``. The restore sets no clock, says why (in
+    the claim's answer, which waits for the clock), and the guest is Ready all the same, restore
+    after restore."""
     marker = "HOSTILE-AGENT-UP"
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "clock-hostile"}],
             "readiness": {"pattern": marker}}
@@ -78,6 +79,7 @@ async def test_a_guest_agent_answering_with_json_nested_past_the_parser_is_no_cl
     for _ in range(2):
         state, _ = await recycle_until_ready(client)
         assert state.snapshot.boot == "restored", state.snapshot
+        state = await client.claim()  # answered once the clock's outcome is known (Ready comes first)
         assert (state.snapshot.clock or "").startswith("failed:"), state.snapshot
         assert "agent" in state.snapshot.clock, state.snapshot.clock
     assert (await client.state()).phase.value == "Ready"

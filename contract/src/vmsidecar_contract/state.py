@@ -95,7 +95,8 @@ class SnapshotInfo(BaseModel):
     restore_seconds: float | None = None
     #: the guest's wall clock after this boot's restore (a restored guest resumes at the capture
     #: instant; a capture also restores, to go on): "corrected" (set to the host's through the
-    #: guest agent before Ready), "no guest agent" (none answered at capture; the clock stays
+    #: guest agent), "setting" (a restore is Ready before its clock is set; console input and a
+    #: claim's answer wait for it), "no guest agent" (none answered at capture; the clock stays
     #: behind), "failed: <why>"; None when the boot neither restored nor captured
     clock: str | None = None
     #: the snapshot's form: "templated" (guest RAM in a file every restore maps copy-on-write; the

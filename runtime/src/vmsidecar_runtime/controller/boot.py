@@ -3,8 +3,9 @@ while the last lease ran, ``standby.py``), or cold; and a capture's continuation
 
 ``Boot`` runs the steps ``SnapshotOps`` decides on, with ``Machine`` for the backend and ``Disks``
 for the overlay. It reports the moment the guest runs through ``running`` (the controller's phase
-Running, before a restored guest's clock is set); every other outcome is returned: whether the
-guest is Ready already (restored) or its readiness is to be watched (cold).
+Running); every other outcome is returned: whether the guest is Ready already (restored) or its
+readiness is to be watched (cold). A restored guest's clock is set after its Ready, and
+``clock_settled`` is what a claim waits for.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..plan import RamFile
 from ..snapshots import CONSOLES, Snapshot
 from .capture import Capture
 from .disks import Disks
+from .guest_clock import correct_clock, has_guest_agent, until_set
 from .machine import Machine
 from .snapshot_ops import SnapshotOps
 from .standby import Spare, Standby
@@ -43,6 +45,18 @@ class Boot:
         self._snapshots = snapshots
         self._standby = standby
         self._running = running
+        #: set unless a new boot's restore is under way whose guest's clock is still to be set
+        #: (``clock_settled``); each such restore has its own
+        self._clock_set = asyncio.Event()
+        self._clock_set.set()
+        self._clock_task: asyncio.Task[None] | None = None
+        #: boots started (a clock set after its boot was followed by another records nothing)
+        self._starts = 0
+
+    async def clock_settled(self) -> None:
+        """Return once the restore under way, if any, has set its guest's clock (or failed to, or did
+        not restore): a claim waits for it, so nothing of a lease reaches a guest on a stale clock."""
+        await until_set(self._clock_set)
 
     async def start(self, spec: VmSpec) -> bool:
         """Boot ``spec`` on the current disk: restore the snapshot when this fresh overlay of the
@@ -50,6 +64,7 @@ class Boot:
 
         :raise VmsidecarError: the guest cannot start (the caller stops what is left and fails).
         """
+        self._starts += 1
         accel = self._machine.choose_accel(spec)
         await self._snapshots.drop_staging()  # an earlier boot's capture that never happened
         snap = self._snapshots.plan(spec, accel.accel)
@@ -84,7 +99,25 @@ class Boot:
 
     async def _restore(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool = True) -> bool:
         """Run from ``snap`` (a new boot, or the captured boot continuing); on refusal discard it
-        and return False (the caller boots cold)."""
+        and return False (the caller boots cold). A new boot is Ready before its guest's clock is
+        set (``_clock_after_ready``); a claim that comes meanwhile waits for the clock."""
+        clock_set: asyncio.Event | None = None
+        if new_boot and has_guest_agent(snap):
+            self._clock_set = clock_set = asyncio.Event()
+        try:
+            if not await self._restore_steps(spec, snap, new_boot=new_boot):
+                return False
+            backend = self._machine.backend
+            assert backend is not None
+            if clock_set is not None:
+                self._clock_after_ready(backend, clock_set)
+                clock_set = None  # (set by the clock's task)
+            return True
+        finally:
+            if clock_set is not None:
+                clock_set.set()
+
+    async def _restore_steps(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool) -> bool:
         started = time.monotonic()
         # What QEMU opens as it starts (the frozen overlay) is checked before it starts; the RAM file
         # and the memory stream (most of the hashing) while it starts: it is handed the stream only
@@ -113,8 +146,31 @@ class Boot:
                     metrics.snapshot_lookup("refused")
             return False
         assert self._machine.backend is not None
-        await self._snapshots.restored(snap, started, self._machine.backend.guest_agent, new_boot=new_boot)
+        if new_boot:
+            self._snapshots.restored_new_boot(snap, started)
+        else:
+            await self._snapshots.restored(snap, started, self._machine.backend.guest_agent)
         return True
+
+    def _clock_after_ready(self, backend: Backend, clock_set: asyncio.Event) -> None:
+        """Set the restored guest's clock through its agent while the guest is Ready: its console
+        input waits until then, and so does a claim (``clock_settled``), and with it all a lease can
+        do. Under TCG the agent's first round trip is most of a Debian recycle (docs/decisions.md,
+        "Ready before the clock"); under KVM it takes milliseconds."""
+        self._streams.hold_new_input()
+        starts = self._starts
+
+        async def set_clock() -> None:
+            clock = "failed: the runtime stopped setting it"
+            try:
+                clock = await correct_clock(True, backend.guest_agent)
+            finally:
+                clock_set.set()
+                if self._starts == starts:  # (else the next boot began: its input and state are its own)
+                    self._streams.release_input()
+                    self._snapshots.clock_set(clock)
+
+        self._clock_task = asyncio.create_task(set_clock())
 
     async def _adopt(self, snap: Snapshot, spare: Spare) -> bool | None:
         """Run the spare restore of ``snap`` as this boot (``standby.py``); False when it cannot be

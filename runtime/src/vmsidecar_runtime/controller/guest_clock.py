@@ -1,12 +1,19 @@
 """A restored guest's wall clock: it resumes at the capture instant, so every restore of a snapshot
-whose guest held the guest agent's port open sets the clock to the host's through the agent."""
+whose guest held the guest agent's port open sets the clock to the host's through the agent.
+
+A new boot's restore is Ready before its clock is set (under TCG the agent's first round trip is
+most of a Debian recycle, and nothing of a lease reaches the guest meanwhile): the next claim, and
+the console input, wait for it (docs/decisions.md, "Ready before the clock").
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from ..backend import guest_agent
+from ..snapshots import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -14,6 +21,25 @@ log = logging.getLogger(__name__)
 CLOCK_TIMEOUT_S = 5.0
 CLOCK_CORRECTED = "corrected"
 CLOCK_NO_AGENT = "no guest agent"
+#: a restored guest's clock is being set (it is Ready; claims wait for the outcome)
+CLOCK_SETTING = "setting"
+#: bound on a claim's wait for a clock being set: the clock's own bound, and the restore's start
+CLAIM_WAIT_S = CLOCK_TIMEOUT_S + 10.0
+
+
+def has_guest_agent(snap: Snapshot) -> bool:
+    """Whether ``snap``'s guest held the agent's port open at its capture (its restores set the clock)."""
+    meta = snap.meta()
+    return meta is not None and meta.guest_agent
+
+
+async def until_set(clock_set: asyncio.Event) -> None:
+    """Return once ``clock_set`` is (a restored guest's clock set, or failed), or after
+    ``CLAIM_WAIT_S``: a claim never hangs on a clock."""
+    try:
+        await asyncio.wait_for(clock_set.wait(), CLAIM_WAIT_S)
+    except TimeoutError:
+        log.warning("a claim waited %.0f s for a restored guest's clock and went on", CLAIM_WAIT_S)
 
 
 async def correct_clock(has_agent: bool, agent: guest_agent.GuestAgent | None) -> str:

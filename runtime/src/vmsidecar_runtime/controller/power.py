@@ -112,6 +112,10 @@ class Power:
         assert self._disks.current is not None
         return self._disks.current
 
+    async def clock_settled(self) -> None:
+        """Return once a restored guest's clock is set, if one is being set (``Boot.clock_settled``)."""
+        await self._boot.clock_settled()
+
     async def boot(self, spec: VmSpec, *, recycle_started: float | None = None) -> None:
         """Boot a fresh overlay of the disk (pulled first when needed): restored, or cold and watched.
         ``recycle_started``: this boot ends a recycle begun then (timed to Ready).
@@ -197,7 +201,7 @@ class Power:
         if self._phases.phase != Phase.READY:  # Ready before its capture: its timings end at the marker
             self._phases.set(Phase.READY, timings=self.machine.ready().model_dump())
         if refill and self._spec is not None:
-            self.standby.refill(self._spec)
+            self.standby.refill(self._spec, after=self._boot.clock_settled)
         timed, self._until_ready = self._until_ready, None
         if timed is not None:
             now = time.monotonic()

@@ -47,7 +47,7 @@ from ..snapshot_identity import SnapshotIdentity, identify
 from ..snapshots import STREAM, TEMPLATED, Snapshot, SnapshotMeta, SnapshotStore, snapshot_form
 from .capture import Capture, FrozenCapture, Staging
 from .disks import Disks
-from .guest_clock import correct_clock
+from .guest_clock import CLOCK_NO_AGENT, CLOCK_SETTING, correct_clock, has_guest_agent
 from .paths import RuntimePaths
 from .snapshot_rules import LEASE_BOUND, no_snapshot
 from .source_fetch import SourceFetch
@@ -378,13 +378,22 @@ class SnapshotOps:
                                  form=self.info.form, form_reason=self.info.form_reason)
         self._capture_key = self._planned_key
 
-    async def restored(self, snap: Snapshot, started: float, agent: GuestAgent | None, *,
-                       new_boot: bool) -> None:
-        """The guest runs from ``snap``: correct its clock (through the backend's ``agent``), record
-        the restore."""
-        seconds, meta = time.monotonic() - started, snap.meta()
-        clock = await correct_clock(meta is not None and meta.guest_agent, agent)
-        self._record_restore(snap, seconds, clock, new_boot=new_boot)
+    async def restored(self, snap: Snapshot, started: float, agent: GuestAgent | None) -> None:
+        """The captured boot runs on from ``snap`` in a new process: correct its clock (through the
+        backend's ``agent``), record the restore."""
+        seconds = time.monotonic() - started
+        clock = await correct_clock(has_guest_agent(snap), agent)
+        self._record_restore(snap, seconds, clock, new_boot=False)
+
+    def restored_new_boot(self, snap: Snapshot, started: float) -> None:
+        """A new boot runs from ``snap``: record the restore, its clock being set
+        (``CLOCK_SETTING``, then :meth:`clock_set`) when the snapshot's guest has an agent."""
+        clock = CLOCK_SETTING if has_guest_agent(snap) else CLOCK_NO_AGENT
+        self._record_restore(snap, time.monotonic() - started, clock, new_boot=True)
+
+    def clock_set(self, clock: str) -> None:
+        """What became of the restored guest's clock (``correct_clock``'s outcome)."""
+        self.info = self.info.model_copy(update={"clock": clock})
 
     def adopted(self, snap: Snapshot, started: float, clock: str) -> None:
         """The guest of a spare restore of ``snap`` is this boot's (its clock was set when it was made)."""
@@ -418,9 +427,8 @@ class SnapshotOps:
             return None
         if snap is None or await asyncio.to_thread(self._store.verify, snap, base, defer_loaded=True) is not None:
             return None
-        meta = snap.meta()
         return SpareParts(snap, self.overlay_backing(snap, base), self.restore_ram(snap), self.check_deferred(snap),
-                          meta is not None and meta.guest_agent)
+                          has_guest_agent(snap))
 
     # ---- capture -------------------------------------------------------------------------
     async def save(self, key: str, backend: Backend) -> Capture | None:
@@ -576,8 +584,7 @@ class SnapshotOps:
     async def went_on(self, capture: Capture, agent: GuestAgent | None) -> None:
         """The captured boot goes on in its own process: correct its clock (the snapshot's first
         load is the next restore's)."""
-        clock = await correct_clock(capture.guest_agent, agent)
-        self.info = self.info.model_copy(update={"clock": clock})
+        self.clock_set(await correct_clock(capture.guest_agent, agent))
 
     def captured(self, capture: Capture, snap: Snapshot) -> None:
         """The captured boot goes on: restored from ``snap`` (it loaded), or in its own process."""

@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import logging
 import shutil
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -111,19 +112,21 @@ class Standby:
             return "preparing", None
         return "none", self._reason
 
-    def refill(self, spec: VmSpec) -> None:
-        """After a Ready: make a spare for the next recycle unless one is there or on its way."""
+    def refill(self, spec: VmSpec, after: Callable[[], Awaitable[None]]) -> None:
+        """After a Ready: make a spare for the next recycle unless one is there or on its way, once
+        ``after`` returns (the Ready guest's clock set: the spare's QEMU would compete with it)."""
         if not spec.standby or self._spare is not None or self._making is not None:
             return
         if (why := why_not(spec)) is not None:
             self._reason = why
             return
         self._reason = None
-        self._making = asyncio.create_task(self._make(spec))
+        self._making = asyncio.create_task(self._make(spec, after))
 
-    async def _make(self, spec: VmSpec) -> None:
-        accel = self._machine.accel
+    async def _make(self, spec: VmSpec, after: Callable[[], Awaitable[None]]) -> None:
         try:
+            await after()
+            accel = self._machine.accel
             parts = await self._snapshots.for_spare(spec, accel.accel) if accel is not None else None
             if parts is None:
                 self._reason = "no sealed snapshot of this spec and image in the cache"

@@ -72,6 +72,8 @@ class VmController:
         #: the spec the last claim named (the exporter's; None when it named none): what a lease
         #: changed over the API is undone by the recycles that end it
         self._served_spec: VmSpec | None = None
+        #: a recycle is under way (a claim then waits for it: its generation is unclaimed before its boot)
+        self._recycling = False
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- state ---------------------------------------------------------------------------
@@ -262,38 +264,46 @@ class VmController:
         and opens its driver trees in. An unclaimed one is claimed at once, without waiting for
         the lock (a first boot may hold it for a whole pull, and the exporter waits for the claim
         before it serves the lease): from then on no capture starts; one already under way (it
-        began on a guest no lease had) is waited for.
+        began on a guest no lease had) is waited for. A recycle under way is waited for too (its
+        generation is unclaimed before its guest boots).
 
         ``spec``: the spec the lease is served (the exporter's): a VM with another (an earlier
         lease set one over the API) is recycled onto it, and the recycles that end this lease
         return to it; a runtime with none yet takes it and boots it in the background, as a ``PUT``.
         A claim without one leaves the VM's spec as it is (an exporter with no spec of its own).
 
+        The answer waits until a restored guest's clock is set (a new boot's restore is Ready
+        before its clock: ``Boot.clock_settled``), so nothing of the lease reaches it earlier.
+
         :raise SpecError, HostPathError: ``spec`` is not one the API takes.
         """
+        await self._claim(token, spec)
+        await self._power.clock_settled()
+        return self.state()
+
+    async def _claim(self, token: str | None, spec: VmSpec | None) -> None:
         if spec is not None:
             admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
             check_native_can(spec)
         if self._lease.claimed_by(token):  # asked again: its first answer was lost
-            return self.state()
+            return
         self.transfers.cancel("the next lease claimed the VM")
         if spec is not None and self.spec is None:  # a pool pod's first claim: no boot to wait for
             await self.set_spec(spec, from_api=False)
-        if (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
+        if not self._recycling and (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
             self._served_spec = spec
             await self._snapshots.capture_finished()
             self._claimed()
-            return self.state()
+            return
         async with self._phases.lock:
             if self._lease.claimed_by(token):  # (its first request was ahead of this one for the lock)
-                return self.state()
+                return
             self._served_spec = spec
             foreign = spec is not None and self.spec != spec
             if foreign or not self._lease.claim_unclaimed(token):
                 await self._recycle_locked(boot=True, claim=True)
                 self._lease.token = token
             self._claimed()
-            return self.state()
 
     def _claimed(self) -> None:
         self._lease.ledger.claimed()
@@ -304,6 +314,13 @@ class VmController:
         """``claim``: the fresh generation is the claiming lease's from the start (its boot is
         never captured, and no other claim can take it in the meantime)."""
         started = time.monotonic()
+        self._recycling = True
+        try:
+            await self._recycle_steps(started, boot=boot, claim=claim)
+        finally:
+            self._recycling = False
+
+    async def _recycle_steps(self, started: float, *, boot: bool, claim: bool) -> None:
         with metrics.outcome(metrics.recycles):
             await self._power.stop(graceful=False)
             await self._lease.clear(claim=claim)  # disk files, scrollback, console clients, the ledger's summary
