@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from vmsidecar_contract.errors import HostError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
@@ -25,7 +26,7 @@ from ..plan import RamFile
 from ..snapshots import CONSOLES, Snapshot
 from .capture import Capture
 from .disks import Disks
-from .guest_clock import correct_clock, has_guest_agent, until_set
+from .guest_clock import already_set, correct_clock, has_guest_agent, until_set
 from .machine import Machine
 from .snapshot_ops import SnapshotOps
 from .standby import Spare, Standby
@@ -38,18 +39,17 @@ class Boot:
     """Restore or cold boot, and the capture of a pristine boot."""
 
     def __init__(self, disks: Disks, streams: GuestStreams, machine: Machine, snapshots: SnapshotOps,
-                 standby: Standby, running: Callable[[], None]) -> None:
+                 standby: Standby, running: Callable[[], None], spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         self._disks = disks
         self._streams = streams
         self._machine = machine
         self._snapshots = snapshots
         self._standby = standby
         self._running = running
+        self._spawn = spawn
         #: set unless a new boot's restore is under way whose guest's clock is still to be set
         #: (``clock_settled``); each such restore has its own
-        self._clock_set = asyncio.Event()
-        self._clock_set.set()
-        self._clock_task: asyncio.Task[None] | None = None
+        self._clock_set = already_set()
         #: boots started (a clock set after its boot was followed by another records nothing)
         self._starts = 0
 
@@ -65,6 +65,7 @@ class Boot:
         :raise VmsidecarError: the guest cannot start (the caller stops what is left and fails).
         """
         self._starts += 1
+        self._clock_set = already_set()  # (an earlier boot's clock never holds this one's claims)
         accel = self._machine.choose_accel(spec)
         await self._snapshots.drop_staging()  # an earlier boot's capture that never happened
         snap = self._snapshots.plan(spec, accel.accel)
@@ -105,7 +106,7 @@ class Boot:
         if new_boot and has_guest_agent(snap):
             self._clock_set = clock_set = asyncio.Event()
         try:
-            if not await self._restore_steps(spec, snap, new_boot=new_boot):
+            if not await self._restore_steps(spec, snap, new_boot=new_boot, hold_input=clock_set is not None):
                 return False
             backend = self._machine.backend
             assert backend is not None
@@ -114,10 +115,12 @@ class Boot:
                 clock_set = None  # (set by the clock's task)
             return True
         finally:
-            if clock_set is not None:
+            if clock_set is not None:  # no clock to wait for: the restore did not happen
                 clock_set.set()
+                self._streams.release_input()
 
-    async def _restore_steps(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool) -> bool:
+    async def _restore_steps(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool, hold_input: bool) -> bool:
+        """``hold_input``: console input waits in the hubs from before QEMU runs (until the clock is set)."""
         started = time.monotonic()
         # What QEMU opens as it starts (the frozen overlay) is checked before it starts; the RAM file
         # and the memory stream (most of the hashing) while it starts: it is handed the stream only
@@ -133,6 +136,8 @@ class Boot:
             overlay = await self._disks.overlay(self._snapshots.overlay_backing(snap))
             if new_boot:
                 self._begin_restored_boot(snap)
+            if hold_input:  # (after the new boot's start, which drops what was held for the last one)
+                self._streams.hold_new_input()
             await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap), deferred_check)
         except VmsidecarError as e:
             await self._machine.stop()
@@ -154,23 +159,26 @@ class Boot:
 
     def _clock_after_ready(self, backend: Backend, clock_set: asyncio.Event) -> None:
         """Set the restored guest's clock through its agent while the guest is Ready: its console
-        input waits until then, and so does a claim (``clock_settled``), and with it all a lease can
-        do. Under TCG the agent's first round trip is most of a Debian recycle (docs/decisions.md,
-        "Ready before the clock"); under KVM it takes milliseconds."""
-        self._streams.hold_new_input()
+        input waits until then (held since before QEMU ran), and so does a claim
+        (``clock_settled``), and with it all a lease can do. Under TCG the agent's first round trip
+        is most of a Debian recycle (docs/decisions.md, "Ready before the clock"); under KVM it
+        takes milliseconds."""
         starts = self._starts
 
         async def set_clock() -> None:
             clock = "failed: the runtime stopped setting it"
             try:
                 clock = await correct_clock(True, backend.guest_agent)
+            except Exception as e:  # (say, the agent's socket reset as its QEMU went): claims go on
+                log.warning("the restored guest's clock was not set: %s", type(e).__name__, exc_info=True)
+                clock = f"failed: {type(e).__name__} on the guest agent's socket"
             finally:
                 clock_set.set()
                 if self._starts == starts:  # (else the next boot began: its input and state are its own)
                     self._streams.release_input()
                     self._snapshots.clock_set(clock)
 
-        self._clock_task = asyncio.create_task(set_clock())
+        self._spawn(set_clock())
 
     async def _adopt(self, snap: Snapshot, spare: Spare) -> bool | None:
         """Run the spare restore of ``snap`` as this boot (``standby.py``); False when it cannot be

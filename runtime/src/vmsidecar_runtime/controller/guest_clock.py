@@ -33,13 +33,20 @@ def has_guest_agent(snap: Snapshot) -> bool:
     return meta is not None and meta.guest_agent
 
 
+def already_set() -> asyncio.Event:
+    """The event of a boot with no clock to wait for."""
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 async def until_set(clock_set: asyncio.Event) -> None:
     """Return once ``clock_set`` is (a restored guest's clock set, or failed), or after
-    ``CLAIM_WAIT_S``: a claim never hangs on a clock."""
+    ``CLAIM_WAIT_S``: nothing hangs on a clock."""
     try:
         await asyncio.wait_for(clock_set.wait(), CLAIM_WAIT_S)
     except TimeoutError:
-        log.warning("a claim waited %.0f s for a restored guest's clock and went on", CLAIM_WAIT_S)
+        log.warning("waited %.0f s for a restored guest's clock to be set, and went on", CLAIM_WAIT_S)
 
 
 async def correct_clock(has_agent: bool, agent: guest_agent.GuestAgent | None) -> str:

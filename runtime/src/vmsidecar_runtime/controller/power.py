@@ -64,7 +64,8 @@ class Power:
         self.machine = Machine(paths, streams, events, backend_factory, self._on_backend_event)
         #: a spare restore for the next recycle (the spec's ``standby``)
         self.standby = Standby(paths, self.machine, snapshots)
-        self._boot = Boot(disks, streams, self.machine, snapshots, self.standby, running=self._running)
+        self._boot = Boot(disks, streams, self.machine, snapshots, self.standby, running=self._running,
+                          spawn=self._spawn)
         self._readiness = ReadinessWatch(self._mark_ready, self._not_ready)
         #: the spec of the current boot (readiness is re-armed with it when the guest reboots)
         self._spec: VmSpec | None = None
@@ -135,6 +136,8 @@ class Power:
             metrics.boots.labels(kind).inc()
             self._until_ready = _UntilReady(kind, started, recycle_started)
             if restored:
+                if self._lease.claimed:  # a lease has this boot (its power-on, its claim during the pull):
+                    await self._boot.clock_settled()  # Ready, for it, means the clock is set
                 self._set_ready()
             else:
                 self._readiness.arm(spec, self._streams.hubs, self._disks.current)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.errors import GenerationChangedError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import BOOTABLE, LIVE, Phase, SnapshotInfo, VmState
 
@@ -276,9 +276,15 @@ class VmController:
         before its clock: ``Boot.clock_settled``), so nothing of the lease reaches it earlier.
 
         :raise SpecError, HostPathError: ``spec`` is not one the API takes.
+        :raise GenerationChangedError: another claim recycled the VM while this one waited for the clock.
         """
         await self._claim(token, spec)
+        generation = self.generation
         await self._power.clock_settled()
+        if self.generation != generation:  # another claimer recycled the VM meanwhile: this lease has nothing
+            raise GenerationChangedError(f"generation {generation}, which this claim took, was recycled for another "
+                                         f"claim (now {self.generation}) while it waited for the restored guest's "
+                                         "clock; claim again")
         return self.state()
 
     async def _claim(self, token: str | None, spec: VmSpec | None) -> None:
