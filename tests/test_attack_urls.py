@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import http.server
 import json
+import shlex
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -64,18 +65,25 @@ async def test_a_flash_url_naming_the_pod_or_the_metadata_service_is_never_fetch
         exp = await asyncio.to_thread(standalone_exporter, cfg)
         # (`:+PORT`: urlsplit refuses the port, yarl, which the fetch uses, takes it: the check had
         # taken the URL for one that does not resolve, and let it through)
-        for url in (f"http://127.0.0.1:{port}/disk.qcow2", f"http://localhost:{port}/disk.qcow2",
-                    f"http://127.0.0.1:+{port}/disk.qcow2",
-                    "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token",
-                    # the IPv6 metadata services (AWS, GCP: unique-local, not link-local), and the IPv4
-                    # one inside NAT64's and the IPv4-compatible prefix
-                    "http://[fd00:ec2::254]/latest/meta-data/iam/security-credentials/",
-                    "http://[fd20:ce::254]/computeMetadata/v1/instance/service-accounts/default/token",
-                    "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "http://[::a9fe:a9fe]/latest/meta-data/"):
-            result = await asyncio.to_thread(run_shell, exp.shell_args, f"j vm storage flash {url}", cwd=tmp_path)
-            assert result.returncode != 0, result.stdout
-            message = " ".join(result.stderr.split())
-            assert "which a lease may not reach" in message and "allow_local_urls" in message, message[-2000:]
+        urls = (f"http://127.0.0.1:{port}/disk.qcow2", f"http://localhost:{port}/disk.qcow2",
+                f"http://127.0.0.1:+{port}/disk.qcow2",
+                "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token",
+                # the IPv6 metadata services (AWS, GCP: unique-local, not link-local), and the IPv4
+                # one inside NAT64's and the IPv4-compatible prefix
+                "http://[fd00:ec2::254]/latest/meta-data/iam/security-credentials/",
+                "http://[fd20:ce::254]/computeMetadata/v1/instance/service-accounts/default/token",
+                "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "http://[::a9fe:a9fe]/latest/meta-data/")
+        # one lease, one `j` per URL (a shell per URL cost a lease's setup each: 8 of them took 48 s)
+        script = "\n".join(f"echo '=== {i}'; if j vm storage flash {shlex.quote(url)} 2>&1; then echo '=== fetched'; "
+                           f"else echo '=== refused'; fi" for i, url in enumerate(urls))
+        result = await asyncio.to_thread(run_shell, exp.shell_args, script, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        answers = result.stdout.split("=== ")[1:]
+        assert len(answers) == 2 * len(urls), result.stdout[-2000:]
+        for url, (said, outcome) in zip(urls, zip(answers[::2], answers[1::2], strict=True), strict=True):
+            message = " ".join(said.split())
+            assert outcome.strip() == "refused", (url, message[-2000:])
+            assert "which a lease may not reach" in message and "allow_local_urls" in message, (url, message[-2000:])
         assert seen == [], f"the exporter fetched a pod-local URL for the lease holder: {seen}"
         assert exp.proc.poll() is None  # the exporter keeps serving
 
