@@ -8,8 +8,8 @@ each: recycle → Ready (the API's view), then as the next lease would: recycle 
 answered on the serial console; and every log line in between, as seconds after the POST
 (``--log-format json --log-level DEBUG``: the lines carry their time). Then the medians, per guest,
 of recycle → Ready, of restore_seconds (the restore up to the guest running), of the gap between
-the two (what comes after the restore: the phase change), of the claim and of the first command. ``--standby``: the
-spec's ``standby`` (a spare restore, waited for before each recycle). The recycles start once the
+the two (what comes after the restore: the phase change), of the claim and of the first command.
+``--standby``: the spec's ``standby`` (a spare restore, waited for before each recycle). The recycles start once the
 capture is stored (it waits for the guest to settle, as in a pool whose first lease comes later);
 ``--claim-at-ready`` claims at Ready instead, which captures at once (a developer's first lease).
 """
