@@ -48,10 +48,9 @@ class Boot:
         self._running = running
         self._spawn = spawn
         #: set unless a new boot's restore is under way whose guest's clock is still to be set
-        #: (``clock_settled``); each such restore has its own
+        #: (``clock_settled``); each boot has its own, so a clock whose event is no longer this one
+        #: belongs to an earlier boot
         self._clock_set = already_set()
-        #: boots started (a clock set after its boot was followed by another records nothing)
-        self._starts = 0
 
     async def clock_settled(self) -> None:
         """Return once the restore under way, if any, has set its guest's clock (or failed to, or did
@@ -64,7 +63,6 @@ class Boot:
 
         :raise VmsidecarError: the guest cannot start (the caller stops what is left and fails).
         """
-        self._starts += 1
         self._clock_set = already_set()  # (an earlier boot's clock never holds this one's claims)
         accel = self._machine.choose_accel(spec)
         await self._snapshots.drop_staging()  # an earlier boot's capture that never happened
@@ -163,8 +161,6 @@ class Boot:
         (``clock_settled``), and with it all a lease can do. Under TCG the agent's first round trip
         is most of a Debian recycle (docs/decisions.md, "Ready before the clock"); under KVM it
         takes milliseconds."""
-        starts = self._starts
-
         async def set_clock() -> None:
             clock = "failed: the runtime stopped setting it"
             try:
@@ -174,7 +170,7 @@ class Boot:
                 clock = f"failed: {type(e).__name__} on the guest agent's socket"
             finally:
                 clock_set.set()
-                if self._starts == starts:  # (else the next boot began: its input and state are its own)
+                if self._clock_set is clock_set:  # (else the next boot began: its input and state are its own)
                     self._streams.release_input()
                     self._snapshots.clock_set(clock)
 

@@ -55,6 +55,8 @@ class Lease:
         self.claimed = False
         #: the token its claim named (``claimed_by``), if any
         self.token: str | None = None
+        #: a recycle runs: its generation is unclaimed before its guest boots, and is claimed after
+        self._recycling = False
         #: what the current generation's lease did, for its summary line when it ends
         self.ledger = LeaseLedger()
 
@@ -91,8 +93,8 @@ class Lease:
     def claim_unclaimed(self, token: str | None = None) -> bool:
         """Claim the current generation if no lease has it yet (for the claimer of ``token``); False
         when an earlier lease claimed it (the claim then recycles first, so a new lease never sees the
-        previous one)."""
-        if self.claimed:
+        previous one), or while a recycle runs (the claim then waits for it, behind the lock)."""
+        if self.claimed or self._recycling:
             return False
         self.claimed, self.token = True, token
         return True
@@ -100,6 +102,15 @@ class Lease:
     def claimed_by(self, token: str | None) -> bool:
         """Whether the claimer of ``token`` holds the current generation already."""
         return token is not None and self.claimed and self.token == token
+
+    @contextlib.contextmanager
+    def recycling(self) -> Iterator[None]:
+        """While a recycle runs (``claim_unclaimed`` claims nothing then)."""
+        self._recycling = True
+        try:
+            yield
+        finally:
+            self._recycling = False
 
     async def clear(self, *, claim: bool) -> None:
         """Drop what the ending lease left (the guest is stopped): its overlay, flashed disks and

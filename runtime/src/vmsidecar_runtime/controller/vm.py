@@ -72,8 +72,6 @@ class VmController:
         #: the spec the last claim named (the exporter's; None when it named none): what a lease
         #: changed over the API is undone by the recycles that end it
         self._served_spec: VmSpec | None = None
-        #: a recycle is under way (a claim then waits for it: its generation is unclaimed before its boot)
-        self._recycling = False
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- state ---------------------------------------------------------------------------
@@ -296,7 +294,7 @@ class VmController:
         self.transfers.cancel("the next lease claimed the VM")
         if spec is not None and self.spec is None:  # a pool pod's first claim: no boot to wait for
             await self.set_spec(spec, from_api=False)
-        if not self._recycling and (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
+        if (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
             self._served_spec = spec
             await self._snapshots.capture_finished()
             self._claimed()
@@ -320,11 +318,8 @@ class VmController:
         """``claim``: the fresh generation is the claiming lease's from the start (its boot is
         never captured, and no other claim can take it in the meantime)."""
         started = time.monotonic()
-        self._recycling = True
-        try:
+        with self._lease.recycling():
             await self._recycle_steps(started, boot=boot, claim=claim)
-        finally:
-            self._recycling = False
 
     async def _recycle_steps(self, started: float, *, boot: bool, claim: bool) -> None:
         with metrics.outcome(metrics.recycles):
