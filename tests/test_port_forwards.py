@@ -51,8 +51,9 @@ async def test_forwards_are_free_reported_and_reach_the_guest(
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M",
             "network": {"forwards": [{"name": "web", "guest_port": 8080}]}}
     first = await start_runtime(spec, name="one")
-    second = await start_runtime(spec, name="two")
     a = await first.client().wait_ready(180)
+    await first.client().wait_stored()  # the second restores the first's capture, not a boot of its own
+    second = await start_runtime(spec, name="two")
     b = await second.client().wait_ready(180)
     assert a.forwards["web"].startswith("127.0.0.1:") and a.forwards["web"] != b.forwards["web"]
 

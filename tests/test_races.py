@@ -223,7 +223,7 @@ async def test_a_vm_powered_on_during_a_flash_pull_is_not_powered_off_by_the_fla
     # 16 MiB of random data: cannot compress, and through the proxy below it takes minutes to pull
     push_incompressible(registry, "races/flash-mid-pull:1", tmp_path)
 
-    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"})
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
     client = rt.client()
     before = await client.wait_ready(240)
     await client.power("off", graceful=False)
@@ -250,6 +250,7 @@ async def test_a_vm_powered_on_during_a_flash_pull_is_not_powered_off_by_the_fla
     assert state.boot == on.boot and state.image_digest == before.image_digest  # not powered off, not flashed
     ready = await client.wait_ready(240)
     assert ready.boot == on.boot and ready.image_digest == before.image_digest
+    assert ready.snapshot.boot == "cold", ready.snapshot  # a power-on in a lease boots: its console is fresh
     con = await Console.open(rt.shared / "console.sock")
     try:
         await con.expect("VMSIDECAR-READY image=tiny ", 120)  # the old disk's guest, this boot's output

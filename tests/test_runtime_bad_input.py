@@ -65,7 +65,7 @@ async def test_guest_that_never_prints_the_marker(start_runtime: Any, tiny_image
 
 async def test_bad_flashes_keep_the_old_disk(start_runtime: Any, tiny_image: Any, tmp_path: Path,
                                              tiny_b_image: Any) -> None:
-    rt = await start_runtime({"image": f"file:{tiny_image.disk}"})
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})  # the suite's common key
     client = rt.client()
     ready = await client.wait_ready(180)
 
@@ -122,7 +122,7 @@ def _upload_then_vanish(api: Path, data: bytes, announced: int) -> None:
 
 
 async def test_good_flash_boots_the_new_image(start_runtime: Any, tiny_image: Any, tiny_b_image: Any) -> None:
-    rt = await start_runtime({"image": f"file:{tiny_image.disk}"})
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})  # the suite's common key
     client = rt.client()
     ready = await client.wait_ready(180)
     state = await client.flash(tiny_b_image.disk, power_off=True)
