@@ -156,6 +156,25 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     assert "/etc/hostname" in reason and "backing file" in reason, reason
     assert "refused" not in reason, reason  # caught before QEMU was ever asked to load it
 
+    # 4. the memory stream damaged and truncated, its seal rewritten to match: for a runtime that never
+    # checked seals, so that QEMU itself is what refuses it; the guest boots cold, captures anew, and
+    # the next recycle restores that capture
+    _put_back(pristine, snap)
+    memory = snap / "memory"
+    os.chmod(snap, 0o755)
+    os.chmod(memory, 0o644)
+    data = bytearray(memory.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4096] = b"\xa5" * 4096
+    memory.write_bytes(bytes(data[: len(data) * 3 // 4]))
+    _forge_seal(snap, "memory")
+    rt = await start_runtime(spec, name="after-stream", extra_args=args)
+    state = await rt.client().wait_ready(240)
+    assert state.snapshot.boot == "cold" and "refused" in (state.snapshot.reason or ""), state.snapshot
+    assert (await rt.client().wait_stored()).snapshot.available
+    await rt.client().recycle()
+    state = await rt.client().wait_ready(240)
+    assert state.snapshot.boot == "restored", state.snapshot
+
 
 async def test_a_spare_over_a_ram_file_changed_during_the_lease_is_never_adopted(
         start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:

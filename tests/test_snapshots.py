@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -316,41 +315,14 @@ async def test_runtimes_sharing_a_cache_capture_the_same_key_at_once(start_runti
         assert "VMSIDECAR-READY" in replay
 
 
-async def test_snapshot_off_and_a_corrupt_snapshot_boot_cold(start_runtime: Any, tiny_image: Any,
-                                                              image_cache: Path) -> None:
+async def test_snapshot_off_boots_cold_at_every_recycle(start_runtime: Any, tiny_image: Any) -> None:
+    # (a snapshot QEMU itself refuses to load: test_attack_snapshots.py, the tampered snapshot's last case)
     off = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"}, name="off")
     state = await off.client().wait_ready(240)
     assert state.snapshot.boot == "cold" and state.snapshot.reason == "snapshot: off in the spec"
     await off.client().recycle()
     state = await off.client().wait_ready(240)
     assert state.snapshot.boot == "cold"
-    off.stop()
-
-    # a key of its own (not by "cpus": 2: a two-vCPU tiny guest under TCG on a loaded host once hung in its
-    # kernel before its marker, RCU stalls on an idle CPU 1 for 240 s, in a CI run; one vCPU never has)
-    spec = {"image": f"file:{tiny_image.disk}", "memory": "288M"}
-    rt = await start_runtime(spec, name="corrupt")
-    await rt.client().wait_ready(240)
-    rt.stop()
-    snaps = [p for p in (image_cache / "snapshots").iterdir() if p.is_dir() and not p.name.startswith(".")]
-    memory = max((p / "memory" for p in snaps), key=lambda p: p.stat().st_mtime)
-    memory.chmod(0o644)
-    data = bytearray(memory.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 4096] = b"\xa5" * 4096
-    memory.write_bytes(bytes(data[: len(data) * 3 // 4]))  # damaged and truncated
-    # and its seal rewritten to match, for a runtime that never checked it (test_attack_snapshots.py:
-    # a broken seal never reaches QEMU), so that QEMU itself is what refuses it here
-    meta_file = memory.parent / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["files"]["memory"] = "sha256:" + hashlib.sha256(memory.read_bytes()).hexdigest()
-    meta_file.chmod(0o644)
-    meta_file.write_text(json.dumps(meta))
-    rt = await start_runtime(spec, name="corrupt-restart")
-    state = await rt.client().wait_ready(240)
-    assert state.snapshot.boot == "cold" and "refused" in (state.snapshot.reason or ""), state.snapshot
-    await rt.client().recycle()  # the cold boot captured a new one
-    state = await rt.client().wait_ready(240)
-    assert state.snapshot.boot == "restored", state.snapshot
 
 
 async def _boot_until_captured_on_output(start_runtime: Any, tiny_image: Any) -> tuple[Any, Console]:
