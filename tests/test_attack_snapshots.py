@@ -80,9 +80,9 @@ def _forge_seal(snap: Path, name: str) -> None:
 
 
 async def _refused(start_runtime: Any, spec: dict[str, Any], name: str, args: list[str], snap: Path) -> str:
-    """Start a runtime on the tampered cache, wait until it said why it refused the snapshot (its cold
-    boot is then under way: what comes of it is the next tests' matter, test_snapshots.py), stop it;
-    the reason, once the entry was seen removed."""
+    """Start a runtime on the tampered cache, wait until it says why it refused the snapshot, and stop
+    it there (its cold boot has begun; that such a boot captures anew is the last case's to show).
+    Returns the reason, once the entry is seen removed."""
     rt = await start_runtime(spec, name=name, extra_args=args)
     client = rt.client()
 
