@@ -85,8 +85,10 @@ async def test_a_guest_flooding_every_channel(
         rt_after, ex_after = memory_kib(rt.proc.pid), memory_kib(me)
         flooded = await asyncio.wait_for(con.reader.read(65536), 5)
         assert b"VMSIDECAR-FLOOD-S0" in flooded, flooded[-300:]
-        overlong = [r.getMessage() for r in caplog.records if "overlong" in r.getMessage()]
-        assert overlong, "the exporter did not report the endless CAN line it dropped"
+        # the CAN port's endless line shares the guest's one vCPU with four other floods: on a loaded
+        # host (TCG) its first 64 bytes may come after the window above
+        await wait_until_async(lambda: [r for r in caplog.records if "overlong" in r.getMessage()], 60,
+                               "the exporter to report the endless CAN line it dropped")
         # what went through each channel: stop the ttyS0 flood (job 1) to read the console; the
         # other four keep flooding through the lease's end.
         # First, not reading, until the hub has let go of us (mostly while the latencies were
