@@ -187,32 +187,37 @@ async def _write_and_list(console_sock: Path, tag: str) -> list[str]:
     return next(line for line in out.splitlines() if line.startswith("MARKERS")).split()[1:]
 
 
+#: pods of one node on one cache in the templating test (the issue's ten)
+INSTANCES = 10
+
+
 async def test_instances_of_one_template_keep_their_ram_to_themselves(start_runtime: Any, tiny_image: Any,
                                                                      image_cache: Path) -> None:
-    # three pods of one node on one cache: the first captures the template, the others restore it;
-    # all three run at once from the same RAM file, each writes its own data to its RAM
+    # ten pods of one node on one cache: the first captures the template, the nine others restore it;
+    # all ten run at once from the same RAM file, each writes its own data to its RAM, all at once
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "template"}]}
-    first = await start_runtime(spec, name="one")
+    tags = [f"pod{i}" for i in range(INSTANCES)]
+    first = await start_runtime(spec, name=tags[0])
     await first.client().wait_ready(240)
     state = await first.client().wait_stored()
     assert state.snapshot.form == "templated" and state.snapshot.available, state.snapshot
     snap = next(p for p in (image_cache / "snapshots").iterdir() if not p.name.startswith("."))
     ram = snap / "ram"
     before = hashlib.sha256(ram.read_bytes()).hexdigest(), ram.stat().st_mtime_ns, ram.stat().st_ctime_ns
-    others = await asyncio.gather(start_runtime(spec, name="two"), start_runtime(spec, name="three"))
+    others = await asyncio.gather(*(start_runtime(spec, name=tag) for tag in tags[1:]))
     for rt in others:
-        state = await rt.client().wait_ready(120)
+        state = await rt.client().wait_ready(240)
         assert state.snapshot.boot == "restored" and state.snapshot.form == "templated", state.snapshot
     runtimes = [first, *others]
     # every QEMU maps the RAM on a 2 MiB boundary, where shmem can be huge pages (qemu_argv.RAM_ALIGN):
     # the capturing boot's memfd, which it runs on, and the restores' private mappings of the template
-    for rt, name in zip(runtimes, ("/memfd:vmsidecar-ram-", str(ram), str(ram)), strict=True):
+    for rt, name in zip(runtimes, ["/memfd:vmsidecar-ram-"] + [str(ram)] * len(others), strict=True):
         (qemu,) = qemu_pids(str(rt.state))
         assert _ram_mapping_start(qemu, name) % (2 << 20) == 0, Path(f"/proc/{qemu}/maps").read_text()
-    for tag, rt in zip(("one", "two", "three"), runtimes, strict=True):
-        assert await _write_and_list(rt.shared / "console.sock", tag) == [tag]
-    for tag, rt in zip(("one", "two", "three"), runtimes, strict=True):  # after all three wrote
-        assert await _write_and_list(rt.shared / "console.sock", tag) == [tag]
+    for _ in range(2):  # the second time, after all ten wrote
+        seen = await asyncio.gather(*(_write_and_list(rt.shared / "console.sock", tag)
+                                      for tag, rt in zip(tags, runtimes, strict=True)))
+        assert seen == [[tag] for tag in tags], seen
     # the restores' writes never reached the template (mapped copy-on-write)
     after = hashlib.sha256(ram.read_bytes()).hexdigest(), ram.stat().st_mtime_ns, ram.stat().st_ctime_ns
     assert after == before
