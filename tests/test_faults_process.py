@@ -160,12 +160,13 @@ async def test_console_readers_that_never_read_neither_grow_the_runtime_nor_stal
     await reader.drain_replay()
     base = rss_kb(pid)
     peak = base
-    seconds = 20
-    flood = (f"timeout {seconds} yes {'flood-0123456789abcdef' * 8} > /dev/hvc0; "
+    # a flood of a size, not a time: more than a stalled client may hold (below) on any host (a
+    # loaded TCG host's guest once wrote 1.3 MiB in 20 s)
+    flood = (f"yes {'flood-0123456789abcdef' * 8} | head -c {2 * MiB} > /dev/hvc0; "
              "echo flood-$((6*7))-done\n")
     cmd.writer.write(flood.encode())
     await cmd.writer.drain()
-    ended = asyncio.create_task(cmd.expect("flood-42-done", seconds + 120))
+    ended = asyncio.create_task(cmd.expect("flood-42-done", 300))
     received = 0
     started = time.monotonic()
     while not ended.done():
