@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.attack import copy_snapshot_entry
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
@@ -98,12 +99,6 @@ async def _refused(start_runtime: Any, spec: dict[str, Any], name: str, args: li
     return state.snapshot.reason
 
 
-def _put_back(pristine: Path, snap: Path) -> None:
-    """The captured entry again, as the capture left it (modes, holes of the RAM file): one capture
-    serves every attack, each on an untouched copy at the path the frozen overlay's backing names."""
-    subprocess.run(["cp", "-a", "--sparse=always", str(pristine), str(snap)], check=True, timeout=60)
-
-
 async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "sealed"}]}
@@ -121,14 +116,15 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     assert {p.name: p.stat().st_mode & 0o777 for p in snap.iterdir()} == dict.fromkeys(
         ("memory", "disk.qcow2", "meta.json", "ttyS0.console", "hvc0.console"), 0o444) | {"ram": 0o644}
     assert state.snapshot.form == "templated", state.snapshot
+    # one capture serves every attack, each on an untouched copy at the path the frozen overlay's backing names
     pristine = tmp_path / "pristine"
-    _put_back(snap, pristine)
+    copy_snapshot_entry(snap, pristine)
 
     # 0. the copy untouched is restored (the attacks below are refused for what they changed, not
     # for being a copy: the index's record of the capture is about another directory, so it is hashed)
     os.chmod(snap, 0o755)
     shutil.rmtree(snap)
-    _put_back(pristine, snap)
+    copy_snapshot_entry(pristine, snap)
     restored = await start_runtime(spec, name="untouched", extra_args=args)
     assert (await restored.client().wait_ready(120)).snapshot.boot == "restored"
     assert restored.stop() == 0
@@ -141,14 +137,14 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
 
     # 2. one page of the templated snapshot's RAM file rewritten: every restore maps that file, and
     # the device state (the stream) is intact, so QEMU would run the attacker's page in the guest
-    _put_back(pristine, snap)
+    copy_snapshot_entry(pristine, snap)
     _rewrite_ram(snap / "ram")
     reason = await _refused(start_runtime, spec, "after-ram", args, snap)
     print(f"RAM file rewritten: {reason}")
     assert "ram" in reason and "BLAKE3" in reason and "removed" in reason, reason
 
     # 3. the frozen overlay replaced by one that makes QEMU open a host file, and its seal forged
-    _put_back(pristine, snap)
+    copy_snapshot_entry(pristine, snap)
     _evil_overlay(snap / "disk.qcow2")
     _forge_seal(snap, "disk.qcow2")
     reason = await _refused(start_runtime, spec, "after-overlay", args, snap)
@@ -159,7 +155,7 @@ async def test_a_tampered_snapshot_is_never_restored(start_runtime: Any, tiny_im
     # 4. the memory stream damaged and truncated, its seal rewritten to match: for a runtime that never
     # checked seals, so that QEMU itself is what refuses it; the guest boots cold, captures anew, and
     # the next recycle restores that capture
-    _put_back(pristine, snap)
+    copy_snapshot_entry(pristine, snap)
     memory = snap / "memory"
     os.chmod(snap, 0o755)
     os.chmod(memory, 0o644)

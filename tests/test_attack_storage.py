@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from fixtures.attack import copy_snapshot_entry
 from fixtures.faults import tmpfs, wait_phase
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import pull
@@ -85,7 +86,7 @@ async def test_the_cache_evicts_the_least_recently_used_but_never_what_a_vm_uses
     # an old snapshot no runtime uses any more (of another key: the eviction weighs only its size, its
     # last use and whether a process holds it, so a copy made an hour old stands for one)
     old_snap = live_snap.with_name("0" * len(live_snap.name))
-    subprocess.run(["cp", "-a", "--sparse=always", str(live_snap), str(old_snap)], check=True, timeout=60)
+    copy_snapshot_entry(live_snap, old_snap)
     an_hour_ago = time.time() - 3600
     os.utime(old_snap, (an_hour_ago, an_hour_ago))
 
