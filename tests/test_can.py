@@ -32,10 +32,9 @@ def _spec(image: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def can_vm(tiny_image: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
-    spec = _spec(tiny_image)
-    root, cache = tmp_path_factory.mktemp("can-rt"), tmp_path_factory.mktemp("can-cache")
-    with vm_runtime(spec, root, cache) as rt, vm_client(rt, spec) as client:
+def can_vm(tiny_image: Any, image_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    spec = _spec(tiny_image)  # test_attack_can_leases.py's: one capture in the shared cache serves both
+    with vm_runtime(spec, tmp_path_factory.mktemp("can-rt"), image_cache) as rt, vm_client(rt, spec) as client:
         yield rt, client
 
 
