@@ -1,6 +1,6 @@
 """Fresh bytecode for the project's own modules before a bench times a process start.
 
-The pod image compiles every module (Containerfile, ``UV_COMPILE_BYTECODE``) and so does
+The pod image compiles every module (Containerfile, ``slim-venv``) and so does
 ``scripts/setup``; a module edited since then has a stale ``.pyc`` that, where
 ``PYTHONDONTWRITEBYTECODE`` is set (CI machines, the image), is compiled again at every import
 and never written. Nine edited modules put 10-20 ms on each runtime's start here (0.32 vs 0.30 s to
