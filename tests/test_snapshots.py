@@ -194,7 +194,7 @@ INSTANCES = 10
 async def test_instances_of_one_template_keep_their_ram_to_themselves(start_runtime: Any, tiny_image: Any,
                                                                      image_cache: Path) -> None:
     # ten pods of one node on one cache: the first captures the template, the nine others restore it;
-    # all ten run at once from the same RAM file, each writes its own data to its RAM, all at once
+    # all ten run from the same RAM file and write their own data to their RAM at once
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "template"}]}
     tags = [f"pod{i}" for i in range(INSTANCES)]
     first = await start_runtime(spec, name=tags[0])
