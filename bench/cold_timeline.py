@@ -1,6 +1,11 @@
 """Cold start timeline: where a cold start spends what the bare QEMU boot does not, run by run.
 
     uv run python bench/cold_timeline.py [--runs 5] [--guest tiny|debian]
+    uv run python bench/cold_timeline.py --spawn-only [--runs 15]
+
+``--spawn-only`` times the runtime's fixed cost alone, free of the guest's boot: ``serve`` on a
+fresh cache until its API answers (it binds after QEMU is spawned), then QEMU's start from
+``/proc``; no boot is awaited. Its median moves with the code, not with the guest's kernel under TCG.
 
 Each run boots the guest bare (as ``bench/snapshot.py``'s first leg) and with ``serve`` on a
 fresh cache (its second leg), in turn first, and prints for the latter: when its QEMU was spawned (from
@@ -116,6 +121,32 @@ async def cold(guest: Guest, work: Path) -> dict[str, float]:
             "capture": state.snapshot.capture_seconds or 0.0, "total": total}
 
 
+async def spawn_only(guest: Guest, work: Path) -> float:
+    """Seconds from ``serve``'s start to its QEMU's spawn (the runtime's fixed cost before the boot)."""
+    spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
+    since_boot = _uptime()
+    with RuntimeProcess.start(work, spec=spec, cache=work / "cache", args=["--grace", "1"]) as rt:
+        await rt.wait_serving(guest.timeout, poll=0.02)
+        spawned = _child_qemu_start(rt.proc.pid)
+    if spawned is None:
+        raise RuntimeError(f"no QEMU child once the API answered; {rt.log_text()[-2000:]}")
+    return spawned - since_boot
+
+
+async def main_spawn_only(runs: int, name: str) -> None:
+    compile_sources()
+    guest = resolve_guest(name)
+    assert guest is not None
+    seconds = []
+    with tempfile.TemporaryDirectory(prefix="bench-spawn-") as tmp:
+        for i in range(runs):
+            os.sync()
+            seconds.append(await spawn_only(guest, Path(tmp) / f"run-{i}"))
+            print(f"run {i + 1}: QEMU spawned {seconds[-1]:.3f} s after the start", flush=True)
+    print(f"\nmedian of {runs}: QEMU spawned {statistics.median(seconds):.3f} s after the start "
+          f"(min {min(seconds):.3f}, max {max(seconds):.3f}; /proc's clock has {1 / CLOCK_TICKS:.2f} s ticks)")
+
+
 async def main(runs: int, name: str) -> None:
     compile_sources()
     guest = resolve_guest(name)
@@ -153,5 +184,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--guest", choices=["tiny", "debian"], default="tiny")
+    p.add_argument("--spawn-only", action="store_true", help="time serve's start → its QEMU's spawn, no boot")
     args = p.parse_args()
-    asyncio.run(main(args.runs, args.guest))
+    asyncio.run((main_spawn_only if args.spawn_only else main)(args.runs, args.guest))

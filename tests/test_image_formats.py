@@ -5,10 +5,12 @@ sentence, and leave nothing behind. Fast: no guest is booted."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gzip
 import hashlib
 import io
 import lzma
+import os
 import struct
 import subprocess
 import tarfile
@@ -20,7 +22,7 @@ import zstandard
 
 from fixtures.registry import Crafter, RunningRegistry, make_qcow2
 from fixtures.waiting import wait_until_async
-from vmsidecar_contract.errors import ImageError
+from vmsidecar_contract.errors import HostError, ImageError
 from vmsidecar_runtime.disk import receive_image
 from vmsidecar_runtime.image.checks import check_image
 from vmsidecar_runtime.image.decompress import open_decompressed
@@ -324,6 +326,34 @@ def test_pull_bomb_is_refused_with_nothing_left(tmp_path: Path) -> None:
         pull(f"file:{bomb}", tmp_path / "cache", limits=Limits(max_disk_bytes=4 << 20))
     assert exc.value.code == "disk_too_large"
     _nothing_left(tmp_path / "cache")
+
+
+def test_pull_file_whose_writeback_fails_is_refused_with_nothing_left(
+    images: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk's fsync runs beside its checks, in another thread; an error there (EIO: a failing
+    disk, which no test here can make for real: tmpfs and a full disk fail at the write) is the
+    pull's, once. A second fsync may not report an error the kernel reported already, so the
+    install's must not be what tells it."""
+    real_fsync = os.fsync
+    failed: list[int] = []
+
+    def failing_fsync(fd: int) -> None:
+        if not failed:  # only the first: the install's would pass, as Linux's can after an error
+            failed.append(fd)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    cache = tmp_path / "cache"
+    with pytest.raises(HostError) as exc:
+        pull(f"file:{images['good']}", cache)
+    assert failed, "the pull never synced the disk"
+    assert exc.value.code == "cache_write_failed", exc.value.message
+    assert "Input/output error" in exc.value.message and "free space" in exc.value.message, exc.value.message
+    _nothing_left(cache)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert pull(f"file:{images['good']}", cache).cached is False  # nothing was recorded either
 
 
 def test_pull_layout_artifact_and_containerdisk_refuse_a_backing_file(
