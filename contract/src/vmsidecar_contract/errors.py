@@ -215,7 +215,7 @@ class HostError(VmsidecarError):
 
     code = "host_error"
     http_status = 500
-    codes = {"cache_write_failed": "the image cache cannot be written (disk full, permissions)"}
+    codes = {"cache_write_failed": "the image cache cannot be written (disk full, permissions, a failing disk)"}
 
 
 class GuestError(VmsidecarError):

@@ -11,6 +11,7 @@ refused before tarfile reads them: extended headers past :data:`MAX_TAR_HEADER`,
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tarfile
@@ -232,11 +233,13 @@ def _drain_quietly(reader: BlobReader) -> None:
 
 
 def _write_error(path: Path, exc: OSError) -> HostError:
-    return HostError(
-        f"cannot write {path} ({exc.strerror or exc}); free space in the cache directory or point the "
-        "cache somewhere larger",
-        code="cache_write_failed",
-    )
+    """The refusal of a disk the cache could not write, with the fix its cause calls for."""
+    if exc.errno == errno.EIO:  # the write-back failed: space would not help
+        fix = ("the disk under the cache failed to store it (the host's kernel log says why); point the cache at a "
+               "working disk (--cache-dir, VMSIDECAR_CACHE_DIR)")
+    else:
+        fix = "free space in the cache directory or point the cache somewhere larger"
+    return HostError(f"cannot write {path} ({exc.strerror or exc}); {fix}", code="cache_write_failed")
 
 
 def _extract_tar(
