@@ -102,8 +102,13 @@ async def _ready_by_events(rt: RuntimeProcess, timeout: float) -> None:
                     raise RuntimeError(f"the guest went {phase} instead of Ready; {rt.log_text()[-2000:]}")
 
 
+def _cold_spec(guest: Guest) -> dict[str, object]:
+    """The spec both cold legs give ``serve``: the guest's disk as a ``file:`` image, Ready at its marker."""
+    return {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
+
+
 async def cold(guest: Guest, work: Path) -> dict[str, float]:
-    spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
+    spec = _cold_spec(guest)
     cache = work / "cache"
     started, since_boot = time.monotonic(), _uptime()
     with RuntimeProcess.start(work, spec=spec, cache=cache, args=["--grace", "5"]) as rt:
@@ -123,7 +128,7 @@ async def cold(guest: Guest, work: Path) -> dict[str, float]:
 
 async def spawn_only(guest: Guest, work: Path) -> float:
     """Seconds from ``serve``'s start to its QEMU's spawn (the runtime's fixed cost before the boot)."""
-    spec = {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
+    spec = _cold_spec(guest)
     since_boot = _uptime()
     with RuntimeProcess.start(work, spec=spec, cache=work / "cache", args=["--grace", "1"]) as rt:
         await rt.wait_serving(guest.timeout, poll=0.02)

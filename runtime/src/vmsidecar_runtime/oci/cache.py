@@ -281,11 +281,7 @@ class DiskCache:
         if dest.exists() and self.intact(dest, digest):  # a damaged one was removed: replace it
             tmp.unlink(missing_ok=True)
             return dest
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp)  # (after unpack_blob's, beside its checks: nothing is left to write)
         os.chmod(tmp, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
         os.replace(tmp, dest)
         self._seal(dest)  # its digest was verified while it was written
@@ -463,6 +459,15 @@ def _human(size: int) -> str:
 
 def _seal_key(path: Path) -> str:
     return f"seal:{path.name}"
+
+
+def fsync_file(path: Path) -> None:
+    """Wait until the kernel has written ``path``'s data to its disk (``OSError`` if it could not)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def stat_seal(st: os.stat_result) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from vmsidecar_runtime.image.limits import DEFAULT_LIMITS, Limits, Origin
 from vmsidecar_runtime.image.sniff import ByteSource, Compression, DiskFormat
 from vmsidecar_runtime.image.write import WrittenDisk, write_disk
 
+from .cache import fsync_file
 from .mediatypes import DISK_SUFFIXES, title_format
 
 CHUNK = 1 << 20
@@ -207,20 +207,12 @@ def _check_while_syncing(out: Path, fmt: DiskFormat, origin: Origin, limits: Lim
     :raise HostError: (``cache_write_failed``) the kernel could not write it back (full or failing disk).
     """
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="writeback") as pool:
-        synced = pool.submit(_fsync, out)
+        synced = pool.submit(fsync_file, out)
         check_image(out, fmt, origin, limits)
         try:
             synced.result()
         except OSError as exc:  # reported once: a second fsync may not say it again
             raise _write_error(out, exc) from exc
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _drain_quietly(reader: BlobReader) -> None:
