@@ -77,19 +77,25 @@ class Console:
                 raise EOFError("console closed while replaying its scrollback")
             self.seen += chunk
 
-    async def wake(self) -> None:
-        """Get a fresh prompt: getty eats the first line, and a replayed old prompt must not count."""
+    async def wake(self, timeout: float = 120) -> None:
+        """Get a fresh prompt: getty eats the first line, and a replayed old prompt must not count.
+
+        A newline every 4 s until ``timeout``: a caller may connect while the guest still boots, and
+        under TCG on a loaded host a tiny guest's boot has taken more than 30 s (its echo lagging
+        behind the newlines)."""
         await self.drain_replay()
-        for _ in range(8):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (remaining := deadline - loop.time()) > 0:
             self.seen.clear()
             self.writer.write(b"\n")
             await self.writer.drain()
             try:
-                await self.expect(re.escape(PROMPT), 4)
+                await self.expect(re.escape(PROMPT), min(4, remaining))
                 return
             except TimeoutError:
                 continue
-        raise TimeoutError(f"no shell prompt on the console; got {bytes(self.seen[-600:])!r}")
+        raise TimeoutError(f"no shell prompt on the console within {timeout} s; got {bytes(self.seen[-600:])!r}")
 
     async def close(self) -> None:
         self.writer.close()
