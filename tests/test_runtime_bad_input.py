@@ -155,3 +155,24 @@ def test_a_shared_dir_too_deep_for_its_sockets_is_named_with_the_fix(tmp_path: P
     message = result.stderr.strip()
     assert message.startswith("error: ") and "Traceback" not in message, message
     assert str(deep) in message and "108" in message and "--shared-dir" in message, message
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_log_level_in_lower_case_is_taken_and_an_unknown_one_is_named(tmp_path: Path, how: str) -> None:
+    """``--log-level debug`` (the case the JSON log prints) was handed to ``logging`` as it was and
+    ended the start with a traceback ("Unknown level: 'debug'"); an unknown level did the same."""
+    runtime = shutil.which("vmsidecar-runtime") or "vmsidecar-runtime"
+    base = [runtime, "serve", "--cache-dir", str(tmp_path / "cache"), "--state-dir", str(tmp_path / "state"),
+            "--shared-dir", str(tmp_path / "shared"), "--cache-budget", "lots"]
+
+    def serve(level: str) -> subprocess.CompletedProcess[str]:
+        argv, env = ([*base, "--log-level", level], None) if how == "flag" else (
+            base, {**os.environ, "VMSIDECAR_LOG_LEVEL": level})
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+
+    taken = serve("debug")  # gets past the logging set-up to the cache budget, checked next
+    assert taken.returncode == 2 and "Traceback" not in taken.stderr, taken.stderr[-2000:]
+    assert "'lots' is not a size" in taken.stderr and "log level" not in taken.stderr, taken.stderr[-2000:]
+    refused = serve("chatty")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "'chatty' is not a log level" in refused.stderr and "debug" in refused.stderr, refused.stderr

@@ -50,6 +50,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+#: what ``--log-level`` (and ``VMSIDECAR_LOG_LEVEL``) takes, in either case
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_level(text: str) -> str:
+    """A logging level name (argparse type): ``debug`` as well as ``DEBUG``."""
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level (one of {', '.join(LOG_LEVELS)}; "
+                                         "--log-level or VMSIDECAR_LOG_LEVEL)")
+    return text.upper()
+
+
 def _default_socket() -> Path:
     return Path(os.environ.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED_DIR)) / "api.sock"
 
@@ -286,7 +298,8 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
                         f"used go, never what a VM uses (e.g. 20GiB; default {DEFAULT_BUDGET >> 30}GiB; also "
                         f"{BUDGET_ENV})")
     s.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("VMSIDECAR_LOG_FORMAT", "text"))
-    s.add_argument("--log-level", default=os.environ.get("VMSIDECAR_LOG_LEVEL", "INFO"))
+    s.add_argument("--log-level", type=_log_level, metavar="LEVEL", default=os.environ.get("VMSIDECAR_LOG_LEVEL", "info"),
+                   help=f"one of {', '.join(LOG_LEVELS)} (default info; VMSIDECAR_LOG_LEVEL)")
     s.add_argument("--allow-extra-args", action="store_true", help="accept extra_args in specs sent over the API")
     s.add_argument("--allow-host-paths", action="append", default=[], metavar="DIR",
                    help="let API callers name host paths (file:, oci-layout:, kernel, initrd) under DIR; "
