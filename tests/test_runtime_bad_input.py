@@ -176,3 +176,17 @@ def test_a_log_level_in_lower_case_is_taken_and_an_unknown_one_is_named(tmp_path
     refused = serve("chatty")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert "'chatty' is not a log level" in refused.stderr and "debug" in refused.stderr, refused.stderr
+
+
+def test_a_grace_that_is_no_time_is_named_and_zero_is_taken(tmp_path: Path) -> None:
+    """``--grace -5`` was taken, and SIGTERM then logged "guest did not stop within -5 s; killed";
+    ``nan`` and ``inf`` were taken too (a stop that never gives up). 0 pulls the plug at once."""
+    runtime = shutil.which("vmsidecar-runtime") or "vmsidecar-runtime"
+    base = [runtime, "serve", "--cache-dir", str(tmp_path / "cache"), "--state-dir", str(tmp_path / "state"),
+            "--shared-dir", str(tmp_path / "shared"), "--cache-budget", "lots"]  # the next check after the flags
+    for bad in ("-5", "nan", "inf", "soon"):
+        result = subprocess.run([*base, "--grace", bad], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert f"--grace: {bad!r} is not a number of seconds" in result.stderr, result.stderr
+    zero = subprocess.run([*base, "--grace", "0"], capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "'lots' is not a size" in zero.stderr and "--grace" not in zero.stderr, zero.stderr

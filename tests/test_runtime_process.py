@@ -30,7 +30,7 @@ async def test_a_runtime_that_exits_is_reported_with_its_log(tmp_path: Path) -> 
     with pytest.raises(RuntimeStartError) as e:
         await rt.wait_serving()
     message = str(e.value)
-    assert "exited with 2 before it served" in message and "invalid float value: 'soon'" in message, message
+    assert "exited with 2 before it served" in message and "'soon' is not a number of seconds" in message, message
 
 
 def test_a_runtime_late_to_serve_is_reported_and_can_be_killed(tmp_path: Path) -> None:

@@ -39,14 +39,28 @@ def _process_env() -> set[str]:
             PULL_TIMEOUT_ENV, BUDGET_ENV, HEALTH_LISTEN_ENV}
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse type)."""
+def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):  # also refuses nan
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 1800)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    if (value := _finite(text)) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 1800)")
+    return value
+
+
+def _grace(text: str) -> float:
+    """``--grace``: seconds the guest has to stop, 0 to pull the plug at once (argparse type)."""
+    if (value := _finite(text)) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds the guest has to stop "
+                                         "(0 or more; 0 pulls the plug at once)")
     return value
 
 
@@ -307,7 +321,8 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--standby", action="store_true", default=None,
                    help="spec standby: true, a spare restore running during each lease for the next recycle "
                         "(a second idle QEMU; docs/operations.md); also VMSIDECAR_STANDBY=true")
-    s.add_argument("--grace", type=float, default=30.0, help="seconds for a graceful guest stop on SIGTERM")
+    s.add_argument("--grace", type=_grace, default=30.0, metavar="SECONDS",
+                   help="seconds for a graceful guest stop on SIGTERM (default 30; 0: at once)")
     s.add_argument("--pull-timeout", type=_seconds, metavar="SECONDS",
                    default=os.environ.get(PULL_TIMEOUT_ENV, str(DEFAULT_PULL_TIMEOUT_S)),
                    help=f"deadline of one pull or flash, start to end (default {DEFAULT_PULL_TIMEOUT_S:.0f}; "
@@ -352,7 +367,7 @@ def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:
     c = client_parser("power", "power on|off|reset|cycle")
     c.add_argument("action", choices=["on", "off", "reset", "cycle"])
     c.add_argument("--hard", action="store_true", help="off/cycle without ACPI power-down")
-    c.add_argument("--timeout", type=float, default=60.0)
+    c.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS")
     c = client_parser("recycle", "back to pristine (InPlaceReuse)")
     c.add_argument("--no-boot", action="store_true")
     c = client_parser("pull", "pull an image by reference and flash it")
@@ -365,7 +380,7 @@ def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:
     c.add_argument("file")
     c.add_argument("--format", choices=["qcow2", "raw"], default="qcow2")
     c = client_parser("wait-ready", "wait until the guest is Ready")
-    c.add_argument("--timeout", type=float, default=300.0)
+    c.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS")
     c = client_parser("ready", "exit 0 when the guest is Ready, 1 otherwise (a readiness probe)")
     c.add_argument("--quiet", action="store_true")
     client_parser("shutdown", "stop the guest and the runtime")
