@@ -158,7 +158,7 @@ def test_a_shared_dir_too_deep_for_its_sockets_is_named_with_the_fix(tmp_path: P
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_a_log_level_in_lower_case_is_taken_and_an_unknown_one_is_named(tmp_path: Path, how: str) -> None:
+def test_a_log_level_in_lower_case_is_taken_and_an_unknown_level_or_format_is_named(tmp_path: Path, how: str) -> None:
     """``--log-level debug`` (the case the JSON log prints) was handed to ``logging`` as it was and
     ended the start with a traceback ("Unknown level: 'debug'"); an unknown level did the same."""
     runtime = shutil.which("vmsidecar-runtime") or "vmsidecar-runtime"
@@ -176,6 +176,11 @@ def test_a_log_level_in_lower_case_is_taken_and_an_unknown_one_is_named(tmp_path
     refused = serve("chatty")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert "'chatty' is not a log level" in refused.stderr and "debug" in refused.stderr, refused.stderr
+    # the format too: VMSIDECAR_LOG_FORMAT=xml was taken as text, as a default is not held to the choices
+    argv, env = ([*base, "--log-format", "xml"], None) if how == "flag" else (
+        base, {**os.environ, "VMSIDECAR_LOG_FORMAT": "xml"})
+    xml = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert xml.returncode == 2 and "'xml' is not a log format (text or json" in xml.stderr, xml.stderr[-2000:]
 
 
 def test_a_grace_that_is_no_time_is_named_and_zero_is_taken(tmp_path: Path) -> None:
@@ -190,3 +195,15 @@ def test_a_grace_that_is_no_time_is_named_and_zero_is_taken(tmp_path: Path) -> N
         assert f"--grace: {bad!r} is not a number of seconds" in result.stderr, result.stderr
     zero = subprocess.run([*base, "--grace", "0"], capture_output=True, text=True, timeout=60)
     assert zero.returncode == 2 and "'lots' is not a size" in zero.stderr and "--grace" not in zero.stderr, zero.stderr
+
+
+@pytest.mark.parametrize("owner", ["-1", "65532:-1", "4294967295", "99999999999999999999", "nobody"])
+def test_a_socket_owner_that_is_no_user_is_named(tmp_path: Path, owner: str) -> None:
+    """``VMSIDECAR_SOCKET_OWNER=-1`` was taken: chown's "leave it as it is", so the sockets stayed
+    root's and the exporter's user could not connect, with nothing said."""
+    argv = [shutil.which("vmsidecar-runtime") or "vmsidecar-runtime", "serve", "--cache-dir", str(tmp_path / "cache"),
+            "--state-dir", str(tmp_path / "state"), "--shared-dir", str(tmp_path / "shared")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "VMSIDECAR_SOCKET_OWNER": owner})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"VMSIDECAR_SOCKET_OWNER={owner!r} is not UID or UID:GID" in result.stderr, result.stderr

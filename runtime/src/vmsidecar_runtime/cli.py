@@ -76,6 +76,15 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
+def _log_format(text: str) -> str:
+    """``text`` or ``json`` (argparse type: it checks ``VMSIDECAR_LOG_FORMAT`` too, which a choice
+    list would not, being the default)."""
+    if text not in ("text", "json"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log format (text or json; --log-format or "
+                                         "VMSIDECAR_LOG_FORMAT)")
+    return text
+
+
 def _default_socket() -> Path:
     return Path(os.environ.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED_DIR)) / "api.sock"
 
@@ -311,7 +320,9 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="what the image cache (disks and memory snapshots) may hold; past it the least recently "
                         f"used go, never what a VM uses (e.g. 20GiB; default {DEFAULT_BUDGET >> 30}GiB; also "
                         f"{BUDGET_ENV})")
-    s.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("VMSIDECAR_LOG_FORMAT", "text"))
+    s.add_argument("--log-format", type=_log_format, metavar="{text,json}",
+                   default=os.environ.get("VMSIDECAR_LOG_FORMAT", "text"),
+                   help="text (default) or json lines (VMSIDECAR_LOG_FORMAT)")
     s.add_argument("--log-level", type=_log_level, metavar="LEVEL", default=os.environ.get("VMSIDECAR_LOG_LEVEL", "info"),
                    help=f"one of {', '.join(LOG_LEVELS)} (default info; VMSIDECAR_LOG_LEVEL)")
     s.add_argument("--allow-extra-args", action="store_true", help="accept extra_args in specs sent over the API")

@@ -21,6 +21,8 @@ from vmsidecar_contract.errors import HostError, SpecError
 _PR_SET_DUMPABLE = 4
 
 ENV = "VMSIDECAR_SOCKET_OWNER"
+#: ids from 0 up to, not including, (uid_t) -1
+MAX_ID = 2**32 - 1
 
 
 def socket_owner() -> tuple[int, int] | None:
@@ -33,9 +35,13 @@ def socket_owner() -> tuple[int, int] | None:
         return None
     uid, _, gid = value.partition(":")
     try:
-        return int(uid), int(gid or uid)
+        ids = int(uid), int(gid or uid)
     except ValueError:
-        raise SpecError(f"{ENV}={value!r} is not UID or UID:GID; use numbers, e.g. 65532 or 65532:65532") from None
+        ids = (-1, -1)
+    # -1 is chown's "leave it as it is" (the sockets stayed root's), 2**32 - 1 the same as a uid_t
+    if not all(0 <= i < MAX_ID for i in ids):
+        raise SpecError(f"{ENV}={value!r} is not UID or UID:GID; use numbers, e.g. 65532 or 65532:65532")
+    return ids
 
 
 def handing_to_owner() -> bool:
