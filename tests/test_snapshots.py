@@ -149,8 +149,16 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
             assert spare.snapshot.standby == "ready", spare.snapshot
             assert len(qemu_pids(str(rt.state))) == 2
         leases_qemus = set(qemu_pids(str(rt.state)))
+        made_ahead = None
+        if backend == "qemu" and lease == 3 and not standby:  # lease 2's restore made the next one's overlay
+            ahead = rt.state / "overlay-ahead.qcow2"
+            await wait_until_async(ahead.exists, 30, "the next restore's overlay to be made ahead")
+            made_ahead = 1_000_000  # an mtime that tells it (a file made later may get its inode number)
+            os.utime(ahead, (made_ahead, made_ahead))
         state, seconds = await _recycle(client)
         assert state.generation == lease - 1
+        if made_ahead is not None:  # renamed into place: what follows shows it is as pristine as one made now
+            assert (rt.state / "overlay.qcow2").stat().st_mtime == made_ahead
         if backend == "qemu":
             assert state.snapshot.boot == "restored", state.snapshot
             assert state.snapshot.restored_ahead == standby, state.snapshot

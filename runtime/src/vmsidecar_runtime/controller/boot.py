@@ -111,6 +111,8 @@ class Boot:
             if clock_set is not None:
                 self._clock_after_ready(backend, clock_set)
                 clock_set = None  # (set by the clock's task)
+            if new_boot:
+                self._overlay_ahead(snap)
             return True
         finally:
             if clock_set is not None:  # no clock to wait for: the restore did not happen
@@ -212,7 +214,19 @@ class Boot:
             return False
         self._running()
         self._snapshots.adopted(snap, started, spare.clock)
+        self._overlay_ahead(snap)  # for a restore, should the next spare not be there
         return True
+
+    def _overlay_ahead(self, snap: Snapshot) -> None:
+        """Once this restored guest's clock is set, make the next restore's overlay over ``snap``'s
+        frozen disk (``Disks.prepare_ahead``): the next recycle does not wait for qemu-img."""
+        backing = self._snapshots.overlay_backing(snap)
+
+        async def prepare() -> None:
+            await self.clock_settled()
+            await self._disks.prepare_ahead(backing)
+
+        self._spawn(prepare())
 
     def _begin_restored_boot(self, snap: Snapshot) -> None:
         """A new boot from ``snap``: its own counter and timings, the pristine boot's scrollback."""

@@ -7,11 +7,13 @@ only replaces the disk once verified (``image/`` checks it like a pulled image).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,25 @@ from .paths import RuntimePaths
 
 Progress = Callable[[int, int | None], None]
 
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """An overlay made ahead over ``backing`` (a snapshot's frozen disk), as that file was then."""
+
+    backing: Path
+    format: str
+    seal: tuple[int, int, int, int]
+
+
+def _stat_seal(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
 
 class Disks:
     """Which disk the next boot uses, and the files of this lease."""
@@ -36,6 +57,9 @@ class Disks:
         self.base: DiskImage | None = None
         #: an image flashed during this lease (replaces the base until the next recycle)
         self.flashed: DiskImage | None = None
+        #: what ``paths.overlay_ahead`` stands on, once made (``prepare_ahead``)
+        self._ahead: _Ahead | None = None
+        self._making_ahead: asyncio.Task[None] | None = None
 
     @property
     def current(self) -> DiskImage | None:
@@ -96,9 +120,63 @@ class Disks:
         """
         backing = backing or self.current
         assert backing is not None
-        if not self.paths.overlay.exists():
+        if not self.paths.overlay.exists() and not await self._take_ahead(backing):
             await create_overlay(backing, self.paths.overlay)
         return self.paths.overlay
+
+    async def prepare_ahead(self, backing: DiskImage) -> None:
+        """Make the next restore's overlay over ``backing`` (a snapshot's frozen disk) now, while a
+        lease runs: that restore renames it into place rather than wait for ``qemu-img create``
+        (25-35 ms of a 0.1-0.17 s recycle under TCG here). Nothing opens it until then: it is a
+        fresh overlay like the one the restore would make. A failure only logs (the restore makes
+        its own)."""
+        if self._making_ahead is not None or self._ahead_for(backing):
+            return
+        self._drop_ahead()
+        self._making_ahead = asyncio.current_task()
+        try:
+            seal = _stat_seal(backing.path)
+            await create_overlay(backing, self.paths.overlay_ahead)
+            if seal is not None and seal == _stat_seal(backing.path):
+                self._ahead = _Ahead(backing.path, backing.format, seal)
+            else:
+                self.paths.overlay_ahead.unlink(missing_ok=True)
+        except (HostError, OSError) as e:
+            log.warning("the next restore's overlay was not made ahead (%s); the restore makes it",
+                        e.message if isinstance(e, HostError) else e)
+            self.paths.overlay_ahead.unlink(missing_ok=True)
+        finally:
+            self._making_ahead = None
+
+    def _ahead_for(self, backing: DiskImage) -> bool:
+        ahead = self._ahead
+        return (ahead is not None and ahead.backing == backing.path and ahead.format == backing.format
+                and ahead.seal == _stat_seal(backing.path) and self.paths.overlay_ahead.exists())
+
+    async def _take_ahead(self, backing: DiskImage) -> bool:
+        """Rename the overlay made ahead into the lease's place if it stands on ``backing`` as that
+        file is now; one made over another disk stays for the restore it was made for (a power-on
+        of a flashed disk comes between), one over a disk changed since goes. One still being made is
+        waited for (it is nearly done)."""
+        if (making := self._making_ahead) is not None and making is not asyncio.current_task():
+            await asyncio.shield(making)
+        ahead = self._ahead
+        if ahead is None or (ahead.backing, ahead.format) != (backing.path, backing.format):
+            return False
+        if not self._ahead_for(backing):
+            self._drop_ahead()
+            return False
+        self._ahead = None
+        try:
+            os.rename(self.paths.overlay_ahead, self.paths.overlay)
+        except OSError:
+            self.paths.overlay_ahead.unlink(missing_ok=True)
+            return False
+        return True
+
+    def _drop_ahead(self) -> None:
+        self._ahead = None
+        self.paths.overlay_ahead.unlink(missing_ok=True)
 
     async def prepare_freeze(self, size: int) -> Path:
         """The new overlay :meth:`freeze_live` puts on top of the running guest's, made before the
@@ -176,10 +254,11 @@ class Disks:
         self.paths.overlay.unlink(missing_ok=True)
 
     def forget_image(self) -> None:
-        """The spec names another image: drop the base, any flashed disk and the overlay."""
+        """The spec names another image: drop the base, any flashed disk and the overlays."""
         self.base = None
         self.flashed = None
         self.paths.overlay.unlink(missing_ok=True)
+        self._drop_ahead()
 
     async def dump(self, fmt: str) -> Path:
         """Write the current disk (base + this lease's changes) to a new standalone file; the caller
@@ -222,6 +301,7 @@ class Disks:
         flash and dump files of the dead process go too; none of them is ever used.
         """
         await self.discard_lease()
+        self._drop_ahead()  # made over a snapshot this process has not checked
         await asyncio.to_thread(shutil.rmtree, self.paths.spare, True)  # a spare restore's files
         for stale in self.paths.state.glob("dump-*"):
             stale.unlink(missing_ok=True)

@@ -37,6 +37,12 @@ class RuntimePaths:
         return self.state / "overlay-base.qcow2"
 
     @property
+    def overlay_ahead(self) -> Path:
+        """The next restore's overlay, made while a lease runs (``Disks.prepare_ahead``), renamed into
+        :attr:`overlay` by that restore."""
+        return self.state / "overlay-ahead.qcow2"
+
+    @property
     def spare(self) -> Path:
         """A spare restore's own overlay and UEFI vars (``standby.py``), moved into the lease's places
         when a recycle adopts it."""
