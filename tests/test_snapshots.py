@@ -150,7 +150,7 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
             assert len(qemu_pids(str(rt.state))) == 2
         leases_qemus = set(qemu_pids(str(rt.state)))
         made_ahead = None
-        if backend == "qemu" and lease == 3 and not standby:  # lease 2's restore made the next one's overlay
+        if backend == "qemu" and not standby:  # made after the capture was stored, then after lease 2's restore
             ahead = rt.state / "overlay-ahead.qcow2"
             await wait_until_async(ahead.exists, 30, "the next restore's overlay to be made ahead")
             made_ahead = 1_000_000  # an mtime that tells it (a file made later may get its inode number)

@@ -217,14 +217,17 @@ class Boot:
         self._overlay_ahead(snap)  # for a restore, should the next spare not be there
         return True
 
-    def _overlay_ahead(self, snap: Snapshot) -> None:
+    def _overlay_ahead(self, snap: Snapshot | None) -> None:
         """Once this restored guest's clock is set, make the next restore's overlay over ``snap``'s
-        frozen disk (``Disks.prepare_ahead``): the next recycle does not wait for qemu-img."""
-        backing = self._snapshots.overlay_backing(snap)
+        frozen disk (``Disks.prepare_ahead``): the next recycle does not wait for qemu-img. None:
+        over the frozen disk of the capture being stored (this boot went on after it)."""
+        base = self._disks.current
 
         async def prepare() -> None:
             await self.clock_settled()
-            await self._disks.prepare_ahead(backing)
+            stored = snap or await self._snapshots.stored_snapshot()
+            if stored is not None:
+                await self._disks.prepare_ahead(self._snapshots.overlay_backing(stored, base))
 
         self._spawn(prepare())
 
@@ -309,6 +312,7 @@ class Boot:
             assert self._machine.backend is not None
             # the guest's clock stood still while it was paused: set like a restored guest's
             await self._snapshots.went_on(capture, self._machine.backend.guest_agent)
+            self._overlay_ahead(None)  # for the pod's first recycle, its first restore
         return True
 
 

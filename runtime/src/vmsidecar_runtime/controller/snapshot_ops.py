@@ -123,6 +123,8 @@ class SnapshotOps:
         #: the snapshot of a guest that went on after its capture, being written into the store
         #: after Ready (``store_in_background``); awaited before the store is read again (``stored``)
         self._storing: asyncio.Task[None] | None = None
+        #: what the last store in the background stored (``stored_snapshot``)
+        self._last_stored: Snapshot | None = None
         #: allocates the frozen copy's pages as the capturing boot's RAM grows (``FrozenRam.mirror``)
         self._mirroring: asyncio.Task[None] | None = None
 
@@ -267,6 +269,13 @@ class SnapshotOps:
             await asyncio.wait([task])
             if self._storing is task:
                 self._storing = None
+
+    async def stored_snapshot(self) -> Snapshot | None:
+        """Once the capture being written into the store is there: its snapshot (None: it was not
+        stored, or none was being written)."""
+        await self.stored()
+        snap, self._last_stored = self._last_stored, None
+        return snap
 
     def abandon_capture(self) -> None:
         """A lease claimed the guest before its first Ready: this boot is not captured."""
@@ -535,6 +544,7 @@ class SnapshotOps:
     def store_in_background(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
         """Write the frozen capture into the store while the guest runs on (``snapshot.available``
         turns true when it is there); the next boot waits for it (:meth:`stored`)."""
+        self._last_stored = None
         self._storing = asyncio.create_task(self._store_frozen(capture, frozen, consoles))
 
     async def _store_frozen(self, capture: Capture, frozen: FrozenCapture, consoles: dict[str, bytes]) -> None:
@@ -556,6 +566,7 @@ class SnapshotOps:
         log.info("memory snapshot %s captured in %.2f s with the guest paused, stored %.2f s later (%d MB)",
                  capture.key, capture.seconds, time.monotonic() - started, snap.size >> 20)
         self._unproven.add(capture.key)
+        self._last_stored = snap
         self.captured(capture, snap)
 
     async def _commit(self, capture: Capture, consoles: dict[str, bytes], hashed: dict) -> Snapshot:
