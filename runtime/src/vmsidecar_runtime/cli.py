@@ -211,6 +211,18 @@ def _client_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_of_unknown_variables() -> None:
+    """A ``VMSIDECAR_*`` variable no vmsidecar program reads is most likely a typo of one that does."""
+    import logging
+
+    from vmsidecar_contract.envvars import unknown
+
+    for name, near in unknown(os.environ):
+        logging.getLogger("vmsidecar_runtime").warning(
+            "%s is set, but no vmsidecar program reads it%s", name,
+            f"; did you mean {near}?" if near else " (vmsidecar-runtime serve --help names the runtime's)")
+
+
 def _serve_command(args: argparse.Namespace) -> int:
     # here, not at the top: the client commands must not pay for the runtime (docs/decisions.md, issue 21)
     import asyncio
@@ -223,6 +235,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     from .serve import default_paths, serve, setup_logging
 
     setup_logging(args.log_format, args.log_level)
+    _warn_of_unknown_variables()
     configure_budget(args.cache_budget)
     if args.max_disk_size is not None:
         try:
