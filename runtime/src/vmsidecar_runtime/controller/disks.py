@@ -22,7 +22,7 @@ from vmsidecar_contract.spec import VmSpec
 
 from ..disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
 from ..image.checks import verdict
-from ..oci.cache import DiskCache
+from ..oci.cache import DiskCache, stat_seal
 from .paths import RuntimePaths
 
 Progress = Callable[[int, int | None], None]
@@ -36,15 +36,15 @@ class _Ahead:
 
     backing: Path
     format: str
-    seal: tuple[int, int, int, int]
+    seal: dict
 
 
-def _stat_seal(path: Path) -> tuple[int, int, int, int] | None:
+def _stat_seal(path: Path) -> dict | None:
+    """The cache's stat seal of ``path`` (None: it is gone)."""
     try:
-        st = path.stat()
+        return stat_seal(path.stat())
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class Disks:
