@@ -207,3 +207,27 @@ def test_a_socket_owner_that_is_no_user_is_named(tmp_path: Path, owner: str) -> 
                             env={**os.environ, "VMSIDECAR_SOCKET_OWNER": owner})
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert f"VMSIDECAR_SOCKET_OWNER={owner!r} is not UID or UID:GID" in result.stderr, result.stderr
+
+
+def _host_memory_mib() -> int:
+    """RAM and swap of this host, in MiB (``/proc/meminfo``)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return sum(int(fields[name].split()[0]) for name in ("MemTotal", "SwapTotal")) >> 10
+
+
+async def test_a_guest_memory_the_host_cannot_give_names_the_spec_and_the_fix(start_runtime: Any, tiny_image: Any) -> None:
+    """Twice the host's RAM and swap, in a boot that captures nothing (its RAM is QEMU's own
+    anonymous memory; a capturing boot's is a memfd, which the kernel lets a guest overcommit):
+    under the kernel's default overcommit heuristic (mode 0, as Debian ships) QEMU's allocation fails
+    as it starts. The message says it was the spec's memory, how much, and what to change, not only
+    QEMU's "Cannot allocate memory"."""
+    assert Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1", (
+        "vm.overcommit_memory=1 lets any allocation through: this test needs the default (0) or 2")
+    memory = min(2 * _host_memory_mib(), 1 << 20)
+    assert memory > _host_memory_mib(), "the host has 1 TiB or more: no spec memory is too much for it"
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": memory, "snapshot": "off"})
+    state = await wait_phase(rt.client(), "Error", timeout=60)
+    message = state.last_error["message"]
+    assert f"could not allocate the guest's {memory} MiB of RAM" in message, message
+    assert "lower the spec's memory" in message and "Cannot allocate memory" in message, message
+    assert await rt.client().healthy()

@@ -56,6 +56,9 @@ UNTHROTTLED = 1 << 40
 #: SHUTDOWN causes after which QEMU exits despite ``-no-shutdown`` (QMP ``quit`` and a host signal
 #: override it): the guest is not "powered off and waiting"; the EXITED that follows decides
 EXITING_CAUSES = frozenset({"host-qmp-quit", "host-signal"})
+#: QEMU 7.2's words when the guest's RAM cannot be allocated (its own anonymous RAM: physmem.c's
+#: ``qemu_ram_alloc_internal``; a file or memfd backend's mapping: ``file_ram_alloc``)
+RAM_REFUSED = ("cannot set up guest memory", "unable to map backing store for guest RAM")
 #: QEMUs that quit and are exiting while the runtime goes on (``QemuBackend.quit``): reaped by
 #: these tasks, which ``close_backends`` waits for at the runtime's exit
 _EXITING: set[asyncio.Task[None]] = set()
@@ -261,6 +264,13 @@ class QemuBackend:
     def _early_exit_message(self) -> str:
         info = self.exit_info or ExitInfo()
         tail = " | ".join(info.stderr_tail[-5:]) or "no output"
+        if any(words in tail for words in RAM_REFUSED):
+            # the one start-up failure whose fix is a number in the spec: say which and how much
+            return (
+                f"QEMU could not allocate the guest's {self.plan.spec.memory} MiB of RAM ({tail}): this host, or "
+                "the pod's memory limit, cannot give that much; lower the spec's memory (memory:, VMSIDECAR_MEMORY) "
+                "or run the guest where there is more"
+            )
         return (
             f"QEMU exited during start-up (exit code {info.returncode}, signal {info.signal}): {tail}; "
             "fix the cause QEMU names (image, firmware or spec)"
