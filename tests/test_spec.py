@@ -61,6 +61,16 @@ def test_layers_file_env_flags(tmp_path: Path) -> None:
     assert (spec.image, spec.cpus, spec.memory) == ("file:/a.qcow2", 3, 1024)
 
 
+def test_every_top_level_choice_a_podman_run_may_want_to_turn_off_is_an_environment_variable() -> None:
+    """``snapshot: off`` from the environment, as ``standby`` and the rest: ``podman run -e
+    VMSIDECAR_SNAPSHOT=off`` was ignored (serve warned, suggesting VMSIDECAR_SNAPSHOT_FORM, which is
+    something else) and the runtime captured."""
+    spec = spec_from_sources(None, env={"VMSIDECAR_IMAGE": "file:/a.qcow2", "VMSIDECAR_SNAPSHOT": "off"})
+    assert spec.snapshot == "off"
+    with pytest.raises(SpecError, match="snapshot"):
+        spec_from_sources(None, env={"VMSIDECAR_IMAGE": "file:/a.qcow2", "VMSIDECAR_SNAPSHOT": "never"})
+
+
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="cannot read spec file"):
         spec_from_sources(tmp_path / "missing.yaml", env={})

@@ -431,7 +431,7 @@ def load_spec_text(text: str, source: str = "spec") -> VmSpec:
 
 #: Top-level scalar fields settable as VMSIDECAR_<FIELD> environment variables.
 ENV_FIELDS = ("image", "arch", "machine", "cpu", "cpus", "memory", "accel", "firmware", "backend", "libvirt_uri",
-              "snapshot_source", "standby")
+              "snapshot", "snapshot_source", "standby")
 #: Readiness fields settable as VMSIDECAR_READY_<FIELD> (and ``--ready-<field>`` flags).
 READY_ENV_FIELDS = ("pattern", "console", "timeout")
 
