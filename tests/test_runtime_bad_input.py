@@ -231,3 +231,19 @@ async def test_a_guest_memory_the_host_cannot_give_names_the_spec_and_the_fix(st
     assert f"could not allocate the guest's {memory} MiB of RAM" in message, message
     assert "lower the spec's memory" in message and "Cannot allocate memory" in message, message
     assert await rt.client().healthy()
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("machine", "pc-q99", "-machine help"),
+    ("cpu", "Pentium-Z9", "-cpu help"),
+])
+async def test_a_machine_or_cpu_model_qemu_does_not_have_names_the_spec_field(
+    start_runtime: Any, tiny_image: Any, field: str, value: str, words: str
+) -> None:
+    """Valid names (the spec checks their form) that this QEMU has no such thing of: the Error names
+    the spec's field and value and where the list of real ones is, besides QEMU's own words."""
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", field: value, "snapshot": "off"})
+    state = await wait_phase(rt.client(), "Error", timeout=60)
+    message = state.last_error["message"]
+    assert f"the spec's {field} '{value}' is not one this QEMU has" in message, message
+    assert f"qemu-system-x86_64 {words}" in message and f"leave {field} out" in message, message

@@ -23,14 +23,14 @@ from qemu.qmp.error import QMPError
 from qemu.qmp.message import Message
 
 from vmsidecar_contract.errors import HostError
-from vmsidecar_contract.spec import PortForward
+from vmsidecar_contract.spec import PortForward, VmSpec
 from vmsidecar_contract.state import ExitInfo
 
 from ..plan import BootPlan, shared_with_another_qemu
 from ..procs import exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink, register_shared
-from .common import emulator_path, hostfwd_rule
+from .common import emulator_path, hostfwd_rule, qemu_binary
 from .guest_agent import GuestAgent, hold
 from .netguard import NetGuard, guarded
 from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, piped_streams
@@ -59,6 +59,8 @@ EXITING_CAUSES = frozenset({"host-qmp-quit", "host-signal"})
 #: QEMU 7.2's words when the guest's RAM cannot be allocated (its own anonymous RAM: physmem.c's
 #: ``qemu_ram_alloc_internal``; a file or memfd backend's mapping: ``file_ram_alloc``)
 RAM_REFUSED = ("cannot set up guest memory", "unable to map backing store for guest RAM")
+#: QEMU 7.2's words for a machine type or CPU model it does not have (the spec checks only their form)
+NO_SUCH_MODEL = {"machine": "unsupported machine type", "cpu": "unable to find CPU model"}
 #: QEMUs that quit and are exiting while the runtime goes on (``QemuBackend.quit``): reaped by
 #: these tasks, which ``close_backends`` waits for at the runtime's exit
 _EXITING: set[asyncio.Task[None]] = set()
@@ -264,13 +266,8 @@ class QemuBackend:
     def _early_exit_message(self) -> str:
         info = self.exit_info or ExitInfo()
         tail = " | ".join(info.stderr_tail[-5:]) or "no output"
-        if any(words in tail for words in RAM_REFUSED):
-            # the one start-up failure whose fix is a number in the spec: say which and how much
-            return (
-                f"QEMU could not allocate the guest's {self.plan.spec.memory} MiB of RAM ({tail}): this host, or "
-                "the pod's memory limit, cannot give that much; lower the spec's memory (memory:, VMSIDECAR_MEMORY) "
-                "or run the guest where there is more"
-            )
+        if (named := _spec_start_failure(self.plan.spec, tail)) is not None:
+            return named
         return (
             f"QEMU exited during start-up (exit code {info.returncode}, signal {info.signal}): {tail}; "
             "fix the cause QEMU names (image, firmware or spec)"
@@ -575,3 +572,18 @@ async def collect_output(stream: asyncio.StreamReader, tail: deque[str]) -> None
             held, said = 0, time.monotonic()
     if held:
         log.warning("qemu: %d more lines (the last: %.200s)", held, text)
+
+
+def _spec_start_failure(spec: VmSpec, tail: str) -> str | None:
+    """QEMU's start-up failures whose fix is a spec field: the field, its value and the fix, with
+    QEMU's words (``tail``); None for the others, whose fix is in QEMU's words alone."""
+    if any(words in tail for words in RAM_REFUSED):
+        return (f"QEMU could not allocate the guest's {spec.memory} MiB of RAM ({tail}): this host, or the pod's "
+                "memory limit, cannot give that much; lower the spec's memory (memory:, VMSIDECAR_MEMORY) or run "
+                "the guest where there is more")
+    for field, words in NO_SUCH_MODEL.items():
+        if words in tail and (value := getattr(spec, field)):
+            env = f"VMSIDECAR_{field.upper()}"
+            return (f"the spec's {field} '{value}' is not one this QEMU has ({tail}); leave {field} out for the "
+                    f"default, or name one `{qemu_binary(spec.arch)} -{field} help` lists ({field}:, {env})")
+    return None
