@@ -135,7 +135,8 @@ async def test_client_commands_against_a_runtime_import_nothing_heavy(start_runt
         (["flash", str(not_a_disk)], 2, "error: the flashed image is not a disk image"),
         (["dump", str(tmp_path / "out.qcow2")], 2, "error: the runtime has no VM spec yet"),
         (["pull", "registry.invalid/x:1"], 2, "error: the runtime has no VM spec yet"),
-        (["console"], 2, f"error: the vmsidecar runtime is not reachable: {rt.shared / 'console.sock'} does not exist"),
+        (["console"], 2, f"error: {rt.shared / 'console.sock'} is not there yet: the runtime serves a console once "
+                         "its VM boots (it is Error); power it on first"),
         (["status", "--socket", str(tmp_path / "nowhere.sock")], 2,
          f"error: the vmsidecar runtime is not reachable: {tmp_path / 'nowhere.sock'} does not exist"),
     ]

@@ -247,3 +247,39 @@ async def test_a_machine_or_cpu_model_qemu_does_not_have_names_the_spec_field(
     message = state.last_error["message"]
     assert f"the spec's {field} '{value}' is not one this QEMU has" in message, message
     assert f"qemu-system-x86_64 {words}" in message and f"leave {field} out" in message, message
+
+
+async def test_the_client_commands_name_a_local_file_they_cannot_use_and_leave_nothing(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    """``flash`` of a directory, ``dump`` into a directory or a directory that does not exist, and
+    ``console`` with a file or /dev/null as its input (which epoll cannot watch) each ended in a
+    traceback; ``dump`` into a directory had already written the whole disk beside it (``DIR.part``)."""
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})  # the suite's common key
+    folder = tmp_path / "folder"
+    folder.mkdir()
+
+    def cli(*args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["vmsidecar-runtime", args[0], "--socket", str(rt.socket), *args[1:]], stdin=stdin,
+                              capture_output=True, text=True, timeout=60)
+
+    for args, words in (
+        (("flash", str(folder)), f"cannot read {folder}: it is a directory; name a disk image file"),
+        (("flash", str(tmp_path / "nothing.qcow2")), f"cannot read {tmp_path / 'nothing.qcow2'}: No such file"),
+        (("dump", str(folder)), f"cannot write the disk to {folder}: it is a directory; name a file"),
+        (("dump", str(tmp_path / "no" / "d.qcow2")), f"cannot write the disk to {tmp_path / 'no' / 'd.qcow2'}: "
+                                                      f"{tmp_path / 'no'} does not exist"),
+    ):
+        result = cli(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert words in result.stderr, (args, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "rt"]  # no .part of a dump beside them
+
+
+    await rt.client().wait_ready(300)  # (its console socket is there once a guest runs)
+    log = tmp_path / "input.txt"
+    log.write_text("echo hi\n")
+    with log.open("rb") as from_file:
+        for stdin in (subprocess.DEVNULL, from_file):
+            result = cli("console", stdin=stdin)
+            assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr

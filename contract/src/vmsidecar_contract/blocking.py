@@ -208,13 +208,14 @@ class BlockingRuntimeClient:
                 while chunk := resp.read(1 << 20):
                     fh.write(chunk)
                     total += len(chunk)
+            tmp.replace(dest)
         except (OSError, http.client.HTTPException) as e:
+            tmp.unlink(missing_ok=True)  # a half-written disk is no dump, and a whole one is not where asked
             if isinstance(e, OSError) and not isinstance(e, ConnectionError | TimeoutError):
                 raise  # the local file, not the runtime
             raise unavailable(self.socket_path, e) from e
         finally:
             resp.close()
-        tmp.replace(dest)
         return total
 
     def healthy(self) -> bool:

@@ -154,16 +154,43 @@ async def _console(socket: Path) -> None:
     if interactive:
         tty.setraw(stdin_fd)
         print("[attached; Ctrl-] to detach]\r", file=sys.stderr)
-    loop.add_reader(stdin_fd, on_stdin)
+    watched = True
+    try:
+        loop.add_reader(stdin_fd, on_stdin)
+    except PermissionError:  # a regular file or /dev/null, which epoll refuses: read at once, as never blocking
+        watched = False
+        while not done.is_set():
+            on_stdin()
     out = asyncio.create_task(pump_out())
     try:
         await done.wait()
     finally:
-        loop.remove_reader(stdin_fd)
+        if watched:
+            loop.remove_reader(stdin_fd)
         out.cancel()
         writer.close()
         if saved is not None:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
+
+
+def _readable(path: Path) -> Path:
+    """The file ``flash`` sends, checked before any request: what it is not, with the fix."""
+    if path.is_dir():
+        raise VmsidecarError(f"cannot read {path}: it is a directory; name a disk image file")
+    try:
+        path.open("rb").close()
+    except OSError as e:
+        raise VmsidecarError(f"cannot read {path}: {e.strerror}; name a disk image file you can read") from e
+    return path
+
+
+def _writable(path: Path) -> Path:
+    """Where ``dump`` writes, checked before the runtime streams a whole disk to it."""
+    if path.is_dir():
+        raise VmsidecarError(f"cannot write the disk to {path}: it is a directory; name a file (as {path}/disk.qcow2)")
+    if not path.parent.is_dir():
+        raise VmsidecarError(f"cannot write the disk to {path}: {path.parent} does not exist; create it first")
+    return path
 
 
 def _client_command(args: argparse.Namespace) -> int:
@@ -186,9 +213,9 @@ def _client_command(args: argparse.Namespace) -> int:
             finish()
         _print_state(state, args.json)
     elif args.command == "flash":
-        _print_state(client.flash(Path(args.file), power_off=args.power_off), args.json)
+        _print_state(client.flash(_readable(Path(args.file)), power_off=args.power_off), args.json)
     elif args.command == "dump":
-        size = client.dump(Path(args.file), fmt=args.format)
+        size = client.dump(_writable(Path(args.file)), fmt=args.format)
         print(json.dumps({"file": args.file, "bytes": size}) if args.json else f"wrote {size} bytes to {args.file}")
     elif args.command == "wait-ready":
         _print_state(client.wait_ready(args.timeout), args.json)
@@ -207,6 +234,10 @@ def _client_command(args: argparse.Namespace) -> int:
         try:
             asyncio.run(_console(path))
         except (FileNotFoundError, ConnectionRefusedError) as e:
+            if client.healthy():  # the runtime is there: its VM has not booted yet
+                raise VmsidecarError(
+                    f"{path} is not there yet: the runtime serves a console once its VM boots (it is "
+                    f"{client.state()['phase']}); power it on first (vmsidecar-runtime power on)") from e
             raise unavailable(path, e) from e
     return 0
 
