@@ -409,3 +409,20 @@ def test_push_refuses_compressed_or_missing_disk_and_non_registry_refs(
         push_artifact(oci_qcow2, f"oci-layout:{tmp_path}:x")
     with pytest.raises(BadReferenceError, match="pins a digest"):
         push_artifact(oci_qcow2, f"{registry.host}/err/push@sha256:{'a' * 64}")
+
+
+@pytest.mark.parametrize("where", ["a-file", "/proc/vmsidecar-layout"])
+def test_a_layout_directory_that_cannot_be_written_is_named_not_reported_as_a_crash(
+    oci_qcow2: Path, tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``vmsidecar-oci layout DISK DIR`` where DIR is a file, or cannot be made: it said "unexpected
+    NotADirectoryError …; report it", as for a bug."""
+    from vmsidecar_runtime.oci.cli import main
+
+    target = tmp_path / where if not where.startswith("/") else Path(where)
+    if where == "a-file":
+        target.write_text("not a directory\n")
+    assert main(["layout", str(oci_qcow2), str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot write an OCI layout into {target} (" in err and "unexpected" not in err, err
+    assert "name a directory you can write" in err, err

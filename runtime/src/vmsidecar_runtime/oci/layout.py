@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from vmsidecar_contract.errors import DigestMismatchError, ImageError
+from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
 from vmsidecar_runtime.image.digest import is_sha256_digest, sha256_digest
 from vmsidecar_runtime.image.sniff import Compression
 
@@ -159,10 +159,15 @@ def write_layout(
     Returns the digest of the platform manifest. ``annotations`` go on the manifest and its entry.
 
     :raise ImageError: the disk cannot be packed, or ``layout_dir`` is not a layout.
+    :raise HostError: ``layout_dir`` cannot be made or written.
     """
     layout_dir = Path(layout_dir)
     blobs = layout_dir / "blobs" / "sha256"
-    blobs.mkdir(parents=True, exist_ok=True)
+    try:
+        blobs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where the directory goes, no room, no permission
+        raise HostError(f"cannot write an OCI layout into {layout_dir} ({e.strerror}); name a directory you can "
+                        "write (it is made when it does not exist)") from None
     if not (layout_dir / "oci-layout").exists():
         _write_atomic(layout_dir / "oci-layout", LAYOUT_VERSION)
     index_path = layout_dir / "index.json"
