@@ -60,7 +60,7 @@ def test_cli_layout_then_pull(oci_qcow2: Path, tmp_path: Path, capsys: pytest.Ca
     [
         (["pull", "ftp://x"], "error: reference 'ftp://x' uses the unknown scheme 'ftp'"),
         (["pull", "file:/nonexistent/disk.qcow2"], "error: disk file /nonexistent/disk.qcow2 does not exist"),
-        (["push", "/nonexistent.qcow2", "127.0.0.1:1/x/y:1"], "error: registry 127.0.0.1:1 is unreachable"),
+        (["push", "/nonexistent.qcow2", "127.0.0.1:1/x/y:1"], "error: disk file /nonexistent.qcow2 does not exist"),
         (["inspect", "foo/bar:1"], "error: reference 'foo/bar:1' has no registry host"),
     ],
 )

@@ -426,3 +426,22 @@ def test_a_layout_directory_that_cannot_be_written_is_named_not_reported_as_a_cr
     err = capsys.readouterr().err
     assert f"error: cannot write an OCI layout into {target} (" in err and "unexpected" not in err, err
     assert "name a directory you can write" in err, err
+
+
+@pytest.mark.parametrize("what", ["missing", "directory", "compressed"])
+def test_a_disk_push_cannot_publish_is_named_before_the_registry_is_asked(tmp_path: Path, what: str) -> None:
+    """The disk is checked before the network: a typo in its path was reported as the registry's
+    being unreachable (after its retries) when both were wrong, and only then as itself."""
+    disk = tmp_path / "disk.qcow2"
+    if what == "directory":
+        disk.mkdir()
+    elif what == "compressed":
+        disk.write_bytes(zstandard.ZstdCompressor().compress(b"\0" * 4096))
+    started = time.monotonic()
+    with pytest.raises(ImageError) as caught:
+        push_artifact(disk, "127.0.0.1:1/vm/tiny:1")
+    assert caught.value.code == ("compressed_input" if what == "compressed" else "disk_not_found"), caught.value.message
+    assert str(disk) in caught.value.message and "unreachable" not in caught.value.message
+    assert time.monotonic() - started < 2  # no registry retries first
+    with pytest.raises(RegistryError, match=r"registry 127\.0\.0\.1:1 is unreachable"):  # a good disk: then the registry
+        push_artifact(make_qcow2(tmp_path / "good.qcow2"), "127.0.0.1:1/vm/tiny:1")

@@ -9,7 +9,7 @@ from vmsidecar_contract.errors import BadReferenceError
 from vmsidecar_runtime.image.sniff import Compression
 
 from .mediatypes import OCI_INDEX, OCI_MANIFEST, answers_of, load_document
-from .pack import Form, merged_index, pack
+from .pack import Form, inspect_disk, merged_index, pack
 from .pull import resolve_arch
 from .reference import parse_reference
 from .registry import RawManifest, RegistryClient
@@ -51,6 +51,9 @@ def push(
         )
     arch = resolve_arch(arch)
     tag = reference.tag or "latest"
+    # the disk before the network: what is wrong with it is said at once, not after the registry's
+    # retries (pack checks it again: a qemu-img call, against the minutes a push takes)
+    inspect_disk(Path(disk))
     client = RegistryClient(reference, plain_http=plain_http, credentials=credentials)
     try:
         return _push(client, Path(disk), tag, form=form, arch=arch, compression=compression,
