@@ -365,6 +365,17 @@ def test_cli_build_and_list(tiny_image: BuiltImage, capsys: pytest.CaptureFixtur
     assert str(tiny_image.dir) in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["build", "lock"])
+def test_cli_names_an_architecture_it_cannot_build(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--arch riscv64`` ended ``build`` in a ValueError traceback; it is a usage error now."""
+    with pytest.raises(SystemExit) as ended:
+        cli_main([command, "tiny", "--arch", "riscv64"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert "unsupported architecture 'riscv64'; use one of x86_64 (amd64) or aarch64 (arm64)" in err, err
+    assert "Traceback" not in err
+
+
 def test_build_is_reproducible(
     tiny_image: BuiltImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,10 +7,19 @@ import json
 import logging
 import sys
 
+from vmsidecar_contract.arch import normalize_arch
 from vmsidecar_contract.errors import VmsidecarError
 
 from .build import build_image, cache_root, list_images, lock_recipe
 from .recipe import available_recipes
+
+
+def _arch(text: str) -> str:
+    """``--arch``: an architecture this project builds for, or a usage error naming the ones it does."""
+    try:
+        return normalize_arch(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build a recipe (or reuse the cached build with the same inputs)")
     b.add_argument("name", help=f"recipe name ({', '.join(available_recipes())})")
-    b.add_argument("--arch", default="x86_64", help="x86_64 (default) or aarch64")
+    b.add_argument("--arch", type=_arch, default="x86_64", help="x86_64 (default) or aarch64")
     b.add_argument("--label", help="guest label (hostname, /etc/vmsidecar-image, readiness marker)")
     b.add_argument("--out", help="cache root for this build (default $VMSIDECAR_IMAGE_CACHE or ~/.cache)")
     b.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
@@ -26,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     lk = sub.add_parser("lock", help="re-resolve a bootstrapped recipe's packages (debian) and rewrite the "
                         "snapshot in its versions.toml")
     lk.add_argument("name", help="recipe name (debian)")
-    lk.add_argument("--arch", default="x86_64")
+    lk.add_argument("--arch", type=_arch, default="x86_64")
     lk.add_argument("--out", help="where the temporary bootstrap goes (default: the image cache root)")
     ls = sub.add_parser("list", help="list the cached builds")
     ls.add_argument("--out", help="cache root to list")
