@@ -589,3 +589,22 @@ def test_the_images_carry_no_setuid_or_setgid_file() -> None:
         for run in runs:
             if "apt-get install" in run:
                 assert STRIP_SETID.search(run.split("apt-get install", 1)[1]), f"{name}: {run[:80]} …"
+
+
+@pytest.mark.parametrize(("option", "value", "words"), [
+    ("--recycle", "Exit", "--recycle Exit: use ExitAndReplace or InPlaceReuse"),
+    ("--port", "19o90", "--port 19o90: use a TCP port, 1-65535"),
+    ("--health-port", "70000", "--health-port 70000: use a TCP port, 1-65535"),
+    ("--name", "my pod", "--name 'my pod': use letters, digits, '_', '.' and '-'"),
+    ("--memory", "1 G", "--memory '1 G': write it like 512M or 2G"),
+    ("--image", "r/x:1\n  privileged: true", "--image: a reference has no whitespace or quotes"),
+])
+def test_pod_options_that_would_break_the_rendered_pod_are_named(option: str, value: str, words: str) -> None:
+    """scripts/pod puts these into the pod's YAML and podman's names: a bad one was passed on (a
+    `--recycle Exit` pod came up and its exporter failed; an `--image` with a newline added its own
+    lines to the YAML)."""
+    args = ["--image", "127.0.0.1:5000/vm/tiny:1"] if option != "--image" else []
+    result = subprocess.run([str(ROOT / "scripts" / "pod"), "render", *args, option, value], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == "", (result.stdout, result.stderr)
+    assert f"scripts/pod: {words}" in result.stderr, result.stderr
