@@ -43,6 +43,9 @@ async def test_standalone_mode_flash_from_file_and_registry(
     ref = f"{registry.host}/vm/tiny-b:standalone"
     push_artifact(tiny_b_image.disk, ref)
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"})
+    # Ready first: on a cache without this key's capture the guest boots cold, and the console check's
+    # input, sent at once, would reach a kernel still booting instead of its shell (as in local mode)
+    await rt.client().wait_ready(180)
     cfg = exporter_config(tmp_path / "exporter.yaml", {"socket": str(rt.socket), "recycle": "InPlaceReuse"})
     exp = await asyncio.to_thread(standalone_exporter, cfg)
 
@@ -57,6 +60,8 @@ j vm power on
 pipe_until "VMSIDECAR-READY image=tiny-b" flashed.txt
 j vm power off
 j vm storage dump dumped.qcow2
+j vm storage dump {tmp_path} && exit 12 || true
+j vm storage dump {tmp_path}/no/dir/d.qcow2 && exit 13 || true
 j vm storage flash {tiny_image.disk}
 j vm storage flash /nonexistent.qcow2 && exit 10 || true
 j vm storage flash oci://127.0.0.1:1/none:1 && exit 11 || true
@@ -66,4 +71,8 @@ j vm storage flash oci://127.0.0.1:1/none:1 && exit 11 || true
     assert "VMSIDECAR-READY image=tiny-b" in (tmp_path / "flashed.txt").read_text(errors="replace")
     assert (tmp_path / "dumped.qcow2").read_bytes()[:4] == b"QFI\xfb"
     assert "/nonexistent.qcow2 does not exist or is not a file" in result.stderr
+    # a dump into a directory hung the client until it was killed (upstream's local writer fails, the
+    # driver's stream waits on it); one into a missing directory said so only as an OSError
+    assert f"cannot dump the disk into {tmp_path}: it is a directory; name a file" in result.stderr
+    assert f"cannot dump the disk into {tmp_path}/no/dir/d.qcow2: {tmp_path}/no/dir does not exist" in result.stderr
     assert "registry 127.0.0.1:1 is unreachable" in result.stderr  # the runtime's sentence, verbatim

@@ -1,4 +1,4 @@
-"""Client side: the standard FlasherClient plus ``oci://`` references and clear local-file errors."""
+"""Client side: the standard FlasherClient plus ``oci://`` references and clear local-file errors (flash and dump)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,17 @@ class VmStorageClient(FlasherClient):
             raise FileNotFoundError(f"{text} does not exist or is not a file; give the path of a qcow2/raw image, "
                                     "an http(s):// URL or oci://REGISTRY/REPO:TAG")
         return super()._flash_single(image, target=target, compression=compression)
+
+    def dump(self, path: PathBuf, *, target: str | None = None, compression: Compression | None = None) -> Any:
+        text = str(path)
+        if not text.startswith(("http://", "https://")):
+            # checked before the call: upstream's local writer fails on a directory only once the
+            # disk streams, and the client then waits on the driver's stream until it is killed
+            local = Path(text)
+            if local.is_dir():
+                raise IsADirectoryError(f"cannot dump the disk into {text}: it is a directory; name a file "
+                                        f"(as {local / 'disk.qcow2'})")
+            if not local.resolve().parent.is_dir():
+                raise FileNotFoundError(f"cannot dump the disk into {text}: {local.parent} does not exist; "
+                                        "create it first")
+        return super().dump(path, target=target, compression=compression)
