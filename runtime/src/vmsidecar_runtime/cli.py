@@ -154,19 +154,25 @@ async def _console(socket: Path) -> None:
     if interactive:
         tty.setraw(stdin_fd)
         print("[attached; Ctrl-] to detach]\r", file=sys.stderr)
-    watched = True
+    async def pump_in() -> None:  # an input epoll refuses (a regular file, /dev/null, /dev/zero)
+        while data := await asyncio.to_thread(os.read, stdin_fd, 65536):
+            writer.write(data)
+            await writer.drain()  # (an endless one goes at the console's pace, not into memory)
+        done.set()
+
+    reading: asyncio.Task[None] | None = None
     try:
         loop.add_reader(stdin_fd, on_stdin)
-    except PermissionError:  # a regular file or /dev/null, which epoll refuses: read at once, as never blocking
-        watched = False
-        while not done.is_set():
-            on_stdin()
+    except PermissionError:
+        reading = asyncio.create_task(pump_in())
     out = asyncio.create_task(pump_out())
     try:
         await done.wait()
     finally:
-        if watched:
+        if reading is None:
             loop.remove_reader(stdin_fd)
+        else:
+            reading.cancel()
         out.cancel()
         writer.close()
         if saved is not None:
