@@ -283,3 +283,19 @@ async def test_the_client_commands_name_a_local_file_they_cannot_use_and_leave_n
         for stdin in (subprocess.DEVNULL, from_file):
             result = cli("console", stdin=stdin)
             assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--shared-dir", "--cache-dir", "--state-dir"])
+def test_a_file_where_a_directory_goes_is_named_as_a_file(tmp_path: Path, flag: str) -> None:
+    """It said "cannot be created (File exists) …; make it writable by this user (chown …)": neither
+    is the cause nor the fix."""
+    runtime = shutil.which("vmsidecar-runtime") or "vmsidecar-runtime"
+    dirs = {name: str(tmp_path / name.strip("-")) for name in ("--shared-dir", "--cache-dir", "--state-dir")}
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    dirs[flag] = str(a_file)
+    result = subprocess.run([runtime, "serve", *(x for pair in dirs.items() for x in pair)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{a_file} is a file, not a directory; remove it or pass another {flag}" in result.stderr, result.stderr
+    assert a_file.read_text() == "not a directory\n"

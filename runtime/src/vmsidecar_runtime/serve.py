@@ -150,6 +150,8 @@ def prepare_dirs(paths: RuntimePaths) -> None:
         if path is paths.shared and path.is_symlink():  # the exporter may write where it points
             raise HostError(f"the shared directory {path} is a symbolic link; pass the directory itself "
                             f"({flag} {path.resolve()})")
+        if path.exists() and not path.is_dir():  # (mkdir says "File exists", and no chown helps)
+            raise HostError(f"the {what} directory {path} is a file, not a directory; remove it or pass another {flag}")
         try:
             path.mkdir(parents=True, exist_ok=True)
             problem = "" if os.access(path, os.W_OK | os.X_OK) else "is not writable"
