@@ -305,3 +305,48 @@ async def test_fifty_concurrent_clients_power_flash_dump_recycle(
     await con.expect("VMSIDECAR-READY image=tiny ", 60)
     await con.close()
     await wait_phase(admin, "Ready")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_and_guest_and_removes_its_files(
+    tiny_image: Any, image_cache: Path, sig: signal.Signals
+) -> None:
+    """A terminal closed (SIGHUP) or a `kill`/`timeout` (SIGTERM) ended vmsidecar-shell and left its
+    runtime, the guest's QEMU and its work directory behind (its `finally` never ran)."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_")}
+    env["VMSIDECAR_CACHE_DIR"] = str(image_cache)  # the suite's common key: a restore
+    shell = subprocess.Popen(
+        [sys.executable, "-m", "jumpstarter_driver_vmsidecar.local", "--image", f"file:{tiny_image.disk}",
+         "--memory", "256M", "--", "sleep", "300"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert shell.stderr is not None
+        lines = []
+        while not any("guest ready" in line for line in lines):
+            line = shell.stderr.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+        work = Path(re.search(r"\(log (\S+)/runtime\.log\)", "".join(lines)).group(1))  # type: ignore[union-attr]
+        assert work.is_dir()
+        mine = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_names(int(pid), str(work))]
+        assert len(mine) >= 2, mine  # the runtime and its QEMU
+        shell.send_signal(sig)
+        assert shell.wait(60) != 0
+        deadline = time.monotonic() + 30
+        while (left := [pid for pid in mine if _cmdline_names(int(pid), str(work))]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"still running after the shell ended: {left}"
+        assert not work.exists()
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+
+
+def _cmdline_names(pid: int, text: str) -> bool:
+    """Whether process ``pid`` runs (not a zombie) with ``text`` in its command line."""
+    try:
+        return text in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False

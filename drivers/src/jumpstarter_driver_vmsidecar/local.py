@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _end_by_signal(signum: int, _frame: object) -> None:
+    """Leave through ``main``'s ``finally`` (the runtime and its guest stopped, the work directory
+    removed): Python's default for these signals ends the process there and then."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = build_parser().parse_args(argv)
@@ -140,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shared, log = runtime.shared, runtime.log
+    for ending in (signal.SIGTERM, signal.SIGHUP):  # a `kill`, or the terminal closed: stop as at the shell's end
+        signal.signal(ending, _end_by_signal)
     try:
         print(f"vmsidecar: booting the guest (log {log}) …", file=sys.stderr)
         # the runtime enforces the readiness timeout (the guest goes to Error); ours only adds the pull
