@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -313,8 +314,6 @@ def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_and_guest_and_remov
 ) -> None:
     """A terminal closed (SIGHUP) or a `kill`/`timeout` (SIGTERM) ended vmsidecar-shell and left its
     runtime, the guest's QEMU and its work directory behind (its `finally` never ran)."""
-    import sys
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_")}
     env["VMSIDECAR_CACHE_DIR"] = str(image_cache)  # the suite's common key: a restore
     shell = subprocess.Popen(

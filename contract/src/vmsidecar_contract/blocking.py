@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -173,9 +174,18 @@ class BlockingRuntimeClient:
         self._request(api.POST_SHUTDOWN)
 
     def flash(self, path: Path, *, power_off: bool = False) -> dict[str, Any]:
-        """``PUT /v1/vm/disk`` with a local file."""
-        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
-        with open(path, "rb") as fh:
+        """``PUT /v1/vm/disk`` with a local file.
+
+        :raise VmsidecarError: ``path`` is no file this user can read (before any request).
+        """
+        if path.is_dir():
+            raise errors.VmsidecarError(f"cannot read {path}: it is a directory; name a disk image file")
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 (the with below closes it; opened apart to say why it cannot be)
+        except OSError as e:
+            raise errors.VmsidecarError(f"cannot read {path}: {e.strerror}; name a disk image file you can read") from e
+        with fh:
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(os.fstat(fh.fileno()).st_size)}
             return dict(self._request(api.PUT_DISK, body=fh, headers=headers,
                                       params={"power_off": "true" if power_off else "false"}))
 
@@ -199,7 +209,12 @@ class BlockingRuntimeClient:
         raise errors.VmsidecarError("the runtime ended the pull stream without a result; check the runtime log")
 
     def dump(self, dest: Path, *, fmt: str = "qcow2") -> int:
-        """``GET /v1/vm/disk`` into ``dest``; returns the byte count."""
+        """``GET /v1/vm/disk`` into ``dest``; returns the byte count.
+
+        :raise VmsidecarError: ``dest`` cannot be written (:func:`dump_target_problem`, before any request).
+        """
+        if (problem := dump_target_problem(dest)) is not None:
+            raise errors.VmsidecarError(f"cannot write the disk to {dest}: {problem}")
         resp = self._stream(api.GET_DISK, params={"format": fmt})
         total = 0
         tmp = dest.with_name(dest.name + ".part")
@@ -248,3 +263,13 @@ class BlockingRuntimeClient:
                 raise TimeoutError(f"the captured snapshot was still being stored after {timeout:.0f} s")
             time.sleep(poll)
         return state
+
+
+def dump_target_problem(dest: Path) -> str | None:
+    """Why a dump cannot be written at ``dest``, checked before a whole disk streams to it (the
+    runtime's CLI and the driver's ``j vm storage dump``); None when it can be tried."""
+    if dest.is_dir():
+        return f"it is a directory; name a file (as {dest / 'disk.qcow2'})"
+    if not dest.resolve().parent.is_dir():
+        return f"{dest.parent} does not exist; create it first"
+    return None

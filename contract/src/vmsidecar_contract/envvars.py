@@ -8,7 +8,6 @@ the project's sources is here.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 
 from .spec import ENV_FIELDS, READY_ENV_FIELDS
@@ -57,5 +56,9 @@ KNOWN: dict[str, str] = {
 def unknown(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
     """The ``VMSIDECAR_*`` names of ``environ`` that no program reads, each with the nearest known
     name (None: none is near)."""
-    return [(name, next(iter(difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.75)), None))
-            for name in sorted(environ) if name.startswith(PREFIX) and name not in KNOWN]
+    names = [name for name in sorted(environ) if name.startswith(PREFIX) and name not in KNOWN]
+    if not names:
+        return []
+    import difflib  # here: every serve asks, and almost never has a name to match (1.4 ms of import)
+
+    return [(name, next(iter(difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.75)), None)) for name in names]

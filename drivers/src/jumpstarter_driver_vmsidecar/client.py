@@ -35,11 +35,8 @@ class VmStorageClient(FlasherClient):
         if not text.startswith(("http://", "https://")):
             # checked before the call: upstream's local writer fails on a directory only once the
             # disk streams, and the client then waits on the driver's stream until it is killed
-            local = Path(text)
-            if local.is_dir():
-                raise IsADirectoryError(f"cannot dump the disk into {text}: it is a directory; name a file "
-                                        f"(as {local / 'disk.qcow2'})")
-            if not local.resolve().parent.is_dir():
-                raise FileNotFoundError(f"cannot dump the disk into {text}: {local.parent} does not exist; "
-                                        "create it first")
+            from vmsidecar_contract.blocking import dump_target_problem  # here: only a dump needs it
+
+            if (problem := dump_target_problem(Path(text))) is not None:
+                raise OSError(f"cannot dump the disk into {text}: {problem}")
         return super().dump(path, target=target, compression=compression)

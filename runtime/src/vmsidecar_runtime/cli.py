@@ -179,26 +179,6 @@ async def _console(socket: Path) -> None:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
 
 
-def _readable(path: Path) -> Path:
-    """The file ``flash`` sends, checked before any request: what it is not, with the fix."""
-    if path.is_dir():
-        raise VmsidecarError(f"cannot read {path}: it is a directory; name a disk image file")
-    try:
-        path.open("rb").close()
-    except OSError as e:
-        raise VmsidecarError(f"cannot read {path}: {e.strerror}; name a disk image file you can read") from e
-    return path
-
-
-def _writable(path: Path) -> Path:
-    """Where ``dump`` writes, checked before the runtime streams a whole disk to it."""
-    if path.is_dir():
-        raise VmsidecarError(f"cannot write the disk to {path}: it is a directory; name a file (as {path}/disk.qcow2)")
-    if not path.parent.is_dir():
-        raise VmsidecarError(f"cannot write the disk to {path}: {path.parent} does not exist; create it first")
-    return path
-
-
 def _client_command(args: argparse.Namespace) -> int:
     # here, not at the top: serve (a warm start) has no use for an HTTP client (http.client: ~20 ms)
     from vmsidecar_contract.blocking import BlockingRuntimeClient, unavailable
@@ -219,9 +199,9 @@ def _client_command(args: argparse.Namespace) -> int:
             finish()
         _print_state(state, args.json)
     elif args.command == "flash":
-        _print_state(client.flash(_readable(Path(args.file)), power_off=args.power_off), args.json)
+        _print_state(client.flash(Path(args.file), power_off=args.power_off), args.json)
     elif args.command == "dump":
-        size = client.dump(_writable(Path(args.file)), fmt=args.format)
+        size = client.dump(Path(args.file), fmt=args.format)
         print(json.dumps({"file": args.file, "bytes": size}) if args.json else f"wrote {size} bytes to {args.file}")
     elif args.command == "wait-ready":
         _print_state(client.wait_ready(args.timeout), args.json)
