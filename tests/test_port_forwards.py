@@ -4,6 +4,7 @@ the API, and reachable through the driver's NetworkClient child — on a real gu
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,10 @@ import pytest
 
 from fixtures.jmp import exporter_config, jmp_env
 from fixtures.waiting import wait_until_async
+from vmsidecar_contract.errors import HostError
+from vmsidecar_contract.spec import PortForward
 from vmsidecar_images.console import Console
+from vmsidecar_runtime import ports
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,3 +73,30 @@ async def test_forwards_are_free_reported_and_reach_the_guest(
         cwd=tmp_path, env=jmp_env(), capture_output=True, text=True, timeout=120)
     assert f"address tcp://{a.forwards['web']}" in result.stdout, result.stderr[-2000:]
     assert "got hello-through-jumpstarter" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_fixed_port_the_last_lease_connected_through_is_free_for_the_next_boot_a_listened_one_is_not() -> None:
+    """A connection through a fixed forward that the guest's side closed first leaves the host port in
+    TIME_WAIT for a minute: QEMU's slirp binds it all the same (SO_REUSEADDR), and so must the
+    runtime's check before a boot (the recycle after such a lease failed, "in use"). A port another
+    socket listens on stays refused."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as slirp's
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the guest's side first: TIME_WAIT is on the host port's side
+    assert client.recv(1) == b""
+    client.close()
+    listener.close()
+    forward = PortForward(name="ssh", guest_port=22, host_port=port)
+    assert ports.allocate([forward]) == {"ssh": port}
+
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(HostError, match=f"host port {port} for forward 'ssh' is in use"):
+            ports.allocate([forward])

@@ -24,6 +24,10 @@ def allocate(forwards: list[PortForward]) -> dict[str, int]:
         if fwd.host_port:
             try:
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    # as QEMU's slirp binds it: a connection of the last lease in TIME_WAIT on the
+                    # port does not keep it (without, the recycle after a lease that used a fixed
+                    # forward failed, "in use"); a socket listening on it still does
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     s.bind((fwd.host_address, fwd.host_port))
             except OSError as e:
                 raise HostError(
