@@ -100,3 +100,29 @@ def test_a_fixed_port_the_last_lease_connected_through_is_free_for_the_next_boot
         other.listen()
         with pytest.raises(HostError, match=f"host port {port} for forward 'ssh' is in use"):
             ports.allocate([forward])
+
+
+async def test_a_fixed_port_taken_at_a_restore_fails_the_boot_and_keeps_the_snapshot(
+        start_runtime: Any, tiny_image: Any) -> None:
+    """Another process holding a fixed forward's host port is the host's problem, not the snapshot's:
+    the boot fails naming the port, and once the port is free the next recycle restores (the
+    snapshot was discarded as refused, and the guest booted cold to capture it again)."""
+    from fixtures.ports import free_port
+    port = free_port()
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "port-clash"}],
+            "network": {"forwards": [{"name": "ssh", "guest_port": 22, "host_port": port}]}}
+    rt = await start_runtime(spec)
+    client = rt.client()
+    await client.wait_ready(240)
+    assert (await client.wait_stored()).snapshot.available
+    await client.power("off", graceful=False)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(HostError, match=f"host port {port} for forward 'ssh' is in use"):
+            await client.recycle()
+    state = await client.state()
+    assert state.snapshot.available, state.snapshot
+    await client.recycle()
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot

@@ -8,6 +8,11 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward
 
 
+class PortTaken(HostError):
+    """A fixed forward's host port is another process's: the host's problem, not the guest's or a
+    snapshot's (a restore that meets it fails the boot and keeps the snapshot)."""
+
+
 def _free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
@@ -17,7 +22,7 @@ def _free_port(address: str) -> int:
 def allocate(forwards: list[PortForward]) -> dict[str, int]:
     """Resolve each forward's host port: the fixed one if set and free, else a free one.
 
-    :raise HostError: when a fixed port is taken.
+    :raise PortTaken: when a fixed port is taken.
     """
     result: dict[str, int] = {}
     for fwd in forwards:
@@ -30,7 +35,7 @@ def allocate(forwards: list[PortForward]) -> dict[str, int]:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     s.bind((fwd.host_address, fwd.host_port))
             except OSError as e:
-                raise HostError(
+                raise PortTaken(
                     f"host port {fwd.host_port} for forward {fwd.name!r} is in use ({e.strerror}); "
                     "set host_port: 0 to let the runtime pick a free one"
                 ) from e

@@ -23,6 +23,7 @@ from vmsidecar_contract.spec import VmSpec
 from .. import metrics
 from ..backend import Backend
 from ..plan import RamFile
+from ..ports import PortTaken
 from ..snapshots import CONSOLES, Snapshot
 from .capture import Capture
 from .disks import Disks
@@ -139,6 +140,9 @@ class Boot:
             if hold_input:  # (after the new boot's start, which drops what was held for the last one)
                 self._streams.hold_new_input()
             await self._launch(spec, overlay, snap.memory, self._snapshots.restore_ram(snap), deferred_check)
+        except PortTaken:  # the host's: a cold boot fails the same, and the snapshot is not at fault
+            await self._machine.stop()
+            raise
         except VmsidecarError as e:
             await self._machine.stop()
             if (broken := await deferred_check) is not None:

@@ -178,6 +178,8 @@ class Machine:
                 elif not current:
                     await backend.quit(timeout=1)
                 if not retry:
+                    if "host forwarding rule" in e.message:  # a fixed port, taken since it was checked
+                        raise ports.PortTaken(e.message) from e
                     raise
                 log.warning("a forward's host port was taken before QEMU bound it; retrying on new ports")
             except BaseException:  # cancelled: a spare nobody holds must not run on
