@@ -1,7 +1,7 @@
 """Recycle → Ready of a big, dirty guest (issue 23): the tiny guest with ``--memory`` (2G), of which
 ``--dirty-mb`` (1536) are written before Ready, templated vs full-stream, next to the small one.
 
-    uv run python bench/dirty_recycle.py [--runs 2] [--recycles 3] [--standby]
+    uv run python bench/dirty_recycle.py [--runs 2] [--recycles 3] [--standby [parked]]
 
 The big guest's readiness is a pattern its boot does not print: once the guest's shell answers on
 the console, the script fills a tmpfs with ``dd`` and then prints the pattern, so the snapshot
@@ -9,7 +9,8 @@ taken at Ready holds that much written RAM. The small guest is the tiny one as u
 at its own marker). Per form, interleaved, each run on a fresh cache: the cold start (it
 captures), then ``--recycles`` recycles, each timed POST → Ready. Prints medians and the ratio
 big ÷ small per form (the goal: within 20 %). ``--standby``: the spec's ``standby``, each recycle
-switching to a spare restore made since the last (waited for).
+switching to a spare restore made since the last (waited for); ``--standby parked``: loading the
+snapshot into a parked QEMU started since the last.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ async def _dirty(console: Path, megabytes: int, timeout: float) -> None:
 
 
 async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles: int, work: Path,
-                  standby: bool = False) -> tuple[list[float], float]:
+                  standby: bool | str = False) -> tuple[list[float], float]:
     """Each recycle's seconds to Ready, and the capture's pause."""
     env = clean_environ() | {"VMSIDECAR_SNAPSHOT_FORM": form}
     spec: dict[str, object] = {"image": f"file:{guest.disk}", "memory": memory, "standby": standby}
@@ -79,7 +80,7 @@ async def one_run(guest: Guest, form: str, memory: str, dirty_mb: int, recycles:
                 await client.recycle()
                 state = await client.wait_ready(120, poll=0.005)
                 times.append(time.monotonic() - started)
-                assert state.snapshot.boot == "restored" and state.snapshot.restored_ahead == standby, state.snapshot
+                assert state.snapshot.boot == "restored" and state.snapshot.restored_ahead == (standby is True), state.snapshot
         return times, paused
     finally:
         rt.stop()
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recycles", type=int, default=3)
     parser.add_argument("--memory", default="2G")
     parser.add_argument("--dirty-mb", type=int, default=1536)
-    parser.add_argument("--standby", action="store_true", help="spec standby: true (each recycle switches to a spare)")
+    parser.add_argument("--standby", nargs="?", const=True, default=False, choices=[True, "parked"],
+                        help="spec standby: true (each recycle switches to a spare), or 'parked' (a parked QEMU)")
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

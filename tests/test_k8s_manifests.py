@@ -361,15 +361,22 @@ def test_the_networkpolicy_keeps_the_guest_from_the_metadata_service_and_the_clu
 RUNTIME_ITSELF, TCG_CACHE, QEMU_IMG_CHECK = 150, 64, 768
 
 
-def _runtime_memory_floor(memory_mib: int, standby: bool) -> int:
+#: a parked QEMU's own memory (``standby: parked``: ~17 MB measured), rounded up
+PARKED_QEMU = 64
+
+
+def _runtime_memory_floor(memory_mib: int, standby: bool | str) -> int:
     """150 MiB + max(a capturing boot: 2 x the guest + TCG's cache, a flash's qemu-img check with the
-    guest off) + a standby spare (the guest's RAM at worst + its own TCG cache)."""
+    guest off) + a standby spare (the guest's RAM at worst + its own TCG cache) or a parked QEMU."""
     floor = RUNTIME_ITSELF + max(2 * memory_mib + TCG_CACHE, QEMU_IMG_CHECK)
+    if standby == "parked":
+        return floor + PARKED_QEMU
     return floor + (memory_mib + TCG_CACHE if standby else 0)
 
 
 def test_the_rule_counts_the_capture_the_flash_and_the_spare() -> None:
     assert _runtime_memory_floor(512, False) == 1238 and _runtime_memory_floor(512, True) == 1814
+    assert _runtime_memory_floor(512, "parked") == 1302
     assert _runtime_memory_floor(128, False) == 150 + 768  # a small guest: the flash's check dominates
 
 

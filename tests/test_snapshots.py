@@ -96,6 +96,11 @@ def _frozen_allocated(pid: int) -> int:
     return 0
 
 
+def _fds(pid: int) -> set[str]:
+    """What process ``pid`` has open."""
+    return {_readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+
+
 def _readlink(path: Path) -> str:
     try:
         return str(path.readlink())
@@ -112,16 +117,18 @@ async def _recycle(client: RuntimeClient) -> tuple[Any, float]:
 
 #: (backend, snapshot form): the isolation test runs on both forms of the qemu backend's snapshots
 #: (templated is the default; the runtime's setting makes the full-stream one) and on libvirt (none)
-#: (the last, qemu-standby: each recycle switches to a spare restore made while the lease ran)
+#: (qemu-standby: each recycle switches to a spare restore made while the lease ran; qemu-parked:
+#: each recycle loads the snapshot into a QEMU started while the lease ran)
 FORMS = [pytest.param("qemu", "templated", False, id="qemu-templated"),
          pytest.param("qemu", "stream", False, id="qemu-stream"),
          pytest.param("qemu", "templated", True, id="qemu-standby"),
+         pytest.param("qemu", "templated", "parked", id="qemu-parked"),
          *[pytest.param(b.values[0], None, False, id=b.values[0], marks=b.marks) for b in BACKENDS[1:]]]
 
 
 @pytest.mark.parametrize(("backend", "form", "standby"), FORMS)
 async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
-    start_runtime: Any, tiny_image: Any, backend: str, form: str | None, standby: bool
+    start_runtime: Any, tiny_image: Any, backend: str, form: str | None, standby: bool | str
 ) -> None:
     # a channel no other test's spec has: a snapshot key of its own, so this first boot captures
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "isolation"}],
@@ -140,17 +147,21 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
     else:
         assert not first.snapshot.available and "libvirt" in (first.snapshot.reason or "")
     seen_random = {await _lease_leaves_traces(console, "lease-one-secret")}
+    guest_disk = str(rt.state / "overlay.qcow2")
 
     # lease 3 again on the qemu backend (a second restore, or a spare made during a restored lease);
     # on libvirt every recycle is the same cold boot, which lease 2 shows
     for lease in (2, 3) if backend == "qemu" else (2,):
-        if standby:  # made while the lease wrote its traces: it runs beside the lease's guest
+        parked = None
+        if standby:  # made while the lease wrote its traces: it runs (or waits) beside the lease's guest
             spare = await client.wait_spare()
-            assert spare.snapshot.standby == "ready", spare.snapshot
+            assert spare.snapshot.standby == ("ready" if standby is True else "parked"), spare.snapshot
             assert len(qemu_pids(str(rt.state))) == 2
+            if standby == "parked":  # (not the last one, the guest now: its overlay was moved)
+                (parked,) = [pid for pid in qemu_pids(str(rt.state / "spare")) if guest_disk not in _fds(pid)]
         leases_qemus = set(qemu_pids(str(rt.state)))
         made_ahead = None
-        if backend == "qemu" and not standby:  # made after the capture was stored, then after lease 2's restore
+        if backend == "qemu" and standby is False:  # made after the capture was stored, then after lease 2's restore
             ahead = rt.state / "overlay-ahead.qcow2"
             await wait_until_async(ahead.exists, 30, "the next restore's overlay to be made ahead")
             made_ahead = 1_000_000  # an mtime that tells it (a file made later may get its inode number)
@@ -161,7 +172,9 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
             assert (rt.state / "overlay.qcow2").stat().st_mtime == made_ahead
         if backend == "qemu":
             assert state.snapshot.boot == "restored", state.snapshot
-            assert state.snapshot.restored_ahead == standby, state.snapshot
+            assert state.snapshot.restored_ahead == (standby is True), state.snapshot
+            if parked is not None:  # the recycle loaded the snapshot into the parked QEMU: it runs the guest
+                assert guest_disk in _fds(parked), parked
             assert seconds < 10, f"a restore took {seconds:.1f} s"  # ~0.5 s unloaded: see bench/snapshot.py
             # the lease's QEMU runs no guest once the recycle is over (it may still be in its exit,
             # reaped beside the restore), and is gone soon after: reaped, no zombie

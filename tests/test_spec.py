@@ -71,6 +71,18 @@ def test_every_top_level_choice_a_podman_run_may_want_to_turn_off_is_an_environm
         spec_from_sources(None, env={"VMSIDECAR_IMAGE": "file:/a.qcow2", "VMSIDECAR_SNAPSHOT": "never"})
 
 
+def test_standby_is_false_true_or_parked_from_every_source_and_anything_else_is_named() -> None:
+    env = {"VMSIDECAR_IMAGE": "file:/a.qcow2"}
+    assert spec_from_sources(None, env=env).standby is False
+    assert spec_from_sources(None, env={**env, "VMSIDECAR_STANDBY": "true"}).standby is True
+    assert spec_from_sources(None, env={**env, "VMSIDECAR_STANDBY": "Parked"}).standby == "parked"
+    assert load_spec_text("image: file:/a.qcow2\nstandby: parked\n", "x.yaml").standby == "parked"
+    assert load_spec_text("image: file:/a.qcow2\nstandby: yes\n", "x.yaml").standby is True
+    for wrong in ("park", "spare", 2, None):
+        with pytest.raises(SpecError, match=r'is not a standby; use false .*"parked" .* or true'):
+            load_spec({"image": "file:/a.qcow2", "standby": wrong})
+
+
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="cannot read spec file"):
         spec_from_sources(tmp_path / "missing.yaml", env={})

@@ -5,6 +5,7 @@ tests/test_snapshots.py::test_recycle_restores_a_pristine_guest_with_nothing_of_
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -82,6 +83,55 @@ async def test_a_spare_that_ends_on_its_own_gives_way_to_a_plain_restore_and_is_
     assert state.snapshot.standby == "none", state.snapshot
     assert "the spec changed" in (state.snapshot.standby_reason or ""), state.snapshot
     await wait_until_async(lambda: not qemu_pids(str(rt.state)), 30, "every QEMU of the old spec to end")
+
+
+async def test_a_parked_qemu_waits_with_nothing_loaded_and_the_recycle_loads_the_snapshot_into_it(
+        start_runtime: Any, tiny_image: Any) -> None:
+    """``standby: parked``: a paused QEMU with nothing loaded waits during the lease (no port, no
+    CPU); the recycle restores into it; one that exits gives way to a plain restore and is made again.
+    Isolation across recycles through it: test_snapshots.py::...[qemu-parked]."""
+    fixed = free_port()
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "parked"}],
+            "network": {"forwards": [{"name": "web", "guest_port": 8080, "host_port": fixed}]}, "standby": "parked"}
+    rt, port = await health_runtime(start_runtime, spec)
+    client = rt.client()
+    await client.wait_ready(240)
+    state = await client.wait_spare()
+    assert state.snapshot.standby == "parked" and state.snapshot.standby_reason is None, state.snapshot
+    [parked] = qemu_pids(str(rt.state / "spare"))
+    [live] = [pid for pid in qemu_pids(str(rt.state)) if pid != parked]
+    assert _listening_ports(parked) == set() and _listening_ports(live) == {fixed}
+    # nothing of a guest runs in it: its CPU time stands still (a running TCG guest's would not)
+    before = _cpu_ticks(parked)
+    await asyncio.sleep(1.5)
+    assert _cpu_ticks(parked) - before <= 2, "the parked QEMU used CPU"
+    assert scrape(port)[key("vmsidecar_standby_ready")] == 0  # (a loaded spare only)
+
+    await client.recycle()
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored" and not state.snapshot.restored_ahead, state.snapshot
+    assert state.snapshot.clock == "no guest agent", state.snapshot
+    assert str(rt.state / "overlay.qcow2") in _open_files(parked), _open_files(parked)
+    assert state.forwards["web"] == f"127.0.0.1:{fixed}" and _listening_ports(parked) == {fixed}, state.forwards
+    await _serve_once(rt, "from-the-parked-qemu")
+    assert await _read_forward(state.forwards["web"]) == b"from-the-parked-qemu"
+
+    state = await client.wait_spare()  # parked again after that Ready
+    assert state.snapshot.standby == "parked", state.snapshot
+    [again] = [pid for pid in qemu_pids(str(rt.state / "spare")) if pid != parked]
+    os.kill(again, signal.SIGKILL)
+    state = await wait_until_async(lambda: _standby_is(client, "none"), 30, "the parked QEMU to be seen gone")
+    assert "parked QEMU ended on its own (backend.exited)" in (state.snapshot.standby_reason or ""), state.snapshot
+    await client.recycle()
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot
+    assert parked not in qemu_pids(str(rt.state)) and again not in qemu_pids(str(rt.state))
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of ``pid`` in clock ticks (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def _listening_ports(pid: int) -> set[int]:

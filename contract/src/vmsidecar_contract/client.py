@@ -286,9 +286,9 @@ class RuntimeClient:
             await asyncio.sleep(poll)
 
     async def wait_spare(self, timeout: float = 60.0, *, poll: float = 0.05) -> VmState:
-        """Poll until the spare restore for the next recycle (the spec's ``standby``) is made, or no
-        longer on its way: ``snapshot.standby`` then says which ("ready", else "none" with its
-        reason, or "off").
+        """Poll until the spare restore or parked QEMU for the next recycle (the spec's ``standby``)
+        is made, or no longer on its way: ``snapshot.standby`` then says which ("ready" or
+        "parked", else "none" with its reason, or "off").
 
         :raise TimeoutError: when it is still being made after ``timeout``.
         """

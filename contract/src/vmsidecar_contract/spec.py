@@ -138,6 +138,10 @@ def _wire_number(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
+#: the words ``standby`` takes as text (an environment variable, a YAML string): pydantic's booleans, "parked"
+_STANDBY_WORDS = frozenset({"parked", "true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"})
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
@@ -316,11 +320,13 @@ class VmSpec(_Model):
     #: (recycles, warm starts); off: always boot. Falls back to a cold boot, with the reason in
     #: the state, whenever a snapshot cannot be taken or used.
     snapshot: Literal["auto", "off"] = "auto"
-    #: keep a spare restore of the snapshot running during each lease, which the next recycle
-    #: switches to instead of restoring (recycle → Ready in hundredths of a second): a second,
-    #: idle QEMU per instance, for InPlaceReuse pools (docs/operations.md). Not part of the
-    #: snapshot's key.
-    standby: bool = False
+    #: what waits during each lease for the next recycle (docs/operations.md, InPlaceReuse pools;
+    #: not part of the snapshot's key): false, nothing (the recycle starts a QEMU and restores);
+    #: "parked", a second QEMU started and paused, nothing of the guest loaded (the recycle only
+    #: loads the snapshot into it: no QEMU start; ~40 MB, no CPU); true, a spare restore running
+    #: idle (the recycle switches to it: recycle → Ready in hundredths of a second; a second
+    #: guest's memory and idle CPU).
+    standby: bool | Literal["parked"] = False
     #: ``REGISTRY/REPO`` (no tag, no digest) to look for a snapshot artifact of this spec and image
     #: in when the cache has none (``vmsidecar-oci snapshot push`` publishes them): found by the
     #: image's manifest digest, used only when its key matches this runtime's exactly, fetched by
@@ -334,6 +340,14 @@ class VmSpec(_Model):
     @classmethod
     def _arch(cls, value: str) -> str:
         return normalize_arch(str(value))
+
+    @field_validator("standby", mode="before")
+    @classmethod
+    def _standby(cls, value: object) -> object:
+        if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in _STANDBY_WORDS):
+            return value.strip().lower() if isinstance(value, str) else value
+        raise ValueError(f"{json.dumps(value, default=str)} is not a standby; use false (nothing waits for the "
+                         'next recycle), "parked" (a paused QEMU waits) or true (a spare restore runs)')
 
     @field_validator("memory", mode="before")
     @classmethod

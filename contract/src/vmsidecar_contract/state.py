@@ -108,9 +108,11 @@ class SnapshotInfo(BaseModel):
     #: this boot's guest was restored ahead, while the previous lease ran, and the recycle only
     #: switched to it (the spec's ``standby``)
     restored_ahead: bool = False
-    #: the spare restore the next recycle switches to (the spec's ``standby``): "off" (not asked
-    #: for), "preparing", "ready", or "none" (why in ``standby_reason``)
-    standby: Literal["off", "preparing", "ready", "none"] = "off"
+    #: what waits for the next recycle (the spec's ``standby``): "off" (not asked for),
+    #: "preparing", "ready" (a spare restore runs: the recycle switches to it), "parked" (a paused
+    #: QEMU with nothing loaded: the recycle loads the snapshot into it), or "none" (why in
+    #: ``standby_reason``)
+    standby: Literal["off", "preparing", "ready", "parked", "none"] = "off"
     standby_reason: str | None = None
 
 

@@ -56,6 +56,12 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _standby(text: str) -> str:
+    if text != "parked":
+        raise argparse.ArgumentTypeError(f"{text!r}: --standby takes no value (a spare restore) or 'parked'")
+    return text
+
+
 def _grace(text: str) -> float:
     """``--grace``: seconds the guest has to stop, 0 to pull the plug at once (argparse type)."""
     if (value := _finite(text)) < 0:
@@ -359,9 +365,10 @@ def _serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--allow-host-paths", action="append", default=[], metavar="DIR",
                    help="let API callers name host paths (file:, oci-layout:, kernel, initrd) under DIR; "
                         "repeatable; also VMSIDECAR_ALLOW_HOST_PATHS=DIR[:DIR]")
-    s.add_argument("--standby", action="store_true", default=None,
-                   help="spec standby: true, a spare restore running during each lease for the next recycle "
-                        "(a second idle QEMU; docs/operations.md); also VMSIDECAR_STANDBY=true")
+    s.add_argument("--standby", nargs="?", const=True, default=None, type=_standby, metavar="parked",
+                   help="spec standby: alone, true: a spare restore runs during each lease for the next recycle "
+                        "(a second idle guest); 'parked': a paused QEMU waits, the recycle only loads the "
+                        "snapshot (docs/operations.md); also VMSIDECAR_STANDBY=true|parked")
     s.add_argument("--grace", type=_grace, default=30.0, metavar="SECONDS",
                    help="seconds for a graceful guest stop on SIGTERM (default 30; 0: at once)")
     s.add_argument("--pull-timeout", type=_seconds, metavar="SECONDS",

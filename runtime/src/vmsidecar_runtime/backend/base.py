@@ -81,10 +81,18 @@ class Backend(Protocol):
     #: process ends (``guest_agent.hold``; the restored guest's clock is set through it), or None
     guest_agent: GuestAgent | None
 
-    async def launch(self) -> None:
-        """Start the guest paused (consoles attach before ``resume``).
+    async def launch(self, *, load: bool = True) -> None:
+        """Start the guest paused (consoles attach before ``resume``); restored from
+        ``plan.incoming`` unless ``load`` is False: the process then waits with nothing loaded
+        until ``load`` (a parked QEMU, ``controller/standby.py``).
 
         :raise HostError: when the hypervisor cannot start it.
+        """
+
+    async def load(self) -> None:
+        """Restore ``plan.incoming`` into the process ``launch(load=False)`` started; it stays paused.
+
+        :raise HostError: when the snapshot's seal check failed or the hypervisor refuses it.
         """
 
     def upstream(self, name: str) -> Path | StreamPipe:

@@ -167,8 +167,8 @@ class QemuBackend:
         self._reports_exit = True
 
     # ---- launch --------------------------------------------------------------------------
-    async def launch(self, *, qmp_timeout: float = 30.0) -> None:
-        """Start QEMU paused and connect QMP.
+    async def launch(self, *, load: bool = True, qmp_timeout: float = 30.0) -> None:
+        """Start QEMU paused and connect QMP; restore ``plan.incoming`` unless ``load`` is False.
 
         :raise HostError: when the QEMU binary is missing or QEMU exits before QMP answers.
         """
@@ -203,8 +203,12 @@ class QemuBackend:
         if guarded(self.plan):
             self._guard = NetGuard(self.plan)
             await self._guard.attach()
-        if self.plan.incoming is not None:
+        if self.plan.incoming is not None and load:
             await self._restore(self.plan.incoming)
+
+    async def load(self) -> None:
+        assert self.plan.incoming is not None, "load() is for a QEMU started with an incoming snapshot"
+        await self._restore(self.plan.incoming)
 
     def upstream(self, name: str) -> Path | StreamPipe:
         """Where the runtime reads and writes stream ``name``: the runtime's ends of its pipes (the

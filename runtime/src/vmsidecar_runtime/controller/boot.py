@@ -30,7 +30,7 @@ from .disks import Disks
 from .guest_clock import already_set, correct_clock, has_guest_agent, until_set
 from .machine import Machine
 from .snapshot_ops import SnapshotOps
-from .standby import Spare, Standby
+from .standby import Spare, Standby, describe
 from .streams import GuestStreams
 
 log = logging.getLogger(__name__)
@@ -183,9 +183,10 @@ class Boot:
         self._spawn(set_clock())
 
     async def _adopt(self, snap: Snapshot, spare: Spare) -> bool | None:
-        """Run the spare restore of ``snap`` as this boot (``standby.py``); False when it cannot be
-        (it is ended, and the caller restores as without it), None when ``snap`` failed its seal
-        check (it is ended and ``snap`` removed: the caller boots cold)."""
+        """Run the spare restore of ``snap`` as this boot, or restore ``snap`` into a parked QEMU
+        (``standby.py``); False when it cannot be (it is ended, and the caller restores as without
+        it), None when ``snap`` failed its seal check (it is ended and ``snap`` removed: the caller
+        boots cold)."""
         started = time.monotonic()
         # The spare maps the template's RAM file privately since before the lease: the pages it has
         # not touched yet still read the file, which the lease's QEMU (stopped now) held read-write.
@@ -206,18 +207,33 @@ class Boot:
             self._disks.drop_overlays()
             return False
         self._begin_restored_boot(snap)
+        clock_set: asyncio.Event | None = None
+        if not spare.loaded and has_guest_agent(snap):  # its clock is set after Ready, as a restore's
+            self._clock_set = clock_set = asyncio.Event()
+            self._streams.hold_new_input()
         self._standby.adopted(spare, self._machine.event_sink)  # from now on its exit is this boot's crash
         try:
             await self._machine.adopt(spare.plan, spare.backend)
+            if not spare.loaded:
+                await spare.backend.load()
+                await spare.backend.resume()
             if not spare.backend.alive:
                 raise HostError("its QEMU exited as the recycle took it")
         except Exception as e:  # whatever it was (its QEMU gone mid-way: a QMP error too), this boot restores
-            log.warning("the spare restore could not take over (%s); restoring", e)
+            log.warning("the %s could not take over (%s); restoring", describe(spare), e)
             await self._machine.stop()
             self._disks.drop_overlays()
+            if clock_set is not None:  # (the restore that follows holds its own)
+                clock_set.set()
+                self._streams.release_input()
             return False
         self._running()
-        self._snapshots.adopted(snap, started, spare.clock)
+        if spare.clock is not None:
+            self._snapshots.adopted(snap, started, spare.clock)
+        else:
+            self._snapshots.restored_new_boot(snap, started)
+            if clock_set is not None:
+                self._clock_after_ready(spare.backend, clock_set)
         self._overlay_ahead(snap)  # for a restore, should the next spare not be there
         return True
 

@@ -148,16 +148,17 @@ class Machine:
         await self._streams.attach(plan, backend)
         await backend.resume()
 
-    async def launch_spare(self, make_plan: Callable[[], BootPlan], on_event: EventSink) -> tuple[BootPlan, Backend]:
-        """Start a backend paused that is not this boot's (a spare restore, ``standby.py``): no
-        stream is attached; ``adopt`` makes it the boot's.
+    async def launch_spare(self, make_plan: Callable[[], BootPlan], on_event: EventSink, *,
+                           load: bool = True) -> tuple[BootPlan, Backend]:
+        """Start a backend paused that is not this boot's (a spare restore, or with ``load`` False a
+        parked QEMU: ``standby.py``): no stream is attached; ``adopt`` makes it the boot's.
 
         :raise HostError: the backend cannot start (nothing of it is left running).
         """
-        return await self._launch_paused(make_plan, on_event, current=False)
+        return await self._launch_paused(make_plan, on_event, current=False, load=load)
 
     async def _launch_paused(self, make_plan: Callable[[], BootPlan], on_event: EventSink, *,
-                             current: bool) -> tuple[BootPlan, Backend]:
+                             current: bool, load: bool = True) -> tuple[BootPlan, Backend]:
         """A free host port for a forward is only free until QEMU binds it: another process may take
         it in between. QEMU then refuses the forwarding rule and exits; the launch is retried on
         new ports. ``current``: the backend is this boot's from the start (a failed one is left
@@ -169,7 +170,7 @@ class Machine:
                 self.plan, self.backend, self.expect_exit, self.last_exit = plan, backend, False, None
                 await self._streams.before_launch(plan)
             try:
-                await backend.launch()
+                await backend.launch(load=load)
                 return plan, backend
             except HostError as e:
                 retry = "host forwarding rule" in e.message and attempt < PORT_ATTEMPTS

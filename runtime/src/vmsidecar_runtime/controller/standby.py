@@ -20,6 +20,14 @@ backend per runtime), a native CAN bus (a host interface both would join).
 What a pool owner pays (docs/decisions.md, "a spare restore for the next recycle"): a second QEMU
 per pod, idle (its private memory: under TCG the translation cache, ~60 MB for Debian; its
 copy-on-write pages) and the CPU of an idle guest.
+
+``standby: parked`` goes half the way for a fraction of that: the second QEMU is started the same
+way (its own overlay, run directory and NIC filter, the snapshot's RAM file mapped) and left
+waiting for its incoming stream, nothing loaded and no guest CPU run. The recycle adopts it as a
+spare, then loads the snapshot's device state into it, resumes it, and sets the guest's clock
+after its Ready as a restore does (``Boot._adopt``): it saves the QEMU start (most of a templated
+recycle under TCG, docs/performance.md) and costs a QEMU that has built its machine and idles
+(~40 MB resident, ~17 MB of it its own; no CPU).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ log = logging.getLogger(__name__)
 ENDS_A_SPARE = frozenset({BackendEvent.POWERED_OFF, BackendEvent.RESET, BackendEvent.PANICKED,
                           BackendEvent.IO_ERROR, BackendEvent.EXITED})
 
-StandbyStatus = Literal["off", "preparing", "ready", "none"]
+StandbyStatus = Literal["off", "preparing", "ready", "parked", "none"]
 
 
 def why_not(spec: VmSpec) -> str | None:
@@ -78,15 +86,22 @@ class _Relay:
 
 @dataclass
 class Spare:
-    """A restored guest that runs idle until a recycle adopts it."""
+    """A restored guest that runs idle until a recycle adopts it, or (not ``loaded``) a parked QEMU
+    that waits for the snapshot to be loaded into it."""
 
     spec: VmSpec
     snap: Snapshot
     plan: BootPlan
     backend: Backend
     relay: _Relay
-    #: ``snapshot.clock`` of the boot that adopts it (set when it was made; it ran on since)
-    clock: str
+    #: ``snapshot.clock`` of the boot that adopts it (set when it was made; it ran on since); None
+    #: for a parked QEMU: its guest's clock is set after the recycle loads it
+    clock: str | None
+
+    @property
+    def loaded(self) -> bool:
+        """The snapshot is restored into it and its guest runs (``standby: true``)."""
+        return self.clock is not None
 
 
 class Standby:
@@ -104,10 +119,10 @@ class Standby:
 
     def status(self, spec: VmSpec | None) -> tuple[StandbyStatus, str | None]:
         """``snapshot.standby`` and ``snapshot.standby_reason`` of ``GET /v1/vm`` under ``spec``."""
-        if spec is None or not spec.standby:
+        if spec is None or spec.standby is False:
             return "off", None
         if self._spare is not None:
-            return "ready", None
+            return ("ready" if self._spare.loaded else "parked"), None
         if self._making is not None:
             return "preparing", None
         return "none", self._reason
@@ -115,7 +130,7 @@ class Standby:
     def refill(self, spec: VmSpec, after: Callable[[], Awaitable[None]]) -> None:
         """After a Ready: make a spare for the next recycle unless one is there or on its way, once
         ``after`` returns (the Ready guest's clock set: the spare's QEMU would compete with it)."""
-        if not spec.standby or self._spare is not None or self._making is not None:
+        if spec.standby is False or self._spare is not None or self._making is not None:
             return
         if (why := why_not(spec)) is not None:
             self._reason = why
@@ -140,35 +155,39 @@ class Standby:
             run_dir = self._paths.run / f"spare{next(self._numbers)}"
             run_dir.mkdir(mode=0o700)
             relay = _Relay(lambda event, data: None)
+            load = spec.standby is True  # else parked: nothing loaded until the recycle
             plan, backend = await self._machine.launch_spare(
                 lambda: self._machine.new_plan(spec, overlay, run_dir, spare_dir, parts.snap.memory, parts.ram,
-                                               parts.check, spare=True), relay)
-            try:
-                await backend.resume()
-                clock = await correct_clock(parts.guest_agent, backend.guest_agent)
-            except BaseException:
-                await backend.quit(timeout=1)
-                raise
+                                               parts.check, spare=True), relay, load=load)
+            clock: str | None = None
+            if load:
+                try:
+                    await backend.resume()
+                    clock = await correct_clock(parts.guest_agent, backend.guest_agent)
+                except BaseException:
+                    await backend.quit(timeout=1)
+                    raise
             spare = Spare(spec, parts.snap, plan, backend, relay, clock)
             relay.target = lambda event, data: self._on_spare_event(spare, event)
             if not backend.alive:
                 await backend.quit(timeout=1)
-                self._reason = "the spare guest's QEMU exited as it started"
+                self._reason = f"the {describe(spare)}'s QEMU exited as it started"
                 return
             self._spare = spare
-            log.info("a spare restore of %s runs for the next recycle", parts.snap.path.name)
+            log.info("a %s of %s waits for the next recycle", describe(spare), parts.snap.path.name)
         except (VmsidecarError, OSError) as e:
             why = e.message if isinstance(e, VmsidecarError) else str(e)
-            self._reason = f"the spare restore failed: {why}"
-            log.warning("no spare restore: %s", why)
+            what = "spare restore" if spec.standby is True else "parked QEMU"
+            self._reason = f"the {what} failed: {why}"
+            log.warning("no %s: %s", what, why)
         finally:
             self._making = None
 
     def _on_spare_event(self, spare: Spare, event: BackendEvent) -> None:
         if event in ENDS_A_SPARE and self._spare is spare:
             self._spare = None
-            self._reason = f"the spare guest ended on its own ({event.value}); the next recycle restores"
-            log.warning("the spare restore ended: %s", event.value)
+            self._reason = f"the {describe(spare)} ended on its own ({event.value}); the next recycle restores"
+            log.warning("the %s ended: %s", describe(spare), event.value)
             self._end_in_background(spare)
 
     def _end_in_background(self, spare: Spare) -> None:
@@ -222,3 +241,8 @@ class Standby:
         for old in self._paths.run.glob("spare*"):
             if old != live:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def describe(spare: Spare) -> str:
+    """``spare`` in messages: a spare guest, or a parked QEMU."""
+    return "spare guest" if spare.loaded else "parked QEMU"

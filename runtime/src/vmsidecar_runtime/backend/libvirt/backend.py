@@ -111,8 +111,8 @@ class LibvirtBackend:
             return ends
         return self.plan.console_socket(name)
 
-    async def launch(self) -> None:
-        """Create the domain paused.
+    async def launch(self, *, load: bool = True) -> None:
+        """Create the domain paused (``load``: no snapshot ever is: ``supports_snapshots``).
 
         :raise HostError: when libvirt refuses the domain or the daemon is unreachable.
         """
@@ -242,6 +242,9 @@ class LibvirtBackend:
             return bool(self._dom is not None and self._dom.isActive())
         except self._libvirt.libvirtError:
             return False
+
+    async def load(self) -> None:
+        raise HostError("the libvirt backend has no memory snapshots to load")
 
     async def resume(self) -> None:
         """Let the guest run."""
