@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from fixtures.jmp import exporter_config, jmp_env
+from fixtures.ports import free_port
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward
@@ -107,7 +108,6 @@ async def test_a_fixed_port_taken_at_a_restore_fails_the_boot_and_keeps_the_snap
     """Another process holding a fixed forward's host port is the host's problem, not the snapshot's:
     the boot fails naming the port, and once the port is free the next recycle restores (the
     snapshot was discarded as refused, and the guest booted cold to capture it again)."""
-    from fixtures.ports import free_port
     port = free_port()
     spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "port-clash"}],
             "network": {"forwards": [{"name": "ssh", "guest_port": 22, "host_port": port}]}}

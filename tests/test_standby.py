@@ -126,6 +126,7 @@ async def test_a_parked_qemu_waits_with_nothing_loaded_and_the_recycle_loads_the
     state = await client.wait_ready(120)
     assert state.snapshot.boot == "restored", state.snapshot
     assert parked not in qemu_pids(str(rt.state)) and again not in qemu_pids(str(rt.state))
+    assert (await client.wait_spare()).snapshot.standby == "parked"  # and parked again after that Ready
 
 
 def _cpu_ticks(pid: int) -> int:
