@@ -105,7 +105,8 @@ async def test_a_parked_qemu_waits_with_nothing_loaded_and_the_recycle_loads_the
     before = _cpu_ticks(parked)
     await asyncio.sleep(1.5)
     assert _cpu_ticks(parked) - before <= 2, "the parked QEMU used CPU"
-    assert scrape(port)[key("vmsidecar_standby_ready")] == 0  # (a loaded spare only)
+    samples = scrape(port)
+    assert samples[key("vmsidecar_standby_parked")] == 1 and samples[key("vmsidecar_standby_ready")] == 0
 
     await client.recycle()
     state = await client.wait_ready(120)
@@ -122,6 +123,7 @@ async def test_a_parked_qemu_waits_with_nothing_loaded_and_the_recycle_loads_the
     os.kill(again, signal.SIGKILL)
     state = await wait_until_async(lambda: _standby_is(client, "none"), 30, "the parked QEMU to be seen gone")
     assert "parked QEMU ended on its own (backend.exited)" in (state.snapshot.standby_reason or ""), state.snapshot
+    assert scrape(port)[key("vmsidecar_standby_parked")] == 0
     await client.recycle()
     state = await client.wait_ready(120)
     assert state.snapshot.boot == "restored", state.snapshot

@@ -150,6 +150,8 @@ class State:
     qemu_pids: list[int]
     cache_bytes: int | None
     spare_ready: bool = False
+    #: a parked QEMU waits for the next recycle (the spec's ``standby: parked``)
+    parked: bool = False
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -211,6 +213,8 @@ class StateCollector(Collector):
                                 "restore's included (0: no QEMU runs)", value=rss)
         yield GaugeMetricFamily("vmsidecar_standby_ready", "1 while a spare restore waits for the next recycle "
                                 "(the spec's standby)", value=1 if state.spare_ready else 0)
+        yield GaugeMetricFamily("vmsidecar_standby_parked", "1 while a parked QEMU waits for the next recycle to "
+                                "load the snapshot (the spec's standby: parked)", value=1 if state.parked else 0)
         if state.cache_bytes is not None:
             yield GaugeMetricFamily("vmsidecar_cache_size_bytes", "Bytes on disk of the image cache (disks and "
                                     "memory snapshots)", value=state.cache_bytes)
