@@ -171,7 +171,7 @@ class Standby:
             relay.target = lambda event, data: self._on_spare_event(spare, event)
             if not backend.alive:
                 await backend.quit(timeout=1)
-                self._reason = f"the {describe(spare)}'s QEMU exited as it started"
+                self._reason = ("the spare guest's QEMU" if spare.loaded else "the parked QEMU") + " exited as it started"
                 return
             self._spare = spare
             log.info("a %s of %s waits for the next recycle", describe(spare), parts.snap.path.name)
