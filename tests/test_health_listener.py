@@ -17,16 +17,10 @@ import pytest
 
 from fixtures.health import health_runtime as _health_runtime
 from fixtures.health import http_get as _get
+from fixtures.runtime import cpu_seconds
 
 #: the goal of issue 21: CPU per probe, runtime side
 PROBE_CPU_GOAL_S = 0.020
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of one process (its threads, not its children: QEMU is not counted)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 async def test_health_listener_serves_probes_and_nothing_else(start_runtime: Any, tiny_image: Any) -> None:
@@ -72,10 +66,10 @@ async def test_a_probe_costs_the_runtime_under_20ms_of_cpu(start_runtime: Any) -
     # /proc counts in clock ticks (10 ms): batches of 10 requests, the median of the batch averages
     per_probe = []
     for _ in range(5):
-        before = _cpu_s(pid)
+        before = cpu_seconds(pid)
         for path in ("/healthz", "/readyz") * 5:
             _get(port, path)
-        per_probe.append((_cpu_s(pid) - before) / 10)
+        per_probe.append((cpu_seconds(pid) - before) / 10)
     median = statistics.median(per_probe)
     print(f"\nruntime CPU per httpGet probe: median {median * 1000:.2f} ms over 50 requests "
           f"(goal {PROBE_CPU_GOAL_S * 1000:.0f} ms; batches {[round(p * 1000, 1) for p in per_probe]} ms)")

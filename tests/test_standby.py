@@ -18,7 +18,7 @@ from test_snapshots import _readlink
 
 from fixtures.health import health_runtime
 from fixtures.ports import free_port
-from fixtures.runtime import qemu_pids
+from fixtures.runtime import CLOCK_TICK, cpu_seconds, qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_runtime.controller.standby import why_not
@@ -102,9 +102,9 @@ async def test_a_parked_qemu_waits_with_nothing_loaded_and_the_recycle_loads_the
     [live] = [pid for pid in qemu_pids(str(rt.state)) if pid != parked]
     assert _listening_ports(parked) == set() and _listening_ports(live) == {fixed}
     # nothing of a guest runs in it: its CPU time stands still (a running TCG guest's would not)
-    before = _cpu_ticks(parked)
+    before = cpu_seconds(parked)
     await asyncio.sleep(1.5)
-    assert _cpu_ticks(parked) - before <= 2, "the parked QEMU used CPU"
+    assert round((cpu_seconds(parked) - before) * CLOCK_TICK) <= 2, "the parked QEMU used CPU"  # (clock ticks)
     samples = scrape(port)
     assert samples[key("vmsidecar_standby_parked")] == 1 and samples[key("vmsidecar_standby_ready")] == 0
 
@@ -129,12 +129,6 @@ async def test_a_parked_qemu_waits_with_nothing_loaded_and_the_recycle_loads_the
     assert state.snapshot.boot == "restored", state.snapshot
     assert parked not in qemu_pids(str(rt.state)) and again not in qemu_pids(str(rt.state))
     assert (await client.wait_spare()).snapshot.standby == "parked"  # and parked again after that Ready
-
-
-def _cpu_ticks(pid: int) -> int:
-    """utime + stime of ``pid`` in clock ticks (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def _listening_ports(pid: int) -> set[int]:

@@ -22,6 +22,7 @@ from pydantic import (
     StrictBool,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -136,10 +137,6 @@ def _wire_number(value: Any, info: ValidationInfo) -> Any:
     if info.context == WIRE and isinstance(value, bool | str):
         raise ValueError(f"{json.dumps(value)} is not a number; send a JSON number (no quotes, not true/false)")
     return value
-
-
-#: the words ``standby`` takes as text (an environment variable, a YAML string): pydantic's booleans, "parked"
-_STANDBY_WORDS = frozenset({"parked", "true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"})
 
 
 class _Model(BaseModel):
@@ -341,13 +338,16 @@ class VmSpec(_Model):
     def _arch(cls, value: str) -> str:
         return normalize_arch(str(value))
 
-    @field_validator("standby", mode="before")
+    @field_validator("standby", mode="wrap")
     @classmethod
-    def _standby(cls, value: object) -> object:
-        if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in _STANDBY_WORDS):
-            return value.strip().lower() if isinstance(value, str) else value
-        raise ValueError(f"{json.dumps(value, default=str)} is not a standby; use false (nothing waits for the "
-                         'next recycle), "parked" (a paused QEMU waits) or true (a spare restore runs)')
+    def _standby(cls, value: object, handler: ValidatorFunctionWrapHandler) -> object:
+        # pydantic's booleans and "parked", in any case (an environment variable); one message for the
+        # rest instead of the union's two
+        try:
+            return handler(value.strip().lower() if isinstance(value, str) else value)
+        except ValidationError:
+            raise ValueError(f"{json.dumps(value, default=str)} is not a standby; use false (nothing waits for the "
+                             'next recycle), "parked" (a paused QEMU waits) or true (a spare restore runs)') from None
 
     @field_validator("memory", mode="before")
     @classmethod
