@@ -28,7 +28,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from bytecode import compile_sources  # bench/ is no package
 from snapshot import MARKER, Guest, bare_argv, resolve_guest
@@ -63,15 +65,27 @@ def _child_qemu_start(parent: int) -> float | None:
     return None
 
 
-async def bare(guest: Guest, accel: AccelChoice, work: Path) -> tuple[float, float]:
-    """Seconds to the marker, and the guest's uptime in it."""
+class BareBoot(NamedTuple):
+    """A bare boot to the marker: its seconds, the guest's uptime in the marker, QEMU's CPU seconds
+    and minor page faults by then."""
+
+    seconds: float
+    uptime: float
+    cpu: float
+    minor_faults: int
+
+
+async def bare(guest: Guest, accel: AccelChoice, work: Path, extra_argv: Sequence[str] = (),
+               pass_fds: Sequence[int] = ()) -> BareBoot:
+    """Boot the guest on plain QEMU (``bare_argv``, plus ``extra_argv``) to its marker."""
     work.mkdir(parents=True)
     overlay = work / "overlay.qcow2"
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(guest.disk), "-F", "qcow2",
                     str(overlay)], check=True)
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(*bare_argv(guest, accel, overlay), stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = await asyncio.create_subprocess_exec(*bare_argv(guest, accel, overlay), *extra_argv,
+                                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                stderr=subprocess.DEVNULL, pass_fds=pass_fds)
     assert proc.stdout is not None
     seen = b""
     try:
@@ -81,7 +95,11 @@ async def bare(guest: Guest, accel: AccelChoice, work: Path) -> tuple[float, flo
                 if not chunk:
                     raise RuntimeError("QEMU ended before its marker")
                 seen = seen[-4096:] + chunk
-        return time.monotonic() - started, float(found.group(1))
+        seconds = time.monotonic() - started
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        fields = stat[stat.rfind(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return BareBoot(seconds, float(found.group(1)), cpu, int(fields[7]))
     finally:
         proc.kill()
         await proc.wait()
@@ -164,7 +182,7 @@ async def main(runs: int, name: str) -> None:
             os.sync()  # each boot starts with no earlier leg's files being written back
             cold_first = await cold(guest, Path(tmp) / f"cold-{i}") if i % 2 else None
             os.sync()
-            seconds, uptime = await bare(guest, accel, Path(tmp) / f"bare-{i}")
+            seconds, uptime, *_ = await bare(guest, accel, Path(tmp) / f"bare-{i}")
             os.sync()
             row = {"bare": seconds, "bare_uptime": uptime, **(cold_first or await cold(guest, Path(tmp) / f"cold-{i}"))}
             rows.append(row)

@@ -90,7 +90,7 @@ async def cold_vs_bare(scores: Scores, runs: int, work: Path) -> None:
         os.sync()  # no earlier leg's files being written back during a boot
         cold_first = await cold_timeline.cold(scores.guest, work / f"cold-{i}") if i % 2 else None
         os.sync()
-        bare, bare_uptime = await cold_timeline.bare(scores.guest, accel, work / f"bare-{i}")
+        bare, bare_uptime, *_ = await cold_timeline.bare(scores.guest, accel, work / f"bare-{i}")
         os.sync()
         cold = cold_first or await cold_timeline.cold(scores.guest, work / f"cold-{i}")
         scores.add("bare", bare)

@@ -6,6 +6,8 @@ validated spec or from paths and ports the runtime resolved itself.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vmsidecar_contract.spec import VmSpec
 
 from ..plan import GUEST_AGENT_PORT, SERIAL, VIRTIO_CONSOLE, BootPlan, can_stream, channel_stream
@@ -75,14 +77,18 @@ def _memory(plan: BootPlan) -> list[str]:
         # a templated snapshot (snapshots.py): the capturing boot's RAM is the file (share=on), a
         # restore maps it copy-on-write (share=off) and loads only the device state (x-ignore-shared)
         assert not spec.gpio, "vhost-user GPIO needs RAM shared with its backend: never templated"
-        share = "on" if plan.ram.share else "off"
-        return ["-object", f"memory-backend-file,id={RAM_ID},mem-path={plan.ram.path},share={share},"
-                f"size={spec.memory}M,align={RAM_ALIGN}", "-machine", f"memory-backend={RAM_ID}"]
+        return ram_file_argv(plan.ram.path, spec.memory, share=plan.ram.share)
     if spec.gpio:
         # vhost-user devices need guest RAM the backend process can map.
         return ["-object", f"memory-backend-memfd,id=mem0,size={spec.memory}M,share=on",
                 "-machine", "memory-backend=mem0"]
     return []
+
+
+def ram_file_argv(path: Path | str, memory_mib: int, *, share: bool) -> list[str]:
+    """Guest RAM in the file ``path``: shared (a capturing boot's) or mapped copy-on-write (a restore's)."""
+    return ["-object", f"memory-backend-file,id={RAM_ID},mem-path={path},share={'on' if share else 'off'},"
+            f"size={memory_mib}M,align={RAM_ALIGN}", "-machine", f"memory-backend={RAM_ID}"]
 
 
 def _boot(plan: BootPlan) -> list[str]:
