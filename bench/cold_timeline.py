@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bytecode import compile_sources  # bench/ is no package
-from snapshot import MARKER, Guest, bare_argv, resolve_guest
+from snapshot import MARKER, Guest, bare_argv, cpu_seconds, minor_faults, resolve_guest
 
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.client import RuntimeClient
@@ -96,10 +96,7 @@ async def bare(guest: Guest, accel: AccelChoice, work: Path, extra_argv: Sequenc
                     raise RuntimeError("QEMU ended before its marker")
                 seen = seen[-4096:] + chunk
         seconds = time.monotonic() - started
-        stat = Path(f"/proc/{proc.pid}/stat").read_text()
-        fields = stat[stat.rfind(")") + 2:].split()
-        cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-        return BareBoot(seconds, float(found.group(1)), cpu, int(fields[7]))
+        return BareBoot(seconds, float(found.group(1)), cpu_seconds(proc.pid), minor_faults(proc.pid))
     finally:
         proc.kill()
         await proc.wait()

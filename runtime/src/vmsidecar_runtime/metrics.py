@@ -142,16 +142,15 @@ def source_of(reference: str) -> Source:
 @dataclass(frozen=True)
 class State:
     """What the scrape reads from the runtime: the phase, the generation, the QEMUs' pids, the
-    cache's size, whether a spare restore is ready."""
+    cache's size, what waits for the next recycle."""
 
     phase: Phase
     generation: int
     #: the guest's QEMU and, with the spec's ``standby``, its spare's
     qemu_pids: list[int]
     cache_bytes: int | None
-    spare_ready: bool = False
-    #: a parked QEMU waits for the next recycle (the spec's ``standby: parked``)
-    parked: bool = False
+    #: ``snapshot.standby`` of ``GET /v1/vm``: "ready" (a spare restore waits), "parked" (a parked QEMU), …
+    standby: str = "off"
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -212,9 +211,9 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("vmsidecar_qemu_resident_memory_bytes", "QEMU's resident memory, a spare "
                                 "restore's included (0: no QEMU runs)", value=rss)
         yield GaugeMetricFamily("vmsidecar_standby_ready", "1 while a spare restore waits for the next recycle "
-                                "(the spec's standby)", value=1 if state.spare_ready else 0)
+                                "(the spec's standby)", value=1 if state.standby == "ready" else 0)
         yield GaugeMetricFamily("vmsidecar_standby_parked", "1 while a parked QEMU waits for the next recycle to "
-                                "load the snapshot (the spec's standby: parked)", value=1 if state.parked else 0)
+                                "load the snapshot (the spec's standby: parked)", value=1 if state.standby == "parked" else 0)
         if state.cache_bytes is not None:
             yield GaugeMetricFamily("vmsidecar_cache_size_bytes", "Bytes on disk of the image cache (disks and "
                                     "memory snapshots)", value=state.cache_bytes)

@@ -91,7 +91,7 @@ def _scraped(vm: VmController) -> metrics.State:
 
     return metrics.State(phase=vm.phase, generation=vm.generation, qemu_pids=metrics.qemu_children(procs.OWN),
                          cache_bytes=DiskCache(vm.paths.cache).size(),
-                         spare_ready=vm.snapshot_info.standby == "ready", parked=vm.snapshot_info.standby == "parked")
+                         standby=vm.snapshot_info.standby)
 
 
 async def serve_health(vm: VmController, listen: str) -> tuple[web.AppRunner, tuple[str, int]]:
