@@ -28,6 +28,7 @@ from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.spec import parse_size_mib
 from vmsidecar_runtime.accel import AccelChoice, choose_accel
 from vmsidecar_runtime.backend.qemu_argv import ram_file_argv
+from vmsidecar_runtime.procs import inherited_path
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 
@@ -37,8 +38,8 @@ async def boot(guest: Guest, accel: AccelChoice, work: Path, memfd: bool) -> Bar
     if not memfd:
         return await bare(guest, accel, work)
     fd = os.memfd_create("bench-ram", os.MFD_CLOEXEC)
-    try:  # the same path QEMU is given by the runtime: its own copy of the descriptor
-        ram = ram_file_argv(f"/proc/self/fd/{fd}", parse_size_mib(guest.memory), share=True)
+    try:
+        ram = ram_file_argv(inherited_path(fd), parse_size_mib(guest.memory), share=True)
         return await bare(guest, accel, work, ram, pass_fds=(fd,))
     finally:
         os.close(fd)

@@ -201,7 +201,7 @@ async def test_console_readers_that_never_read_neither_grow_the_runtime_nor_stal
 #: where a guest's line may start on hvc0: not after a digit. Not ``\b``: the shell hvc0's getty
 #: starts may print its prompt after the scrollback was drained, and it ends with the terminal query
 #: ESC[6n, glued to the first line (``vm# \x1b[6nL1``, a CI run's "1999 of 2000 lines")
-LINE_START = r"(?<![0-9])"
+LINE_START = rb"(?<![0-9])"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -232,11 +232,11 @@ async def test_console_lines_the_guest_writes_while_the_runtime_is_stalled_are_k
         # a loaded host runs the loop slower than the stall lasts (a CI run): the lines after it are kept too
         await wait_until_async(lambda: guest_file_says(cmd, "/tmp/sent", "sent"), 120, "the guest's loop to finish",
                                interval=1)
-        await hvc0.expect(rf"{LINE_START}L{lines}\r?\n", 30)
+        await hvc0.expect(LINE_START + rb"L%d\r?\n" % lines, 30)
     finally:
         await hvc0.close()
         await cmd.close()
-    got = re.findall(rb"%bL(\d+)\r?\n" % LINE_START.encode(), bytes(hvc0.seen))
+    got = re.findall(LINE_START + rb"L(\d+)\r?\n", bytes(hvc0.seen))
     first = bytes(hvc0.seen[:80])
     assert [int(n) for n in got] == list(range(1, lines + 1)), f"hvc0 got {len(got)} of {lines} lines; began {first!r}"
 
