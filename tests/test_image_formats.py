@@ -11,6 +11,7 @@ import hashlib
 import io
 import lzma
 import os
+import random
 import struct
 import subprocess
 import tarfile
@@ -213,6 +214,63 @@ def test_concatenated_streams_are_one_disk(images: dict[str, Path]) -> None:
                    lzma.compress(data[:half]) + lzma.compress(data[half:])):
         _, stream = open_decompressed(io.BytesIO(packed), "auto", FLASH)
         assert stream.read() == data
+
+
+def _skippable(payload: bytes, magic: int = 0x184D2A50) -> bytes:
+    return magic.to_bytes(4, "little") + len(payload).to_bytes(4, "little") + payload
+
+
+def _zstd_parts() -> list[tuple[bytes, bytes]]:
+    """Frames of every shape one stream may hold, each with what it decodes to."""
+    data = os.urandom(200_000) + bytes(1 << 20) + b"vm" * 100_000
+    checked = zstandard.ZstdCompressor(level=3, write_checksum=True)
+    bare = zstandard.ZstdCompressor(level=1, write_checksum=False, write_content_size=False)
+    streamed = checked.compressobj()  # no content size: a window descriptor, blocks up to the last
+    return [
+        (_skippable(b"zstd:chunked's manifest sits in frames like this", 0x184D2A5F), b""),
+        (checked.compress(data), data),
+        (bare.compress(data[:5000]), data[:5000]),
+        (checked.compress(b""), b""),
+        (_skippable(b""), b""),
+        (streamed.compress(data) + streamed.flush(), data),
+        (zstandard.ZstdCompressor(level=19).compress(bytes(4 << 20)), bytes(4 << 20)),  # RLE blocks
+    ]
+
+
+def test_a_zstd_stream_cut_off_inside_a_frame_is_truncated_wherever_the_cut_is() -> None:
+    """zstandard's stream_reader, which decodes the zstd layers into the caller's buffer, ends
+    silently where its input ends; the reader follows the frames as they go by, so a stream cut off
+    anywhere in a frame (header, block header, block, checksum, skippable frame) is an error, and one
+    cut between two frames is the frames before the cut."""
+    parts = _zstd_parts()
+    stream = b"".join(packed for packed, _ in parts)
+    ends, decoded, offset = {0: b""}, b"", 0
+    for packed, plain in parts:
+        offset, decoded = offset + len(packed), decoded + plain
+        ends[offset] = decoded
+    rng = random.Random(23)
+    cuts = set(range(24)) | {end + d for end in ends for d in range(-20, 21)} | {rng.randrange(len(stream)) for _ in range(150)}
+    for cut in sorted(c for c in cuts if 0 <= c <= len(stream)):
+        _, reader = open_decompressed(io.BytesIO(stream[:cut]), "zstd", FLASH)
+        if cut in ends:
+            assert reader.read() == ends[cut], cut
+            continue
+        with pytest.raises(ImageError) as exc:
+            reader.read()
+        assert exc.value.code == "bad_compression", cut
+        assert "(zstd: the stream ended early (truncated))" in exc.value.message, (cut, exc.value.message)
+
+
+@pytest.mark.parametrize("tail", ["garbage", "reserved block"])
+def test_bytes_after_the_last_zstd_frame_that_are_no_frame_are_refused(tail: str) -> None:
+    frame = zstandard.ZstdCompressor(level=3).compress(b"x" * 1000)  # a 7-byte header, then the block's
+    after = {"garbage": b"not zstd", "reserved block": frame[:7] + bytes([frame[7] | 0b110]) + frame[8:]}[tail]  # type bits
+    _, reader = open_decompressed(io.BytesIO(frame + after), "zstd", FLASH)
+    with pytest.raises(ImageError) as exc:
+        reader.read()
+    assert exc.value.code == "bad_compression"
+    why = {"garbage": "the bytes 6e6f7420 are not a zstd magic number", "reserved block": "reserved type 3"}[tail]
+    assert why in exc.value.message
 
 
 def test_decompression_bomb_stops_at_the_limit() -> None:

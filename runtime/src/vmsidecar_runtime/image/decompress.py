@@ -16,18 +16,20 @@ import gzip
 import io
 import lzma
 import zlib
-from typing import Literal
+from collections.abc import Callable
+from typing import IO, Literal, cast
 
 import zstandard
 
 from vmsidecar_contract.errors import ImageError, VmsidecarError
 
-from .limits import DEFAULT_LIMITS, KIB, MIB, Limits, Origin, human_size
+from .limits import DEFAULT_LIMITS, MIB, Limits, Origin, human_size
 from .sniff import ByteSource, Compression, read_at_least, sniff_compression
 
 CHUNK = 1 << 20
-#: zstd expands at most ~32768x (a 4-byte RLE block is 128 KiB), so 1 KiB in is ≤ 32 MiB out
-_ZSTD_SLICE = 1 * KIB
+_ZSTD_MAGIC = 0xFD2FB528
+#: skippable frames' magic numbers are 0x184D2A50 to 0x184D2A5F
+_SKIPPABLE_MAGIC = 0x184D2A50
 #: the largest zstd window decoded (zstd's own default limit; ``-19`` uses 8 MiB, ``--long`` 128 MiB)
 MAX_ZSTD_WINDOW = 128 * MIB
 #: the most memory the xz decoder may use (``xz -9`` needs 65 MiB; ``--lzma2=dict=1536MiB`` 1.5 GiB)
@@ -82,69 +84,108 @@ class _Prefixed(RawSource):
         return len(data)
 
 
-class _ZstdReader(RawSource):
-    """zstd frames one after another, with bounded memory; a frame cut off is an error.
+class _ZstdFrames(ChunkStream):
+    """A zstd stream passed on unchanged, its frames followed on the way, so that its end is known to
+    fall between two frames: a stream cut off in a frame raises :class:`EOFError`.
 
-    zstandard's ``stream_reader`` ends silently on a truncated frame and ``decompressobj`` has no
-    output bound, so this feeds ``decompressobj`` slices small enough that no slice can expand
-    past ~32 MiB, and watches for the end of each frame.
+    zstandard's ``stream_reader`` (which decodes into the caller's buffer, so its memory is bounded
+    whatever the ratio) ends silently on a truncated frame, and no library reports where a frame
+    ends without decoding it. This walks the frame format (RFC 8878, section 3.1): a frame's header
+    (sized and read by zstandard), then blocks of 3-byte headers (last-block flag, type, size) up to
+    the last, then the optional 4-byte checksum; skippable frames (zstd:chunked's metadata) are a
+    magic number, a 4-byte size and that many bytes. A frame whose window passes
+    :data:`MAX_ZSTD_WINDOW` is refused here, before the decoder sees its header.
     """
 
     def __init__(self, raw: ByteSource) -> None:
         super().__init__()
         self._raw = raw
-        self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
-        self._frame = self._dctx.decompressobj()
-        self._input = memoryview(b"")
-        self._output = memoryview(b"")
-        self._in_frame = False  # bytes went into the current frame and it has not ended yet
-        self._raw_done = False
+        self._skip = 0  # bytes of the current block, checksum or skippable frame still to pass
+        self._head = bytearray()  # the header being collected
+        self._need = 4  # its whole length
+        self._next: Callable[[bytes], None] = self._magic  # what reads it once whole
+        self._checksum = False
+
+    def read(self, size: int = -1, /) -> bytes:
+        """Up to ``size`` bytes of the stream, as they came."""
+        data = self._raw.read(CHUNK if size is None or size < 0 else size)
+        if data:
+            self._follow(memoryview(data))
+        elif self._skip or self._head or self._next != self._magic:
+            raise EOFError("the stream ended in the middle of a frame (truncated)")
+        return data
+
+    def _follow(self, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data):
+            if self._skip:
+                step = min(self._skip, len(data) - pos)
+                self._skip -= step
+                pos += step
+                continue
+            take = min(self._need - len(self._head), len(data) - pos)
+            self._head += data[pos:pos + take]
+            pos += take
+            if len(self._head) == self._need:
+                head, self._head = bytes(self._head), bytearray()
+                self._next(head)
+
+    def _expect(self, length: int, reader: Callable[[bytes], None], keep: bytes = b"") -> None:
+        self._head, self._need, self._next = bytearray(keep), length, reader
+
+    def _magic(self, head: bytes) -> None:
+        magic = int.from_bytes(head, "little")
+        if magic == _ZSTD_MAGIC:
+            self._expect(5, self._frame_header_size, keep=head)  # the size is in the 5th byte
+        elif magic & 0xFFFFFFF0 == _SKIPPABLE_MAGIC:
+            self._expect(8, self._skippable, keep=head)
+        else:
+            raise zstandard.ZstdError(f"no zstd frame starts here (the bytes {head.hex()} are not a zstd magic number)")
+
+    def _frame_header_size(self, head: bytes) -> None:
+        self._expect(zstandard.frame_header_size(head), self._frame_header, keep=head)
+
+    def _frame_header(self, head: bytes) -> None:
+        params = zstandard.get_frame_parameters(head)
+        if params.window_size > MAX_ZSTD_WINDOW:
+            raise DecoderMemoryError(f"a zstd window of {human_size(params.window_size)}")
+        self._checksum = bool(params.has_checksum)
+        self._expect(3, self._block)
+
+    def _block(self, head: bytes) -> None:
+        header = int.from_bytes(head, "little")
+        last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise zstandard.ZstdError("a zstd block of the reserved type 3")
+        self._skip = 1 if kind == 1 else size  # an RLE block is one byte repeated `size` times
+        if last:
+            self._skip += 4 * self._checksum
+            self._expect(4, self._magic)
+        else:
+            self._expect(3, self._block)
+
+    def _skippable(self, head: bytes) -> None:
+        self._skip = int.from_bytes(head[4:], "little")
+        self._expect(4, self._magic)
+
+
+class _ZstdReader(RawSource):
+    """zstd frames one after another, decoded into the caller's buffer; a frame cut off is an error
+    (:class:`_ZstdFrames` watches the frames go by)."""
+
+    def __init__(self, raw: ByteSource) -> None:
+        super().__init__()
+        decoder = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
+        frames = cast("IO[bytes]", _ZstdFrames(raw))  # the reader calls only `read`, which a raw stream has
+        self._reader = decoder.stream_reader(frames, read_size=CHUNK, read_across_frames=True, closefd=False)
 
     def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        # Fills the buffer as far as the stream goes: one slice's output is often 1 KiB, and a read
-        # per slice made every caller loop ~1,000 times per MiB (a Debian guest's RAM layer: ~1 s)
+        # Fills the buffer as far as the stream goes: every caller loops per read
         view = memoryview(buffer).cast("B")
         filled = 0
-        while filled < len(view) and (self._output or self._decompress_next()):
-            n = min(len(view) - filled, len(self._output))
-            view[filled:filled + n] = self._output[:n]
-            self._output = self._output[n:]
+        while filled < len(view) and (n := self._reader.readinto(view[filled:])):
             filled += n
         return filled
-
-    def _decompress_next(self) -> bool:
-        """Decompress the next slice into ``_output``; False at the end of the stream."""
-        while not self._output:
-            if not self._input:
-                if self._raw_done:
-                    if self._in_frame:
-                        raise EOFError("the stream ended in the middle of a frame (truncated)")
-                    return False
-                self._input = memoryview(self._raw.read(CHUNK))
-                self._raw_done = not self._input
-                continue
-            piece, self._input = self._input[:_ZSTD_SLICE], self._input[_ZSTD_SLICE:]
-            header = None if self._in_frame else bytes(piece[:18])  # a frame header is at most 18 bytes
-            self._in_frame = True
-            try:
-                self._output = memoryview(self._frame.decompress(piece))
-            except zstandard.ZstdError as exc:
-                if "too much memory" in str(exc) and header is not None:
-                    raise DecoderMemoryError(f"a zstd window of {_zstd_window(header)}") from exc
-                raise
-            if self._frame.eof:  # the next frame (if any) starts in what this one left over
-                self._input = memoryview(bytes(self._frame.unused_data) + bytes(self._input))
-                self._frame = self._dctx.decompressobj()
-                self._in_frame = False
-        return True
-
-
-def _zstd_window(header: bytes) -> str:
-    """The window a zstd frame header asks for, for a message."""
-    try:
-        return human_size(zstandard.get_frame_parameters(header).window_size)
-    except zstandard.ZstdError:
-        return f"more than {human_size(MAX_ZSTD_WINDOW)}"
 
 
 def _xz_decoder() -> lzma.LZMADecompressor:
