@@ -140,7 +140,7 @@ def empty_node(all_scores: list[Scores], runs: int, work: Path) -> None:
     os.environ["VMSIDECAR_INSECURE_REGISTRIES"] = "127.0.0.1"  # the loopback registry speaks plain HTTP
     with registry_warm.loopback_registry(work / "registry") as host:
         for scores in all_scores:
-            tree = registry_warm.bench_guest(scores.guest, host, work / scores.guest.name, runs)
+            (tree,) = registry_warm.bench_guest(scores.guest, host, work / scores.guest.name, runs, None)
             scores.add("empty_node", *tree.samples["ready"])
 
 
