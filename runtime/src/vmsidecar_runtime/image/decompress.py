@@ -111,9 +111,12 @@ class _ZstdFrames(ChunkStream):
         data = self._raw.read(CHUNK if size is None or size < 0 else size)
         if data:
             self._follow(memoryview(data))
-        elif self._skip or self._head or self._next != self._magic:
+        elif not self._between_frames():
             raise EOFError("the stream ended in the middle of a frame (truncated)")
         return data
+
+    def _between_frames(self) -> bool:
+        return not self._skip and not self._head and self._next == self._magic
 
     def _follow(self, data: memoryview) -> None:
         pos = 0
