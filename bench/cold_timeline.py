@@ -141,6 +141,18 @@ async def cold(guest: Guest, work: Path) -> dict[str, float]:
             "capture": state.snapshot.capture_seconds or 0.0, "total": total}
 
 
+async def pair(guest: Guest, accel: AccelChoice, work: Path, i: int) -> tuple[BareBoot, dict[str, float]]:
+    """The ``i``-th pair of a bare boot and a cold start; which goes first alternates with ``i``, so
+    neither always inherits the other's page cache, and each starts with no earlier boot's files
+    being written back."""
+    os.sync()
+    cold_first = await cold(guest, work / f"cold-{i}") if i % 2 else None
+    os.sync()
+    bare_boot = await bare(guest, accel, work / f"bare-{i}")
+    os.sync()
+    return bare_boot, cold_first or await cold(guest, work / f"cold-{i}")
+
+
 async def spawn_only(guest: Guest, work: Path) -> float:
     """Seconds from ``serve``'s start to its QEMU's spawn (the runtime's fixed cost before the boot)."""
     spec = _cold_spec(guest)
@@ -175,13 +187,9 @@ async def main(runs: int, name: str) -> None:
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cold-") as tmp:
         for i in range(runs):
-            # which boot goes first alternates: neither always inherits the other's page cache
-            os.sync()  # each boot starts with no earlier leg's files being written back
-            cold_first = await cold(guest, Path(tmp) / f"cold-{i}") if i % 2 else None
-            os.sync()
-            seconds, uptime, *_ = await bare(guest, accel, Path(tmp) / f"bare-{i}")
-            os.sync()
-            row = {"bare": seconds, "bare_uptime": uptime, **(cold_first or await cold(guest, Path(tmp) / f"cold-{i}"))}
+            bare_boot, cold_start = await pair(guest, accel, Path(tmp), i)
+            seconds, uptime = bare_boot.seconds, bare_boot.uptime
+            row = {"bare": seconds, "bare_uptime": uptime, **cold_start}
             rows.append(row)
             print(f"run {i + 1}: bare {seconds:.2f} s (guest uptime {uptime:.2f}); cold: QEMU spawned at "
                   f"{row['spawn']:.2f} s, pull {row['pull']:.2f}, launch → marker {row['ready']:.2f} (guest uptime "

@@ -87,12 +87,8 @@ class Scores:
 async def cold_vs_bare(scores: Scores, runs: int, work: Path) -> None:
     accel = choose_accel("auto", host_arch())
     for i in range(runs):
-        os.sync()  # no earlier leg's files being written back during a boot
-        cold_first = await cold_timeline.cold(scores.guest, work / f"cold-{i}") if i % 2 else None
-        os.sync()
-        bare, bare_uptime, *_ = await cold_timeline.bare(scores.guest, accel, work / f"bare-{i}")
-        os.sync()
-        cold = cold_first or await cold_timeline.cold(scores.guest, work / f"cold-{i}")
+        bare_boot, cold = await cold_timeline.pair(scores.guest, accel, work, i)
+        bare, bare_uptime = bare_boot.seconds, bare_boot.uptime
         scores.add("bare", bare)
         scores.add("bare_uptime", bare_uptime)
         scores.add("cold", cold["total"])
