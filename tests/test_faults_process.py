@@ -26,7 +26,7 @@ from fixtures.events import collecting
 from fixtures.faults import rss_kb, wait_phase
 from fixtures.jmp import PIPE_UNTIL, exporter_config, jmp_env, run_shell
 from fixtures.runtime import BACKENDS, qemu_pids
-from fixtures.waiting import guest_file_says, wait_until_async
+from fixtures.waiting import guest_file_says, wait_until, wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import PROTOCOL_CODES, VmsidecarError, registry
 from vmsidecar_images.console import PROMPT, Console
@@ -315,17 +315,22 @@ async def test_fifty_concurrent_clients_power_flash_dump_recycle(
     await wait_phase(admin, "Ready")
 
 
+@pytest.mark.parametrize("when", ["at_ready", "command_running"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_and_guest_and_removes_its_files(
-    tiny_image: Any, image_cache: Path, sig: signal.Signals
+def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_guest_and_command_and_removes_its_files(
+    tiny_image: Any, image_cache: Path, sig: signal.Signals, when: str
 ) -> None:
     """A terminal closed (SIGHUP) or a `kill`/`timeout` (SIGTERM) ended vmsidecar-shell and left its
-    runtime, the guest's QEMU and its work directory behind (its `finally` never ran)."""
+    runtime, the guest's QEMU and its work directory behind (its `finally` never ran); later, the
+    command it ran went on as an orphan, and a signal landing as the exporter's session started
+    left the shell waiting on its portal (CI: no exit within 60 s). The signal comes as soon as the
+    guest is Ready (the session starting), or once the command runs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_")}
     env["VMSIDECAR_CACHE_DIR"] = str(image_cache)  # the suite's common key: a restore
+    command = ["sleep", f"{random.randint(100000, 999999)}.5"]  # its command line is this test's alone
     shell = subprocess.Popen(
         [sys.executable, "-m", "jumpstarter_driver_vmsidecar.local", "--image", f"file:{tiny_image.disk}",
-         "--memory", "256M", "--", "sleep", "300"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+         "--memory", "256M", "--", *command], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
         assert shell.stderr is not None
@@ -338,6 +343,8 @@ def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_and_guest_and_remov
         assert work.is_dir()
         mine = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_names(int(pid), str(work))]
         assert len(mine) >= 2, mine  # the runtime and its QEMU
+        if when == "command_running":
+            wait_until(lambda: _running(command), 60, f"{command} to start in the shell")
         shell.send_signal(sig)
         assert shell.wait(60) != 0
         deadline = time.monotonic() + 30
@@ -345,9 +352,25 @@ def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_and_guest_and_remov
             time.sleep(0.1)
         assert not left, f"still running after the shell ended: {left}"
         assert not work.exists()
+        wait_until(lambda: not _running(command), 10, f"{command} to end with the shell")
     finally:
         if shell.poll() is None:
             shell.kill()
+        for pid in _running(command):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(command: list[str]) -> list[int]:
+    """The processes (not zombies) whose command line is exactly ``command``."""
+    wanted = "\0".join(command).encode() + b"\0"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == wanted:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def _cmdline_names(pid: int, text: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -19,11 +20,12 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmsidecar_contract.errors import VmsidecarError
-from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError
+from vmsidecar_contract.process import STOP_TIMEOUT_S, RuntimeProcess, RuntimeStartError
 
 if TYPE_CHECKING:
     from vmsidecar_contract.client import RuntimeClient
@@ -114,10 +116,83 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _end_by_signal(signum: int, _frame: object) -> None:
-    """Leave through ``main``'s ``finally`` (the runtime and its guest stopped, the work directory
-    removed): Python's default for these signals ends the process there and then."""
-    raise SystemExit(128 + signum)
+#: what ends the shell as its own end would: a `kill` or `timeout` (SIGTERM), the terminal closed (SIGHUP)
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class _EndBySignal:
+    """The handler of :data:`ENDING_SIGNALS`: ends what the shell started, then the process.
+
+    It does the ending itself instead of raising into whatever the main thread runs: an exception
+    raised inside anyio's portal as the exporter's session starts can leave the shell waiting on the
+    portal's thread for good (seen in CI: no exit within 60 s, the runtime never told to stop). In
+    order: the command the shell runs gets the same signal (it would go on as an orphan), the
+    runtime stops its guest, the work directory and the exporter's socket go, and the process exits
+    with 128 + the signal's number.
+    """
+
+    runtime: RuntimeProcess
+    work: Path
+    keep: bool
+    #: the exporter's socket, once it serves
+    session_socket: Path | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        for ending in ENDING_SIGNALS:  # a second signal must not cut the ending short
+            signal.signal(ending, signal.SIG_IGN)
+        for pid in _children(os.getpid()):
+            if pid != self.runtime.proc.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+        _stop(self.runtime.proc.pid, STOP_TIMEOUT_S)
+        if not self.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+        if self.session_socket is not None:
+            _remove_socket(self.session_socket)
+        os._exit(128 + signum)
+
+
+def _remove_socket(path: Path) -> None:
+    """The exporter's socket, and the directory jumpstarter made for it (``TemporarySocket``:
+    ``jumpstarter-*``) if nothing else is in it."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    if path.parent.name.startswith("jumpstarter-"):
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
+
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (from each one's ``/proc/PID/stat``)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # the name before ")" may hold anything
+            found.append(int(entry))
+    return found
+
+
+def _stop(pid: int, timeout: float) -> None:
+    """SIGTERM ``pid`` (a child; the runtime stops its guest gracefully), SIGKILL after ``timeout``.
+
+    Waits with ``os.waitpid`` rather than the ``Popen``'s ``wait``: a handler may interrupt the main
+    thread inside that ``Popen``'s ``poll`` (``_wait_ready``), which holds the lock ``wait`` needs."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    try:
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.05)
+    except ChildProcessError:  # reaped already
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shared, log = runtime.shared, runtime.log
-    for ending in (signal.SIGTERM, signal.SIGHUP):  # a `kill`, or the terminal closed: stop as at the shell's end
-        signal.signal(ending, _end_by_signal)
+    ending = _EndBySignal(runtime, work, args.keep)
+    for signum in ENDING_SIGNALS:
+        signal.signal(signum, ending)
     try:
         print(f"vmsidecar: booting the guest (log {log}) …", file=sys.stderr)
         # the runtime enforces the readiness timeout (the guest goes to Error); ours only adds the pull
@@ -164,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PATH"] = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"  # `j` for the shell
         os.environ["VMSIDECAR_SHARED_DIR"] = str(shared)  # `vmsidecar-runtime status` in the shell finds this VM
         with config.serve_unix() as path:
+            ending.session_socket = Path(path)
             return launch_shell(path, "vmsidecar", allow=[], unsafe=True, use_profiles=False,
                                 command=tuple(command) or None)
     except KeyboardInterrupt:
