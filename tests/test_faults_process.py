@@ -12,6 +12,7 @@ import asyncio
 import os
 import random
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -358,6 +359,50 @@ def test_vmsidecar_shell_ended_by_a_signal_stops_its_runtime_guest_and_command_a
             shell.kill()
         for pid in _running(command):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_vmsidecar_shell_ended_by_a_signal_ends_its_interactive_bash(
+    tiny_image: Any, image_cache: Path, sig: signal.Signals
+) -> None:
+    """An interactive bash on a terminal ignores SIGTERM: a `kill` of vmsidecar-shell left it
+    running on the terminal, over an exporter and a runtime that were gone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMSIDECAR_")}
+    env["VMSIDECAR_CACHE_DIR"] = str(image_cache)  # the suite's common key: a restore
+    env["SHELL"] = "/bin/bash"
+    primary, secondary = os.openpty()
+    shell = subprocess.Popen(
+        [sys.executable, "-m", "jumpstarter_driver_vmsidecar.local", "--image", f"file:{tiny_image.disk}",
+         "--memory", "256M"], env=env, stdin=secondary, stdout=secondary, stderr=secondary, start_new_session=True)
+    os.close(secondary)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 240
+        while b"guest ready" not in seen and time.monotonic() < deadline:
+            if select.select([primary], [], [], 1)[0]:
+                seen += os.read(primary, 4096)
+        assert b"guest ready" in seen, seen[-3000:]
+        bash = wait_until(lambda: [pid for pid in _children_of(shell.pid) if _cmdline_names(pid, "--norc")], 60,
+                          "the interactive bash to start")
+        shell.send_signal(sig)
+        assert shell.wait(60) != 0
+        wait_until(lambda: not any(_cmdline_names(pid, "--norc") for pid in bash), 10, f"bash {bash} to end")
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+        os.close(primary)
+
+
+def _children_of(parent: int) -> list[int]:
+    """The processes whose parent is ``parent``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 def _running(command: list[str]) -> list[int]:

@@ -128,8 +128,9 @@ class _EndBySignal:
     raised inside anyio's portal as the exporter's session starts can leave the shell waiting on the
     portal's thread for good (seen in CI: no exit within 60 s, the runtime never told to stop). In
     order: the command the shell runs gets the same signal (it would go on as an orphan), the
-    runtime stops its guest, the work directory and the exporter's socket go, and the process exits
-    with 128 + the signal's number.
+    runtime stops its guest, what is left of the command gets SIGHUP (an interactive bash ignores
+    SIGTERM), the work directory and the exporter's socket go, and the process exits with 128 + the
+    signal's number.
     """
 
     runtime: RuntimeProcess
@@ -141,16 +142,22 @@ class _EndBySignal:
     def __call__(self, signum: int, _frame: object) -> None:
         for ending in ENDING_SIGNALS:  # a second signal must not cut the ending short
             signal.signal(ending, signal.SIG_IGN)
-        for pid in _children(os.getpid()):
-            if pid != self.runtime.proc.pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
+        self._signal_command(signum)
         _stop(self.runtime.proc.pid, STOP_TIMEOUT_S)
+        # the session is over, as when a terminal closes: an interactive bash ignores SIGTERM
+        self._signal_command(signal.SIGHUP)
         if not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)
         if self.session_socket is not None:
             _remove_socket(self.session_socket)
         os._exit(128 + signum)
+
+    def _signal_command(self, signum: int) -> None:
+        """``signum`` to the shell or command ``launch_shell`` started (every child but the runtime)."""
+        for pid in _children(os.getpid()):
+            if pid != self.runtime.proc.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
 
 
 def _remove_socket(path: Path) -> None:
