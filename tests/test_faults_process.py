@@ -30,6 +30,7 @@ from fixtures.runtime import BACKENDS, qemu_pids
 from fixtures.waiting import guest_file_says, wait_until, wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import PROTOCOL_CODES, VmsidecarError, registry
+from vmsidecar_contract.process import child_pids
 from vmsidecar_images.console import PROMPT, Console
 
 pytestmark = pytest.mark.timeout(600)
@@ -382,7 +383,7 @@ def test_vmsidecar_shell_ended_by_a_signal_ends_its_interactive_bash(
             if select.select([primary], [], [], 1)[0]:
                 seen += os.read(primary, 4096)
         assert b"guest ready" in seen, seen[-3000:]
-        bash = wait_until(lambda: [pid for pid in _children_of(shell.pid) if _cmdline_names(pid, "--norc")], 60,
+        bash = wait_until(lambda: [pid for pid in child_pids(shell.pid) if _cmdline_names(pid, "--norc")], 60,
                           "the interactive bash to start")
         shell.send_signal(sig)
         assert shell.wait(60) != 0
@@ -391,18 +392,6 @@ def test_vmsidecar_shell_ended_by_a_signal_ends_its_interactive_bash(
         if shell.poll() is None:
             shell.kill()
         os.close(primary)
-
-
-def _children_of(parent: int) -> list[int]:
-    """The processes whose parent is ``parent``."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(pid))
-        except (OSError, ValueError, IndexError):
-            pass
-    return found
 
 
 def _running(command: list[str]) -> list[int]:

@@ -10,6 +10,7 @@ needs it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +35,19 @@ SERVE_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 #: how much of the runtime's log an error message quotes
 LOG_TAIL_CHARS = 3000
+
+
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (from each one's ``/proc/PID/stat``)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # the name before ")" may hold anything
+            found.append(int(entry))
+    return found
 
 
 class RuntimeStartError(RuntimeError):
@@ -167,6 +181,23 @@ class RuntimeProcess:
             self.proc.kill()
             self.proc.wait(10)
         return self.proc.returncode
+
+    def stop_in_handler(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """``stop`` for a signal handler: it waits with ``os.waitpid``, not the ``Popen``'s ``wait``,
+        whose lock the interrupted main thread may hold (inside ``poll``, while it waits for the
+        runtime to serve); the ``Popen`` keeps no exit code (the handler's process is ending)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        try:
+            while not os.waitpid(self.proc.pid, os.WNOHANG)[0]:
+                if time.monotonic() > deadline:
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                    os.waitpid(self.proc.pid, 0)
+                    return
+                time.sleep(0.05)
+        except ChildProcessError:  # reaped already
+            pass
 
     def __enter__(self) -> Self:
         return self

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vmsidecar_contract.errors import VmsidecarError
-from vmsidecar_contract.process import STOP_TIMEOUT_S, RuntimeProcess, RuntimeStartError
+from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError, child_pids
 
 if TYPE_CHECKING:
     from vmsidecar_contract.client import RuntimeClient
@@ -143,7 +143,7 @@ class _EndBySignal:
         for ending in ENDING_SIGNALS:  # a second signal must not cut the ending short
             signal.signal(ending, signal.SIG_IGN)
         self._signal_command(signum)
-        _stop(self.runtime.proc.pid, STOP_TIMEOUT_S)
+        self.runtime.stop_in_handler()
         # the session is over, as when a terminal closes: an interactive bash ignores SIGTERM
         self._signal_command(signal.SIGHUP)
         if not self.keep:
@@ -154,7 +154,7 @@ class _EndBySignal:
 
     def _signal_command(self, signum: int) -> None:
         """``signum`` to the shell or command ``launch_shell`` started (every child but the runtime)."""
-        for pid in _children(os.getpid()):
+        for pid in child_pids(os.getpid()):
             if pid != self.runtime.proc.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
@@ -168,38 +168,6 @@ def _remove_socket(path: Path) -> None:
     if path.parent.name.startswith("jumpstarter-"):
         with contextlib.suppress(OSError):
             path.parent.rmdir()
-
-
-def _children(parent: int) -> list[int]:
-    """The processes whose parent is ``parent`` (from each one's ``/proc/PID/stat``)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # the name before ")" may hold anything
-            found.append(int(entry))
-    return found
-
-
-def _stop(pid: int, timeout: float) -> None:
-    """SIGTERM ``pid`` (a child; the runtime stops its guest gracefully), SIGKILL after ``timeout``.
-
-    Waits with ``os.waitpid`` rather than the ``Popen``'s ``wait``: a handler may interrupt the main
-    thread inside that ``Popen``'s ``poll`` (``_wait_ready``), which holds the lock ``wait`` needs."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    try:
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return
-            time.sleep(0.05)
-    except ChildProcessError:  # reaped already
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
