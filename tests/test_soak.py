@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.faults import Sample, run_dir_of, sample
+from fixtures.faults import Sample, own_temp_files, run_dir_of, sample
 from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
 
@@ -69,7 +69,8 @@ async def test_two_hundred_recycles_leave_fds_rss_files_and_disk_flat(
     pid = rt.proc.pid
 
     def dirs() -> list[Any]:
-        return [rt.state, run_dir_of(pid), image_cache / "tmp"]
+        # the cache is the suite's: only this runtime's temporary files in it are its own
+        return [rt.state, run_dir_of(pid), *own_temp_files(pid, image_cache)]
 
     ahead = rt.state / "overlay-ahead.qcow2"
     samples = [await _settled_sample(0, pid, dirs(), ahead)]
