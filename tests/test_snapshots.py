@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from fixtures.faults import wait_phase
 from fixtures.runtime import BACKENDS, qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.process import RuntimeProcess, clean_environ, runtime_command
 from vmsidecar_images.console import Console
 
 pytestmark = pytest.mark.timeout(900)
@@ -349,6 +352,29 @@ async def test_snapshot_off_boots_cold_at_every_recycle(start_runtime: Any, tiny
     await off.client().recycle()
     state = await off.client().wait_ready(240)
     assert state.snapshot.boot == "cold"
+
+
+async def test_relative_directories_restore_like_absolute_ones(tmp_path: Path, tiny_image: Any) -> None:
+    """``serve --cache-dir cache --state-dir state --shared-dir shared`` (relative, as typed in a
+    shell): an overlay's backing file named relative to the runtime's directory is read by qemu-img
+    relative to the overlay's, so every restore was refused and each recycle booted cold."""
+    root = tmp_path / "rel"
+    root.mkdir()
+    (root / "spec.json").write_text(json.dumps({"image": f"file:{tiny_image.disk}", "memory": "256M"}))
+    argv = [*runtime_command(), "serve", "--shared-dir", "shared", "--state-dir", "state", "--cache-dir", "cache",
+            "--spec", "spec.json", "--grace", "5"]
+    with open(root / "runtime.log", "wb") as log:
+        proc = subprocess.Popen(argv, cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=clean_environ())
+    with RuntimeProcess(proc, root / "shared", root / "state", root / "runtime.log") as rt:
+        await rt.wait_serving()
+        async with RuntimeClient(rt.socket) as client:
+            assert (await client.wait_ready(240)).snapshot.boot == "cold"
+            assert (await client.wait_stored()).snapshot.available
+            await client.recycle()
+            state = await client.wait_ready(120, poll=0.02)
+            assert state.snapshot.boot == "restored", (state.snapshot, rt.log_text()[-3000:])
+        assert "not made ahead" not in rt.log_text(), rt.log_text()[-3000:]
 
 
 async def _boot_until_captured_on_output(start_runtime: Any, tiny_image: Any) -> tuple[Any, Console]:
