@@ -3,6 +3,12 @@
     uv run python bench/cold_timeline.py [--runs 5] [--guest tiny|debian]
     uv run python bench/cold_timeline.py --spawn-only [--runs 15]
 
+    uv run python bench/cold_timeline.py --running [--runs 5] [--guest tiny|debian]
+
+``--running`` times the cold boots a runtime already serving makes (``snapshot: off``, or a flashed
+disk, which is never captured): ``power on`` → Ready, the guest off before each, against a bare boot
+in the same alternation; the process's start (its imports, the pull) is paid once per pod, not per boot.
+
 ``--spawn-only`` times the runtime's fixed cost alone, free of the guest's boot: ``serve`` on a
 fresh cache until its API answers (it binds after QEMU is spawned), then QEMU's start from
 ``/proc``; no boot is awaited. Its median moves with the code, not with the guest's kernel under TCG.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import statistics
@@ -153,6 +160,62 @@ async def pair(guest: Guest, accel: AccelChoice, work: Path, i: int) -> tuple[Ba
     return bare_boot, cold_first or await cold(guest, work / f"cold-{i}")
 
 
+async def power_on_to_ready(client: RuntimeClient, timeout: float) -> tuple[float, float, float]:
+    """Seconds from ``power on`` (the guest off) to Ready, told by the event stream; then from it to the
+    boot's start (``timings.launched_at``: before its overlay and QEMU's spawn), and from that to the marker
+    (``timings.ready``)."""
+    async with asyncio.timeout(timeout), contextlib.aclosing(client.events(["phase"])) as events:
+        first = await anext(events)  # the stream is open: no phase change can be missed
+        assert first["data"]["phase"] == "Stopped", first
+        started, wall = time.monotonic(), time.time()
+        await client.power("on")
+        async for event in events:
+            phase = event["data"]["phase"]
+            if phase == "Ready":
+                total = time.monotonic() - started
+                timings = (await client.state()).timings
+                assert timings.launched_at is not None and timings.ready is not None, timings
+                return total, timings.launched_at - wall, timings.ready
+            if phase in ("Error", "Crashed"):
+                raise RuntimeError(f"the guest went {phase} instead of Ready")
+    raise RuntimeError("the event stream ended before Ready")
+
+
+async def main_running(runs: int, name: str) -> None:
+    compile_sources()
+    guest = resolve_guest(name)
+    assert guest is not None
+    accel = choose_accel("auto", host_arch())
+    bares: list[float] = []
+    boots: list[tuple[float, float, float]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-running-") as tmp:
+        spec = {**_cold_spec(guest), "snapshot": "off"}
+        with RuntimeProcess.start(Path(tmp) / "rt", spec=spec, args=["--grace", "5"]) as rt:
+            await _ready_by_events(rt, guest.timeout)
+            async with RuntimeClient(rt.socket) as client:
+                for i in range(runs):
+                    await client.power("off", graceful=False)
+                    os.sync()
+                    if i % 2:
+                        boots.append(await power_on_to_ready(client, guest.timeout))
+                        await client.power("off", graceful=False)
+                        os.sync()
+                    bares.append((await bare(guest, accel, Path(tmp) / f"bare-{i}")).seconds)
+                    os.sync()
+                    if not i % 2:
+                        boots.append(await power_on_to_ready(client, guest.timeout))
+                    total, launch, ready = boots[-1]
+                    print(f"run {i + 1}: bare {bares[-1]:.2f} s; power on → Ready {total:.2f} s = "
+                          f"{total / bares[-1]:.2f}x (the boot began at {launch:.3f} s, then the marker at {ready:.2f})",
+                          flush=True)
+    med = [statistics.median(b[k] for b in boots) for k in range(3)]
+    paired = statistics.median(b[0] / a for a, b in zip(bares, boots, strict=True))
+    print(f"\nmedians of {runs}: bare {statistics.median(bares):.2f} s, power on → Ready {med[0]:.2f} s = "
+          f"{med[0] / statistics.median(bares):.2f}x; median of the runs' own ratios {paired:.2f}x; the boot began "
+          f"{med[1]:.3f} s after power on (timings.launched_at: before the overlay and the spawn), the marker "
+          f"{med[2]:.2f} s after that (timings.ready)")
+
+
 async def spawn_only(guest: Guest, work: Path) -> float:
     """Seconds from ``serve``'s start to its QEMU's spawn (the runtime's fixed cost before the boot)."""
     spec = _cold_spec(guest)
@@ -213,5 +276,6 @@ if __name__ == "__main__":
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--guest", choices=["tiny", "debian"], default="tiny")
     p.add_argument("--spawn-only", action="store_true", help="time serve's start → its QEMU's spawn, no boot")
+    p.add_argument("--running", action="store_true", help="time a serving runtime's cold boots (power on → Ready)")
     args = p.parse_args()
-    asyncio.run((main_spawn_only if args.spawn_only else main)(args.runs, args.guest))
+    asyncio.run((main_spawn_only if args.spawn_only else main_running if args.running else main)(args.runs, args.guest))
