@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -246,7 +246,7 @@ class RuntimeClient:
                 yield chunk
 
     # ---- events and health ---------------------------------------------------------------
-    async def events(self, types: list[str] | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, types: list[str] | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """``GET /v1/events`` as dicts, until the caller stops iterating."""
         params = {"types": ",".join(types)} if types else None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
