@@ -6,10 +6,12 @@ entry. Each ends in a clear error or a recovery; the old disk stays, no partial 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
 import os
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +221,90 @@ async def test_a_corrupted_cache_entry_is_detected_and_pulled_again(
     assert "pulling it again" in rt.log_text(), rt.log_text()[-2000:]
     if damage == "flipped":
         await _marker(rt, "tiny")
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until its file system has no room left."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096, 512):
+            try:
+                while True:
+                    f.write(bytes(chunk))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+
+
+@contextlib.contextmanager
+def _held(directory: Path) -> Iterator[None]:
+    """Every file in ``directory`` open: what the runtime removes meanwhile (the lease's overlay, the
+    captured boot's frozen disk under it) keeps its blocks, and a full directory stays full."""
+    with contextlib.ExitStack() as held:
+        for path in directory.rglob("*"):
+            if path.is_file():
+                held.enter_context(open(path, "rb"))
+        yield
+
+
+async def test_no_room_for_a_restores_overlay_fails_the_boot_and_keeps_the_snapshot(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    """The state dir full at a recycle whose overlay was not made ahead: the host's problem, not the
+    snapshot's. The boot fails naming it and the snapshot stays in the cache (which other runtimes
+    may share); once there is room, power on restores it. (It was discarded as refused, and the cold
+    boot that followed failed on the same full directory.)"""
+    cache = tmp_path / "cache"  # this test's own: it counts the snapshots there
+    with tmpfs(tmp_path / "state", "8m") as state_dir:
+        rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"}, cache=cache,
+                                 extra_args=["--state-dir", str(state_dir)])
+        client = rt.client()
+        await client.wait_ready(240)
+        assert (await client.wait_stored()).snapshot.available
+        ahead = state_dir / "overlay-ahead.qcow2"
+        await wait_until_async(ahead.exists, 30, "the next overlay made ahead")
+        ahead.unlink()  # as if there had been no room for it either
+        with _held(state_dir):
+            _fill(state_dir / "filler")
+            with pytest.raises(HostError, match=r"overlay.*No space left on device"):
+                await client.recycle()
+        assert (await client.state()).phase.value == "Error"
+        snapshots = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
+        assert len(snapshots) == 1, snapshots
+        (state_dir / "filler").unlink()
+        await client.power("on")
+        state = await client.wait_ready(120)
+        assert state.snapshot.boot == "restored", state.snapshot
+
+
+async def test_no_room_for_the_captured_boots_overlay_fails_the_boot_and_keeps_the_snapshot(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    """The state dir full as the first Ready is captured: the guest can go on neither in its process
+    (no room for its new overlay) nor restored in a new one (no room for that one's). The boot fails
+    saying so, and the snapshot, stored in the cache, stays; once there is room, power on restores it."""
+    cache = tmp_path / "cache"
+    with tmpfs(tmp_path / "state", "8m") as state_dir:
+        rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M",
+                                  "readiness": {"pattern": "CAPTURE-NOW", "timeout": 300}}, cache=cache,
+                                 extra_args=["--state-dir", str(state_dir)])
+        client = rt.client()
+        con = await Console.open_when_served(rt.shared / "console.sock")
+        try:
+            await con.wake()
+            with _held(state_dir):
+                _fill(state_dir / "filler")
+                con.writer.write(b"echo CAPTURE-\'\'NOW\n")  # its output, not the echo of the typed line, matches
+                await con.writer.drain()
+                state = await wait_phase(client, "Error", timeout=60)
+        finally:
+            await con.close()
+        message = (state.last_error or {}).get("message", "")
+        assert "overlay" in message and "No space left on device" in message, state.last_error
+        snapshots = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
+        assert len(snapshots) == 1, snapshots
+        (state_dir / "filler").unlink()
+        await client.power("on")
+        state = await client.wait_ready(120)
+        assert state.snapshot.boot == "restored", state.snapshot
 
 
 async def test_a_capture_the_cache_cannot_store_leaves_the_guest_ready_and_no_snapshot(

@@ -100,7 +100,11 @@ class Boot:
     async def _restore(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool = True) -> bool:
         """Run from ``snap`` (a new boot, or the captured boot continuing); on refusal discard it
         and return False (the caller boots cold). A new boot is Ready before its guest's clock is
-        set (``_clock_after_ready``); a claim that comes meanwhile waits for the clock."""
+        set (``_clock_after_ready``); a claim that comes meanwhile waits for the clock.
+
+        :raise HostError: the host's problem, which a cold boot would meet too (no room or no
+            permission for the overlay, a forward's port taken): the snapshot stays.
+        """
         clock_set: asyncio.Event | None = None
         if new_boot and has_guest_agent(snap):
             self._clock_set = clock_set = asyncio.Event()
@@ -130,11 +134,12 @@ class Boot:
             if new_boot:
                 metrics.snapshot_lookup("seal_broken")
             return False
+        # a fresh overlay on the snapshot's frozen disk (checked above): a failure is the state
+        # directory's (no room, no permission), which a cold boot meets the same; not the snapshot's
+        overlay = await self._disks.overlay(self._snapshots.overlay_backing(snap))
         deferred_check = self._snapshots.check_deferred(snap)
         try:
-            # a fresh overlay on the snapshot's frozen disk; a new boot shows the pristine boot's
-            # scrollback (a capture continues the boot it interrupted)
-            overlay = await self._disks.overlay(self._snapshots.overlay_backing(snap))
+            # a new boot shows the pristine boot's scrollback (a capture continues the boot it interrupted)
             if new_boot:
                 self._begin_restored_boot(snap)
             if hold_input:  # (after the new boot's start, which drops what was held for the last one)

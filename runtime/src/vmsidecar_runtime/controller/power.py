@@ -224,7 +224,14 @@ class Power:
             with self._snapshots.capturing():
                 if not await self._settle(backend):
                     return
-                if await self._boot.capture(self._spec, key, backend):
+                try:
+                    went_on = await self._boot.capture(self._spec, key, backend)
+                except VmsidecarError as e:  # the guest went on nowhere (no room for its overlay): say so
+                    self._until_ready = None
+                    await self.stop(graceful=False)
+                    self._phases.fail(Phase.ERROR, e)
+                    return
+                if went_on:
                     self._set_ready()
                 else:
                     self._readiness.arm(self._spec, self._streams.hubs, self._disks.current)
