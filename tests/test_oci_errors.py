@@ -368,6 +368,20 @@ def test_file_path_missing(tmp_path: Path) -> None:
     )
 
 
+def test_relative_file_path_missing_names_where_it_was_looked_for(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # a spec file elsewhere with file:disk.qcow2 is read from the runtime's working directory
+    monkeypatch.chdir(tmp_path)
+    expect(
+        ImageError,
+        "file:nope.qcow2",
+        tmp_path / "c",
+        f"disk file nope.qcow2 ({tmp_path / 'nope.qcow2'}: relative to the runtime's working directory) "
+        "does not exist",
+        code="file_not_found",
+    )
+
+
 def test_layout_tag_missing_lists_tags(oci_qcow2: Path, tmp_path: Path) -> None:
     write_layout(oci_qcow2, tmp_path / "layout", tag="v1")
     expect(

@@ -344,8 +344,10 @@ def _find_file(reference: Reference) -> Path:
             )
         return found[0]
     if not path.is_file():
+        # a relative path is the runtime's working directory's, not the spec file's: say which file that is
+        where = "" if path.is_absolute() else f" ({path.absolute()}: relative to the runtime's working directory)"
         raise ImageError(
-            f"disk file {path} does not exist; check the path in file:{path}",
+            f"disk file {path}{where} does not exist; check the path in file:{path}",
             code="file_not_found",
         )
     return path
