@@ -76,9 +76,9 @@ def default_paths(shared: Path | None = None, cache: Path | None = None, state: 
     """Resolve directories from arguments, ``VMSIDECAR_*_DIR`` env, then defaults.
 
     The image cache and the instance state never go in the shared dir (a small emptyDir). Each is
-    made absolute (not resolved: a link is the shared dir's refusal to make) against the working
-    directory: an overlay names its backing file, and qemu-img reads a relative name from the
-    overlay's own directory, not from ours.
+    made absolute against the working directory (not resolved: ``prepare_dirs`` must still see a
+    shared dir that is a link, to refuse it): an overlay records its backing file's name, and
+    qemu-img reads a relative one from the overlay's own directory, not from ours.
     """
     env = os.environ
     shared = shared or Path(env.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED))
