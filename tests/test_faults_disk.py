@@ -20,6 +20,7 @@ import pytest
 from fixtures.faults import ThrottleProxy, tmpfs, wait_phase
 from fixtures.registry import start_registry
 from fixtures.waiting import wait_until_async
+from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import HostError, RegistryError, VmsidecarError
 from vmsidecar_images.console import Console
 from vmsidecar_runtime.oci import pull, push_artifact
@@ -245,6 +246,16 @@ def _held(directory: Path) -> Iterator[None]:
         yield
 
 
+async def _kept_and_restored_with_room(client: RuntimeClient, cache: Path, filler: Path) -> None:
+    """The one snapshot is still in ``cache``; with ``filler`` gone, power on restores it."""
+    snapshots = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
+    assert len(snapshots) == 1, snapshots
+    filler.unlink()
+    await client.power("on")
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot
+
+
 async def test_no_room_for_a_restores_overlay_fails_the_boot_and_keeps_the_snapshot(
     start_runtime: Any, tiny_image: Any, tmp_path: Path
 ) -> None:
@@ -267,12 +278,7 @@ async def test_no_room_for_a_restores_overlay_fails_the_boot_and_keeps_the_snaps
             with pytest.raises(HostError, match=r"overlay.*No space left on device"):
                 await client.recycle()
         assert (await client.state()).phase.value == "Error"
-        snapshots = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
-        assert len(snapshots) == 1, snapshots
-        (state_dir / "filler").unlink()
-        await client.power("on")
-        state = await client.wait_ready(120)
-        assert state.snapshot.boot == "restored", state.snapshot
+        await _kept_and_restored_with_room(client, cache, state_dir / "filler")
 
 
 async def test_no_room_for_the_captured_boots_overlay_fails_the_boot_and_keeps_the_snapshot(
@@ -299,12 +305,7 @@ async def test_no_room_for_the_captured_boots_overlay_fails_the_boot_and_keeps_t
             await con.close()
         message = (state.last_error or {}).get("message", "")
         assert "overlay" in message and "No space left on device" in message, state.last_error
-        snapshots = [p for p in (cache / "snapshots").iterdir() if not p.name.startswith(".")]
-        assert len(snapshots) == 1, snapshots
-        (state_dir / "filler").unlink()
-        await client.power("on")
-        state = await client.wait_ready(120)
-        assert state.snapshot.boot == "restored", state.snapshot
+        await _kept_and_restored_with_room(client, cache, state_dir / "filler")
 
 
 async def test_a_capture_the_cache_cannot_store_leaves_the_guest_ready_and_no_snapshot(
