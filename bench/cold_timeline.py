@@ -35,9 +35,9 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from bytecode import compile_sources  # bench/ is no package
 from snapshot import MARKER, Guest, bare_argv, cpu_seconds, minor_faults, resolve_guest
@@ -115,13 +115,19 @@ async def _ready_by_events(rt: RuntimeProcess, timeout: float) -> None:
     spared (the stream's first line says the phase it started in)."""
     async with asyncio.timeout(timeout):
         await rt.wait_serving(timeout, poll=0.02)
-        async with RuntimeClient(rt.socket) as client:
-            async for event in client.events(["phase"]):
-                phase = event["data"]["phase"]
-                if phase == "Ready":
-                    return
-                if phase in ("Error", "Crashed"):
-                    raise RuntimeError(f"the guest went {phase} instead of Ready; {rt.log_text()[-2000:]}")
+        async with RuntimeClient(rt.socket) as client, contextlib.aclosing(client.events(["phase"])) as events:
+            await _until_ready(events, lambda: rt.log_text()[-2000:])
+
+
+async def _until_ready(events: AsyncIterator[dict[str, Any]], log_tail: Callable[[], str]) -> None:
+    """Read phase events until Ready; Error or Crashed is an error (with ``log_tail()``)."""
+    async for event in events:
+        phase = event["data"]["phase"]
+        if phase == "Ready":
+            return
+        if phase in ("Error", "Crashed"):
+            raise RuntimeError(f"the guest went {phase} instead of Ready; {log_tail()}")
+    raise RuntimeError("the event stream ended before Ready")
 
 
 def _cold_spec(guest: Guest) -> dict[str, object]:
@@ -169,16 +175,11 @@ async def power_on_to_ready(client: RuntimeClient, timeout: float) -> tuple[floa
         assert first["data"]["phase"] == "Stopped", first
         started, wall = time.monotonic(), time.time()
         await client.power("on")
-        async for event in events:
-            phase = event["data"]["phase"]
-            if phase == "Ready":
-                total = time.monotonic() - started
-                timings = (await client.state()).timings
-                assert timings.launched_at is not None and timings.ready is not None, timings
-                return total, timings.launched_at - wall, timings.ready
-            if phase in ("Error", "Crashed"):
-                raise RuntimeError(f"the guest went {phase} instead of Ready")
-    raise RuntimeError("the event stream ended before Ready")
+        await _until_ready(events, lambda: "")
+        total = time.monotonic() - started
+    timings = (await client.state()).timings
+    assert timings.launched_at is not None and timings.ready is not None, timings
+    return total, timings.launched_at - wall, timings.ready
 
 
 async def main_running(runs: int, name: str) -> None:
@@ -194,16 +195,14 @@ async def main_running(runs: int, name: str) -> None:
             await _ready_by_events(rt, guest.timeout)
             async with RuntimeClient(rt.socket) as client:
                 for i in range(runs):
-                    await client.power("off", graceful=False)
-                    os.sync()
-                    if i % 2:
-                        boots.append(await power_on_to_ready(client, guest.timeout))
-                        await client.power("off", graceful=False)
+                    await client.power("off", graceful=False)  # (the bare boot runs beside no guest)
+                    for leg in ("bare", "running") if i % 2 == 0 else ("running", "bare"):
                         os.sync()
-                    bares.append((await bare(guest, accel, Path(tmp) / f"bare-{i}")).seconds)
-                    os.sync()
-                    if not i % 2:
-                        boots.append(await power_on_to_ready(client, guest.timeout))
+                        if leg == "bare":
+                            bares.append((await bare(guest, accel, Path(tmp) / f"bare-{i}")).seconds)
+                        else:
+                            boots.append(await power_on_to_ready(client, guest.timeout))
+                            await client.power("off", graceful=False)
                     total, launch, ready = boots[-1]
                     print(f"run {i + 1}: bare {bares[-1]:.2f} s; power on → Ready {total:.2f} s = "
                           f"{total / bares[-1]:.2f}x (the boot began at {launch:.3f} s, then the marker at {ready:.2f})",

@@ -94,9 +94,8 @@ async def create_overlay(base: DiskImage, overlay: Path, *, size: int | None = N
     with contextlib.suppress(FileNotFoundError):
         overlay.unlink()
     unchecked = ["-u", str(overlay), str(size)] if size is not None else [str(overlay)]
-    # absolute: qemu-img reads a relative backing name from the overlay's directory, not from ours
     rc, _, err = await run_tool(
-        "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path.absolute()), "-F", base.format, *unchecked
+        "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format, *unchecked
     )
     if rc != 0:
         raise HostError(f"cannot create the disk overlay {overlay} ({err.strip()}); free space or fix permissions")

@@ -75,10 +75,7 @@ def data_root() -> Path:
 def default_paths(shared: Path | None = None, cache: Path | None = None, state: Path | None = None) -> RuntimePaths:
     """Resolve directories from arguments, ``VMSIDECAR_*_DIR`` env, then defaults.
 
-    The image cache and the instance state never go in the shared dir (a small emptyDir). Each is
-    made absolute against the working directory (not resolved: ``prepare_dirs`` must still see a
-    shared dir that is a link, to refuse it): an overlay records its backing file's name, and
-    qemu-img reads a relative one from the overlay's own directory, not from ours.
+    The image cache and the instance state never go in the shared dir (a small emptyDir).
     """
     env = os.environ
     shared = shared or Path(env.get("VMSIDECAR_SHARED_DIR", DEFAULT_SHARED))
@@ -86,8 +83,7 @@ def default_paths(shared: Path | None = None, cache: Path | None = None, state: 
     cache = cache or Path(env.get("VMSIDECAR_CACHE_DIR") or data_root() / "cache")
     instance = hashlib.sha256(str(shared.resolve()).encode()).hexdigest()[:12]
     state = state or Path(env.get("VMSIDECAR_STATE_DIR") or data_root() / "instances" / instance)
-    return RuntimePaths(shared=shared.absolute(), cache=cache.absolute(), state=state.absolute(),
-                        run=private_run_dir())
+    return RuntimePaths(shared=shared, cache=cache, state=state, run=private_run_dir())
 
 
 #: the private run directories: ``vmsidecar-<pid>-<random>`` under the temporary directory

@@ -15,6 +15,14 @@ class RuntimePaths:
     state: Path
     run: Path
 
+    def __post_init__(self) -> None:
+        # Absolute against the working directory, not resolved (``serve`` must still see a shared dir
+        # that is a link, to refuse it): every path the runtime derives from these ends up somewhere
+        # recorded (an overlay's backing file name), and qemu-img reads a relative one from the
+        # overlay's own directory, not from ours.
+        for name in ("shared", "cache", "state", "run"):
+            object.__setattr__(self, name, getattr(self, name).absolute())
+
     def stream_socket(self, stream: str) -> Path:
         """The shared-dir socket for a guest stream (design §2)."""
         if stream == "ttyS0":

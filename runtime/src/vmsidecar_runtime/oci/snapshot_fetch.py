@@ -467,10 +467,9 @@ def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits
         check_virtual_size(header.virtual_size, origin, limits)
     except ImageError as e:
         raise SourceRefused("too_large", e.message) from None
-    # -u: only the header's backing name changes; the image is never opened through the old name.
-    # Absolute: qemu-img reads a relative name from the overlay's directory, not from ours
+    # -u: only the header's backing name changes; the image is never opened through the old name
     try:
-        rc, _, err = run_qemu_img("rebase", "-u", "-f", "qcow2", "-b", str(base.path.absolute()), "-F", base.format,
+        rc, _, err = run_qemu_img("rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
                                   str(staged.disk), origin=origin, timeout=60)
     except ImageError as e:  # it took qemu-img past a bound
         raise SourceRefused("bad_artifact", e.message) from None
