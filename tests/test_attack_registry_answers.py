@@ -26,17 +26,25 @@ from test_attack_credentials import FakeRegistry
 from vmsidecar_contract.errors import ImageError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_runtime.disk import DiskImage
-from vmsidecar_runtime.oci.mediatypes import OCI_INDEX, OCI_MANIFEST, load_document
+from vmsidecar_runtime.oci.mediatypes import (
+    OCI_INDEX,
+    OCI_MANIFEST,
+    SNAPSHOT_ARTIFACT_TYPE,
+    SNAPSHOT_FILE,
+    load_document,
+)
 from vmsidecar_runtime.oci.pull import pull
 from vmsidecar_runtime.oci.reference import parse_reference
 from vmsidecar_runtime.oci.registry import RegistryClient
 from vmsidecar_runtime.oci.snapshot_artifact import referrers_tag
 from vmsidecar_runtime.oci.snapshot_fetch import SourceRefused, fetch_snapshot
 from vmsidecar_runtime.oci.snapshot_push import _add_referrer
-from vmsidecar_runtime.snapshot_identity import identify
+from vmsidecar_runtime.snapshot_identity import PREFIX, identify
 from vmsidecar_runtime.snapshots import SnapshotStore
 
 pytestmark = pytest.mark.timeout(120)
+
+KEY = PREFIX + "key"
 
 #: nesting 100000 deep hidden from a guard that reads the bytes as UTF-8: in UTF-16-LE the code unit
 #: U+2200 is the bytes 00 22, a '"' to a bytes regex, which then swallows the real brackets
@@ -253,6 +261,46 @@ def test_a_snapshot_push_keeps_the_referrers_of_others_and_drops_junk_entries() 
     written = json.loads(registry.put[f"/v2/snaps/manifests/{tag}"])
     assert [d["digest"] for d in written["manifests"]] == [other["digest"], _digest(b"the snapshot")]
 
+
+
+def test_a_snapshot_push_supersedes_the_listed_artifact_of_its_own_key() -> None:
+    # each capture of one key pushed again would otherwise grow the index by one entry for good
+    subject = _digest(b"the image's manifest")
+    tag = referrers_tag(subject)
+    snapshot = "application/vnd.vmsidecar.snapshot.v1"
+    older = _entry(_digest(b"last week's capture"), artifactType=snapshot, annotations={KEY: "k1"})
+    other_key = _entry(_digest(b"another QEMU's capture"), artifactType=snapshot, annotations={KEY: "k2"})
+    not_ours = _entry(_digest(b"a signature"), artifactType="application/vnd.dev.cosign", annotations={KEY: "k1"})
+    registry = _Accepting()
+    with registry.registry, _client(registry.host) as client:
+        registry.manifest("snaps", tag, _index([older, other_key, not_ours]), OCI_INDEX)
+        _add_referrer(client, subject, _entry(_digest(b"today's capture"), artifactType=snapshot,
+                                              annotations={KEY: "k1"}))
+    written = json.loads(registry.put[f"/v2/snaps/manifests/{tag}"])
+    assert [d["digest"] for d in written["manifests"]] == [other_key["digest"], not_ours["digest"],
+                                                           _digest(b"today's capture")]
+
+
+def test_a_snapshot_layer_whose_size_no_float_holds_is_refused_as_too_large(stand_in: StandIn,
+                                                                          tmp_path: Path) -> None:
+    # JSON integers have no bound; the refusal's message once divided it into a float (OverflowError:
+    # not a refusal, so the boot was left in Starting with no QEMU, at every boot)
+    subject = _digest(b"the image's manifest")
+    base = DiskImage(tmp_path / "d.qcow2", "qcow2", "sha256:" + "0" * 64, f"{stand_in.host}/hostile:1",
+                     manifest_digest=subject)
+    identity = identify(VmSpec.model_validate({"image": f"{stand_in.host}/hostile:1"}), base, "tcg")
+    layer = {"mediaType": SNAPSHOT_FILE, "digest": _digest(b"{}"), "size": 10 ** 400,
+             "annotations": {"org.opencontainers.image.title": "memory"}}
+    artifact = {**_image([layer]), "artifactType": SNAPSHOT_ARTIFACT_TYPE, "annotations": identity.annotations(),
+                "subject": _entry(subject)}
+    digest = stand_in.manifest("snaps", "artifact", artifact)
+    stand_in.manifest("snaps", referrers_tag(subject),
+                      _index([_entry(digest, artifactType=SNAPSHOT_ARTIFACT_TYPE)]), OCI_INDEX)
+    with pytest.raises(SourceRefused) as refused:
+        fetch_snapshot(f"{stand_in.host}/snaps", identity, base, SnapshotStore(tmp_path / "cache"),
+                       deadline=time.monotonic() + 60)
+    assert refused.value.code == "too_large", refused.value.message
+    assert "memory" in refused.value.message, refused.value.message
 
 @contextlib.contextmanager
 def _client(host: str) -> Iterator[RegistryClient]:

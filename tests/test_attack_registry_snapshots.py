@@ -22,6 +22,7 @@ import os
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,7 +50,7 @@ from vmsidecar_runtime.snapshot_identity import (
     identify,
     identify_before_pull,
 )
-from vmsidecar_runtime.snapshots import SnapshotMeta, SnapshotStore
+from vmsidecar_runtime.snapshots import TEMPLATED, SnapshotMeta, SnapshotStore, seal_digest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,11 +89,15 @@ def _publish(registry: RunningRegistry, repo: str, disk: Path, work: Path) -> Pu
     identity = identify(load_spec(spec), base, choose_accel("auto", "x86_64").accel)
     store = SnapshotStore(cache)
     staged = store.staging(identity.key)
-    memory = os.urandom(96 << 10) + b"\0" * (256 << 10)  # RAM-like: some noise, many zero pages
+    memory = os.urandom(96 << 10) + b"\0" * (256 << 10)  # the device state (a templated capture's stream)
     staged.memory.write_bytes(memory)
+    with open(staged.ram, "wb") as ram:  # the guest's RAM: some noise, the rest never written (a hole)
+        ram.write(os.urandom(256 << 10))
+        ram.truncate(16 << 20)
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
                     str(staged.disk)], check=True, timeout=30)
-    store.commit(staged, identity.key, {"ttyS0": b"VMSIDECAR-READY image=fake\n"}, SnapshotMeta(guest_agent=False))
+    store.commit(staged, identity.key, {"ttyS0": b"VMSIDECAR-READY image=fake\n"},
+                 SnapshotMeta(guest_agent=False, form=TEMPLATED))
     pushed = push_snapshot(registry.host + "/" + repo, cache, load_spec(spec))
     assert pushed.tag_schema  # distribution 2.8 has no referrers API
     assert base.manifest_digest is not None
@@ -163,7 +168,9 @@ def test_the_published_snapshot_is_fetched_verified_and_rebased_onto_this_cache(
     assert _layer(doc, "memory")["mediaType"] == SNAPSHOT_FILE_ZSTD
     assert _layer(doc, "meta.json")["mediaType"] == SNAPSHOT_FILE
     assert {k.removeprefix(PREFIX) for k in doc["annotations"]} == {
-        "key", "image-digest", "qemu-version", "machine", "cpu", "accelerator", "readiness", "runtime-version", "format"}
+        "key", "image-digest", "qemu-version", "machine", "cpu", "accelerator", "readiness", "runtime-version", "format",
+        "form"}
+    assert doc["annotations"][PREFIX + "form"] == TEMPLATED
 
 
 def test_an_artifact_of_another_key_is_refused_naming_the_field(published: Published, tmp_path: Path) -> None:
@@ -302,6 +309,132 @@ def test_an_artifact_sealed_without_the_memory_stream_is_refused(published: Publ
     _republish(published, "snapattack/no-memory", no_memory)
     refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/no-memory")
     assert refusal.code == "bad_artifact" and "lacks files every snapshot has" in refusal.message, refusal.message
+
+
+def _meta(doc: dict, client: RegistryClient) -> dict:
+    with client.open_blob(_layer(doc, "meta.json")) as chunks:
+        return json.loads(b"".join(chunks))
+
+
+def _put_file(doc: dict, client: RegistryClient, tmp: Path, name: str, data: bytes, meta: dict) -> None:
+    """The file ``name`` of the artifact replaced by ``data`` (zstd-compressed as the push does, or
+    added), and sealed in ``meta`` as the capture would have: the seal holds, only its size is hostile."""
+    (tmp / name).write_bytes(data)
+    meta["files"][name] = seal_digest(tmp / name)
+    blob = zstandard.ZstdCompressor(write_checksum=True).compress(data)
+    client.push_blob_bytes(blob, SNAPSHOT_FILE_ZSTD, tmp)
+    layer = {"mediaType": SNAPSHOT_FILE_ZSTD, "digest": Crafter.digest(blob), "size": len(blob),
+             "annotations": {TITLE: name}}
+    doc["layers"] = [d for d in doc["layers"] if d["annotations"][TITLE] != name] + [layer]
+
+
+def _put_meta(doc: dict, client: RegistryClient, tmp: Path, meta: dict) -> None:
+    data = json.dumps(meta).encode()
+    client.push_blob_bytes(data, SNAPSHOT_FILE, tmp)
+    _layer(doc, "meta.json").update(mediaType=SNAPSHOT_FILE, digest=Crafter.digest(data), size=len(data))
+
+
+def test_a_sealed_console_larger_than_any_scrollback_is_refused(published: Published, tmp_path: Path) -> None:
+    # 64 MiB of scrollback in 2 KiB of zstd, sealed: each restore read it whole into the runtime's memory
+    # (a console keeps 256 KiB), and the cache kept it for every restore after
+    def huge_console(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        meta = _meta(doc, client)
+        _put_file(doc, client, tmp, "ttyS0.console", bytes(64 << 20), meta)
+        _put_meta(doc, client, tmp, meta)
+
+    _republish(published, "snapattack/huge-console", huge_console)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/huge-console")
+    assert refusal.code == "bad_artifact" and "ttyS0.console" in refusal.message, refusal.message
+    assert "256 KiB" in refusal.message, refusal.message
+
+
+def test_a_meta_json_that_decompresses_past_its_bound_is_refused(published: Published, tmp_path: Path) -> None:
+    # a true meta.json followed by 256 MiB of blanks, in 8 KiB of zstd: still valid JSON, read whole
+    # into memory (twice) on the way
+    def bomb(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        data = json.dumps(_meta(doc, client)).encode() + b" " * (256 << 20)
+        blob = zstandard.ZstdCompressor().compress(data)
+        client.push_blob_bytes(blob, SNAPSHOT_FILE_ZSTD, tmp)
+        _layer(doc, "meta.json").update(mediaType=SNAPSHOT_FILE_ZSTD, digest=Crafter.digest(blob), size=len(blob))
+
+    _republish(published, "snapattack/meta-bomb", bomb)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/meta-bomb")
+    assert refusal.code == "bad_artifact" and "meta.json" in refusal.message, refusal.message
+
+
+def test_a_meta_json_of_the_other_form_than_its_key_is_refused(published: Published, tmp_path: Path) -> None:
+    # the restore goes by meta.json's form: "stream" for a templated key restored the device state
+    # without mapping the RAM file (a guest on zeroed RAM); the mirror, "templated" and a sealed RAM
+    # file for a full-stream key (a spec with vhost-user GPIO has only that form), made such a spec's
+    # QEMU argv fail an assertion: the boot left in Starting, at every boot
+    def stream(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        meta = _meta(doc, client)
+        meta["form"] = "stream"
+        _put_meta(doc, client, tmp, meta)
+
+    _republish(published, "snapattack/other-form", stream)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/other-form")
+    assert refusal.code == "bad_artifact" and "form" in refusal.message, refusal.message
+
+
+def test_a_layer_title_no_file_system_takes_is_refused_as_the_artifacts_fault(published: Published,
+                                                                              tmp_path: Path) -> None:
+    def long_title(doc: dict, client: RegistryClient, tmp: Path) -> None:
+        _layer(doc, "ttyS0.console")["annotations"][TITLE] = "c" * 300 + ".console"
+
+    _republish(published, "snapattack/long-title", long_title)
+    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/long-title")
+    assert refusal.code == "bad_artifact" and "plain file name" in refusal.message, refusal.message
+
+
+def _listing(pub: Published, repo: str, others: int, *, deleted: bool = False) -> None:
+    """The image and the artifact in ``repo``, listed in the subject's tag schema index after
+    ``others`` artifacts of other keys (each a real manifest there: distribution checks an index's
+    entries), or after one claiming the same key that is then ``deleted``."""
+    src, dst = _client(pub), _client(pub, repo)
+    try:
+        copy_manifest(src, dst, pub.subject)
+        doc = copy_manifest(src, dst, pub.artifact)
+        entries = []
+        for i in range(others):
+            variant = {**doc, "annotations": {**doc["annotations"], PREFIX + "key": "another-key" if not deleted
+                                              else doc["annotations"][PREFIX + "key"], PREFIX + "n": str(i)}}
+            data = json.dumps(variant).encode()
+            digest = dst.put_manifest(Crafter.digest(data), data, OCI_MANIFEST)
+            entries.append(_listed(variant, digest, len(data)))
+        entries.append(_listed(doc, pub.artifact, len(json.dumps(doc))))
+        index = json.dumps({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}).encode()
+        dst.put_manifest(referrers_tag(pub.subject), index, OCI_INDEX)
+        if deleted:
+            for entry in entries[:-1]:
+                gone = urllib.request.Request(f"{pub.registry.url}/v2/{repo}/manifests/{entry['digest']}",
+                                              method="DELETE")
+                with urllib.request.urlopen(gone, timeout=10) as answer:
+                    assert answer.status == 202
+    finally:
+        src.close()
+        dst.close()
+
+
+def _listed(doc: dict, digest: str, size: int) -> dict:
+    return {"mediaType": OCI_MANIFEST, "digest": digest, "size": size, "artifactType": doc["artifactType"],
+            "annotations": doc["annotations"]}
+
+
+def test_a_listed_artifact_the_registry_no_longer_has_does_not_hide_the_next(published: Published,
+                                                                            tmp_path: Path) -> None:
+    # the tag schema's index is only ever appended to: an artifact deleted since is still listed,
+    # claiming the key, ahead of the one the registry has
+    _listing(published, "snapattack/stale-entry", 1, deleted=True)
+    snap = _fetch(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/stale-entry")
+    assert snap.memory.read_bytes() == published.memory
+
+
+def test_the_snapshot_listed_after_many_of_other_keys_is_found(published: Published, tmp_path: Path) -> None:
+    # 70 snapshots of other keys (other QEMUs, CPU models, runtime versions) pushed before this one
+    _listing(published, "snapattack/crowded", 70)
+    snap = _fetch(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/crowded")
+    assert snap.memory.read_bytes() == published.memory
 
 
 # ---- the fetch started while the image is pulled (controller/source_fetch.py) -------------------

@@ -169,6 +169,10 @@ def _drop(queue: _ClientQueue) -> None:
         queue.conn.shutdown(socket.SHUT_RDWR)
 
 
+#: the bytes of a console's scrollback a hub keeps (and a snapshot's capture records)
+SCROLLBACK = 256 * 1024
+
+
 class ConsoleHub:
     """Serves one guest stream on a Unix socket with scrollback and several readers."""
 
@@ -178,7 +182,7 @@ class ConsoleHub:
         listen_path: Path,
         *,
         log_path: Path | None = None,
-        scrollback: int = 256 * 1024,
+        scrollback: int = SCROLLBACK,
         replay: bool = True,
     ) -> None:
         self.name = name

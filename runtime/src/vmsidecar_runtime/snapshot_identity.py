@@ -29,6 +29,7 @@ PREFIX = "io.vmsidecar.snapshot."
 #: field -> how a refusal names it (in the order a mismatch is reported: the coarsest first)
 FIELDS = {
     "format": "snapshot format",
+    "form": "snapshot form (templated or stream)",
     "runtime_version": "vmsidecar runtime version",
     "image_digest": "image digest",
     "qemu_version": "QEMU version",
@@ -105,6 +106,9 @@ class SnapshotIdentity:
     readiness: str
     runtime_version: str
     format: str
+    #: ``TEMPLATED`` or ``STREAM`` (:func:`.snapshots.snapshot_form`): also in the key; spelled out so
+    #: that a fetched snapshot's own record of its form (``meta.json``) is held to it
+    form: str
 
     def annotations(self) -> dict[str, str]:
         """``io.vmsidecar.snapshot.<field>`` for every field."""
@@ -146,6 +150,7 @@ def identify_before_pull(spec: VmSpec, accel: str) -> SnapshotIdentity:
         readiness="",
         runtime_version=runtime_version(),
         format=str(FORMAT),
+        form=snapshot_form(spec)[0],
     )
 
 
@@ -160,8 +165,7 @@ def identify(spec: VmSpec, base: DiskImage, accel: str) -> SnapshotIdentity:
     readiness = effective_readiness(spec, base).readiness
     return replace(
         known,
-        # the form is in the key, not a field of its own: an artifact of the other form is "another spec"
-        key=snapshot_key(spec, base.digest, accel, known.cpu, readiness, snapshot_form(spec)[0]),
+        key=snapshot_key(spec, base.digest, accel, known.cpu, readiness, known.form),
         image_digest=base.digest,
         readiness=json.dumps(readiness.model_dump(mode="json"), sort_keys=True),
     )

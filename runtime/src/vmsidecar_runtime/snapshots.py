@@ -77,6 +77,8 @@ RAM_DIGEST = "blake3-4m:"
 #: ``stream`` makes this runtime capture full-stream snapshots (a pool owner's choice: a cache
 #: volume whose files should not be mapped by every instance, e.g. a network file system)
 FORM_ENV = "VMSIDECAR_SNAPSHOT_FORM"
+#: a console's scrollback at capture is the file ``<console>.console``
+CONSOLE_SUFFIX = ".console"
 #: consoles whose scrollback a restored guest shows
 CONSOLES = ("ttyS0", "hvc0")
 
@@ -214,7 +216,7 @@ class Snapshot:
     def console(self, name: str) -> bytes:
         """The scrollback ``name`` showed at capture time."""
         try:
-            return (self.path / f"{name}.console").read_bytes()
+            return (self.path / f"{name}{CONSOLE_SUFFIX}").read_bytes()
         except FileNotFoundError:
             return b""
 
@@ -365,7 +367,7 @@ class SnapshotStore:
         guest); a later capture is dropped and the winner returned.
         """
         for name, data in consoles.items():
-            (staged.path / f"{name}.console").write_bytes(data)
+            (staged.path / f"{name}{CONSOLE_SUFFIX}").write_bytes(data)
         started = time.monotonic()
         known = hashed or {}
 

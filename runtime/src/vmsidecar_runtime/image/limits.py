@@ -126,6 +126,8 @@ class Origin:
 
 def human_size(n: int) -> str:
     """``2 PiB``, ``1.5 GiB``, ``512 bytes``: sizes in messages."""
+    if n > PIB << 30:  # a hostile size field: JSON integers have no bound, and no float holds some of them
+        return f"over {PIB << 30 >> 50} PiB"
     for unit, factor in (("PiB", PIB), ("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if n >= factor:
             return f"{n / factor:.1f}".removesuffix(".0") + f" {unit}"

@@ -274,6 +274,10 @@ def title_format(name: str) -> tuple[DiskFormat | None, Compression | None]:
     return None, compression
 
 
+#: the longest file name (bytes) Linux file systems take: a layer title is one
+NAME_MAX = 255
+
+
 def check_title(title: str, where: str) -> None:
     """Accept only a plain file name as a layer title.
 
@@ -289,6 +293,7 @@ def check_title(title: str, where: str) -> None:
 
 def _plain_name(title: str) -> bool:
     """Whether a title is a plain file name: not empty, no separator, control character (a newline or
-    an escape would reach messages and log lines) or leading dot."""
-    return bool(title) and not ("/" in title or "\\" in title or title.startswith(".")
-                                or has_control_character(title))
+    an escape would reach messages and log lines) or leading dot, and one a file system takes (at
+    most NAME_MAX, 255 bytes: a longer one failed as the host's fault, "File name too long")."""
+    return 0 < len(title.encode(errors="surrogatepass")) <= NAME_MAX and not (
+        "/" in title or "\\" in title or title.startswith(".") or has_control_character(title))

@@ -39,13 +39,14 @@ from vmsidecar_contract.errors import (
     VmsidecarError,
 )
 
+from ..console import SCROLLBACK
 from ..disk import DiskImage
 from ..image.checks import check_virtual_size, parse_qcow2_header, run_qemu_img
 from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC, Compression
 from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
-from ..snapshots import Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
+from ..snapshots import CONSOLE_SUFFIX, Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
 from .cache import remove_tree, stat_seal
 from .mediatypes import (
     ANNOTATION_TITLE,
@@ -228,7 +229,7 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except RegistryError as e:
-        raise SourceRefused("bad_artifact" if e.code == "bad_answer" else "unreachable", e.message) from None
+        raise _refusal_of(e) from None
     except MALFORMED as e:
         raise SourceRefused("bad_artifact", malformed_answer("the snapshot source", e).message) from None
     except VmsidecarError as e:  # the cache cannot be written (HostError)
@@ -236,6 +237,11 @@ def _refusals() -> Iterator[None]:
     except OSError as e:
         raise SourceRefused("host_error", f"the snapshot cannot be written to the cache ({e.strerror or e}); free "
                             "space in the cache volume") from None
+
+
+def _refusal_of(e: RegistryError) -> SourceRefused:
+    return SourceRefused("bad_artifact" if e.code in ("bad_answer", "manifest_not_found") else "unreachable",
+                         e.message)
 
 
 def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity,
@@ -255,27 +261,37 @@ def _find(client: RegistryClient, subject: str, identity: SnapshotIdentity,
     # claim this key are read first, and the manifest itself decides
     notes = [_object_or_empty(d.get("annotations")) for d in candidates]
     ranked = sorted(zip(candidates, notes, strict=True), key=lambda c: identity.mismatch(c[1], ignore) is not None)
-    first: tuple[str, str] | None = None
+    # one that cannot be read does not hide the next: an index is only ever appended to, and lists
+    # artifacts deleted since
+    first: SourceRefused | None = None
     for descriptor, _ in ranked[:MAX_MANIFESTS_READ]:
         digest = descriptor["digest"]
         try:
             doc = client.get_manifest(digest).json()  # digest-checked
         except DigestMismatchError as e:
-            raise SourceRefused("tampered", e.message) from None
+            first = first or SourceRefused("tampered", e.message)
+            continue
+        except RegistryError as e:  # gone since it was listed, or the registry failed
+            first = first or _refusal_of(e)
+            continue
         except ImageError as e:  # not JSON
-            raise SourceRefused("bad_artifact", e.message) from None
+            first = first or SourceRefused("bad_artifact", e.message)
+            continue
         problem = _artifact_problem(doc, subject, identity, ignore)
         if problem is None:
             return digest, doc
-        first = first or (problem[0], f"the snapshot artifact {digest} in {where} is refused: {problem[1]}")
+        first = first or SourceRefused(problem[0], f"the snapshot artifact {digest} in {where} is refused: "
+                                       f"{problem[1]}; {PUBLISH}")
     assert first is not None
-    raise SourceRefused(first[0], f"{first[1]}; {PUBLISH}")
+    raise first
 
 
 def _candidates(entries: list) -> list[dict]:
-    """The listed descriptors of snapshot artifacts (a registry may list every artifact type)."""
-    return [d for d in entries[:MAX_CANDIDATES] if isinstance(d, dict)
-            and d.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE and is_digest(d.get("digest"))]
+    """The listed descriptors of snapshot artifacts (a registry may list every artifact type), the
+    last :data:`MAX_CANDIDATES` of them: a push appends to the tag schema's index, so the newest
+    snapshots are never those cut off."""
+    return [d for d in entries if isinstance(d, dict)
+            and d.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE and is_digest(d.get("digest"))][-MAX_CANDIDATES:]
 
 
 def _object_or_empty(value: object) -> dict:
@@ -302,7 +318,7 @@ def _layers(doc: dict, where: str, limits: Limits) -> list[tuple[str, dict]]:
         raise SourceRefused("bad_artifact", f"{where} has no layers list of 1 to {MAX_FILES} files; {RESEND}")
     found: list[tuple[str, dict]] = []
     for d in layers:
-        if not isinstance(d, dict) or not is_digest(d.get("digest")) or not isinstance(d.get("size"), int):
+        if not isinstance(d, dict) or not is_digest(d.get("digest")) or type(d.get("size")) is not int or d["size"] < 0:
             raise SourceRefused("bad_artifact", f"{where} has a layer without a digest or size; {RESEND}")
         if d.get("mediaType") not in (SNAPSHOT_FILE, SNAPSHOT_FILE_ZSTD):
             raise SourceRefused("bad_artifact", f"{where} has a layer of type {d.get('mediaType')!r}, which is not a "
@@ -314,11 +330,11 @@ def _layers(doc: dict, where: str, limits: Limits) -> list[tuple[str, dict]]:
             raise SourceRefused("bad_artifact", f"{where} has a layer titled {title!r}, not a plain file name; "
                                 f"{RESEND}") from None
         if title == META_FILE and d["size"] > MAX_META:
-            raise SourceRefused("bad_artifact", f"{where} has a {human_size(d['size'])} {META_FILE}, which no "
+            raise SourceRefused("bad_artifact", f"{where} has a {META_FILE} of {human_size(d['size'])}, which no "
                                 f"snapshot has; {RESEND}")
         if d["size"] > limits.max_disk_bytes:
-            raise SourceRefused("too_large", f"{where} has a {human_size(d['size'])} layer, past this runtime's "
-                                f"{human_size(limits.max_disk_bytes)} limit per file")
+            raise SourceRefused("too_large", f"{where} has the layer {title} of {human_size(d['size'])}, past this "
+                                f"runtime's {human_size(limits.max_disk_bytes)} limit per file")
         found.append((title, d))  # type: ignore[arg-type]
     names = [name for name, _ in found]
     if len(set(names)) != len(names) or META_FILE not in names:
@@ -346,8 +362,10 @@ def _stage(client: RegistryClient, digest: str, doc: dict, store: SnapshotStore,
     layers = _layers(doc, where, limits)
     staged = store.staging("fetched")  # the key is the artifact's word until complete() checks it
     try:
+        left = limits.max_disk_bytes  # for the files together: one guest's disk and RAM
         for name, descriptor in layers:
-            _download(client, descriptor, staged.path / name, f"{name} of {where}", deadline, limits)
+            left -= _download(client, descriptor, staged.path / name, f"{name} of {where}", deadline, limits,
+                              _bound(name, left, limits))
         try:  # bounded nesting first: meta() is json.loads, which recurses
             load_document(staged.meta_file.read_bytes())
         except ValueError:
@@ -385,6 +403,9 @@ def complete(staged: Staged, identity: SnapshotIdentity, base: DiskImage, store:
             subject = base.manifest_digest
             problem = (("not_registry_image", "the image has no OCI manifest") if subject is None
                        else _artifact_problem(staged.doc, subject, identity))
+            if problem is None and staged.meta.form != identity.form:  # what the restore goes by
+                problem = ("bad_artifact", f"its {META_FILE} records the {staged.meta.form} form, its key the "
+                           f"{identity.form} form")
             if problem is not None:
                 raise SourceRefused(problem[0], f"{staged.where} is refused: {problem[1]}; {PUBLISH}")
             _rebase_frozen_overlay(staged.snap, base, staged.where, limits)
@@ -399,17 +420,45 @@ def complete(staged: Staged, identity: SnapshotIdentity, base: DiskImage, store:
     return snap
 
 
+@dataclass(frozen=True)
+class _Bound:
+    """The most bytes a file of a snapshot may decompress to, and the refusal past it."""
+
+    size: int
+    code: str
+    why: str
+
+
+def _bound(name: str, left: int, limits: Limits) -> _Bound:
+    """How large the file ``name`` may be: its role's bound (a few KiB of ``meta.json``, a console's
+    scrollback: both are read whole into memory), else what is left of the limit for them all."""
+    if name == META_FILE:
+        return _Bound(MAX_META, "bad_artifact", f"no snapshot's {META_FILE} is; {RESEND}")
+    if name.endswith(CONSOLE_SUFFIX):
+        return _Bound(SCROLLBACK, "bad_artifact", f"a console's scrollback at capture, which no snapshot's "
+                      f"console is larger than; {RESEND}")
+    return _Bound(left, "too_large", f"what is left of this runtime's {human_size(limits.max_disk_bytes)} limit for a "
+                  "snapshot's files together; push a snapshot of a smaller guest, or raise --max-disk-size")
+
+
 def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, deadline: float,
-              limits: Limits) -> None:
-    """One layer into ``out``: hashed against its digest, decompressed under ``limits``."""
+              limits: Limits, bound: _Bound) -> int:
+    """One layer into ``out``: hashed against its digest, decompressed under ``limits`` and ``bound``.
+    Returns the bytes it decompressed to."""
     compression: Compression | None = "zstd" if descriptor["mediaType"] == SNAPSHOT_FILE_ZSTD else None
     reader: BlobReader | None = None
+    size = 0
     try:
         with client.open_blob(descriptor) as chunks, open(out, "wb") as f:
             reader = BlobReader(_until(chunks, deadline, where), digest=descriptor["digest"], size=descriptor["size"],
                                 where=where)
             _, stream = open_decompressed(reader, compression, Origin(where, RESEND), limits)
             while data := stream.read(CHUNK):
+                size += len(data)
+                if size > bound.size:
+                    raise SourceRefused(bound.code, f"{where} decompresses to more than {human_size(bound.size)}, "
+                                        f"{bound.why}")
+                _check_deadline(deadline, where)  # a compressed chunk may hold gigabytes of repeated bytes
                 if _all_zero(data):  # a templated snapshot's unwritten RAM: a hole, as at capture
                     f.seek(len(data), os.SEEK_CUR)
                 else:
@@ -417,6 +466,7 @@ def _download(client: RegistryClient, descriptor: dict, out: Path, where: str, d
             f.truncate()  # the file's length, when it ends in a hole
             reader.drain()
         reader.verify()
+        return size
     except DigestMismatchError as e:
         raise SourceRefused("tampered", e.message) from None
     except ImageError as e:
@@ -439,10 +489,14 @@ def _all_zero(data: bytes) -> bool:
 
 def _until(chunks: Iterable[bytes], deadline: float, where: str) -> Iterator[bytes]:
     for chunk in chunks:
-        if time.monotonic() > deadline:
-            raise SourceRefused("timeout", f"fetching {where} took longer than the fetch's bound; the registry is "
-                                "slow or the snapshot large: the next boot tries again")
+        _check_deadline(deadline, where)
         yield chunk
+
+
+def _check_deadline(deadline: float, where: str) -> None:
+    if time.monotonic() > deadline:
+        raise SourceRefused("timeout", f"fetching {where} took longer than the fetch's bound; the registry is "
+                            "slow or the snapshot large: the next boot tries again")
 
 
 def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits: Limits) -> None:

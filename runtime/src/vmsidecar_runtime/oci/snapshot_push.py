@@ -22,7 +22,7 @@ from vmsidecar_contract.spec import VmSpec
 from ..accel import choose_accel
 from ..disk import DiskImage
 from ..image.digest import sha256_digest
-from ..snapshot_identity import identify
+from ..snapshot_identity import PREFIX, identify
 from ..snapshots import SnapshotStore
 from .cache import hash_file
 from .mediatypes import (
@@ -161,12 +161,22 @@ def _upload_files(client: RegistryClient, entry: Path, names: list[str], tmp: Pa
 
 
 def _add_referrer(client: RegistryClient, subject: str, entry: dict) -> None:
-    """Write the referrers tag schema's index of ``subject`` with ``entry`` (its other entries kept)."""
+    """Write the referrers tag schema's index of ``subject`` with ``entry`` (its other entries kept,
+    but those it supersedes: itself, and a snapshot of the same key pushed before, so that pushing
+    each capture again does not grow the index for good)."""
     tag = referrers_tag(subject)
     existing = client.get_manifest_or_none(tag)
     with answers_of(f"{client.ref.name}:{tag}", TAG_FIX):
         doc = index_doc(existing) or {}
         manifests = [d for d in doc.get("manifests") or []
-                     if isinstance(d, dict) and d.get("digest") != entry["digest"]]
+                     if isinstance(d, dict) and d.get("digest") != entry["digest"] and not _same_key(d, entry)]
     index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*manifests, entry]}
     client.put_manifest(tag, json.dumps(index, separators=(",", ":")).encode(), OCI_INDEX)
+
+
+def _same_key(listed: dict, entry: dict) -> bool:
+    """Whether ``listed`` is a snapshot artifact of ``entry``'s key."""
+    key = PREFIX + "key"
+    notes = listed.get("annotations")
+    return (listed.get("artifactType") == entry.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE
+            and isinstance(notes, dict) and notes.get(key) == entry.get("annotations", {}).get(key) is not None)
