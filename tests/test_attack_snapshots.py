@@ -200,6 +200,37 @@ async def test_a_spare_over_a_ram_file_changed_during_the_lease_is_never_adopted
     assert "ram" in reason and "BLAKE3" in reason and "removed" in reason, reason
 
 
+async def test_an_overlay_made_ahead_and_rewritten_during_the_lease_is_never_booted(
+        start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    """The next restore's overlay is made while a lease runs (``overlay-ahead.qcow2`` in the state
+    directory) and renamed into place by that restore. An escaped QEMU of the lease (the runtime's
+    UID) rewrites it: the next lease's guest booted on the attacker's clusters."""
+    cache = tmp_path / "cache"
+    spec = {"image": f"file:{tiny_image.disk}", "memory": "256M", "channels": [{"name": "ahead-seal"}]}
+    rt = await start_runtime(spec, name="ahead-seal", extra_args=["--cache-dir", str(cache)])
+    client = rt.client()
+    await client.wait_ready(240)
+    await client.wait_stored()
+    await client.recycle()  # a restore: the next one's overlay is made ahead during this lease
+    await client.wait_ready(120)
+    ahead = rt.state / "overlay-ahead.qcow2"
+    await wait_until_async(ahead.exists, 30, "the overlay made ahead")
+    planted = tmp_path / "planted.qcow2"  # the same overlay, with a cluster of the attacker's
+    backing = json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", str(ahead)], check=True,
+                                        capture_output=True, timeout=30).stdout)["full-backing-filename"]
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", "qcow2", str(planted)],
+                   check=True, timeout=30)
+    subprocess.run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", str(planted)], check=True,
+                   capture_output=True, timeout=30)
+    shutil.copyfile(planted, ahead)  # in place, as the escaped QEMU writes it
+    await client.recycle()
+    state = await client.wait_ready(120)
+    assert state.snapshot.boot == "restored", state.snapshot
+    read = subprocess.run(["qemu-io", "-U", "-r", "-f", "qcow2", "-c", "read -P 0x5a 0 64k",
+                           str(rt.state / "overlay.qcow2")], capture_output=True, text=True, timeout=30)
+    assert "Pattern verification failed" in read.stdout, f"the next lease's disk reads the planted bytes: {read.stdout}"
+
+
 def test_a_link_in_a_snapshot_entry_breaks_its_seal(tmp_path: Path) -> None:
     """A process of the cache's UID (an escaped QEMU, another pod on the cache volume) adds a link to a
     file it cannot read but the next reader can (the pusher's registry credentials) and seals it in

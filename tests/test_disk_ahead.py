@@ -11,24 +11,38 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from vmsidecar_runtime.controller.disks import Disks
 from vmsidecar_runtime.controller.paths import RuntimePaths
 from vmsidecar_runtime.disk import DiskImage
 
-#: an mtime no file made during the test has: marks the overlay made ahead (a new file may take the
-#: inode number of one just removed)
-MARK = 1_000_000
+
+class Marks:
+    """Tells a file renamed from a marked one from a file made anew: a mark holds the marked file
+    open, so its inode number is not given to a new file (one removed is); nothing is written to
+    it (a write, even an mtime set, is a change the runtime must refuse to boot: its stat seal)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def mark(self, path: Path) -> None:
+        self.fds.append(os.open(path, os.O_RDONLY))
+
+    def marked(self, path: Path) -> bool:
+        return path.stat().st_ino in {os.fstat(fd).st_ino for fd in self.fds}
 
 
-def _mark(path: Path) -> None:
-    os.utime(path, (MARK, MARK))
-
-
-def _marked(path: Path) -> bool:
-    return path.stat().st_mtime == MARK
+@pytest.fixture
+def marks() -> Iterator[Marks]:
+    held = Marks()
+    yield held
+    for fd in held.fds:
+        os.close(fd)
 
 
 def _backing_of(path: Path) -> str:
@@ -46,45 +60,45 @@ def _disks(tmp_path: Path, tiny_image: Any) -> tuple[Disks, DiskImage]:
     return Disks(paths), DiskImage(frozen, "qcow2", "sha256:" + "0" * 64, "file:test")
 
 
-async def test_an_overlay_made_ahead_is_the_next_restores(tmp_path: Path, tiny_image: Any) -> None:
+async def test_an_overlay_made_ahead_is_the_next_restores(tmp_path: Path, tiny_image: Any, marks: Marks) -> None:
     disks, frozen = _disks(tmp_path, tiny_image)
     paths = disks.paths
     await disks.prepare_ahead(frozen)
     assert _backing_of(paths.overlay_ahead) == str(frozen.path)
-    _mark(paths.overlay_ahead)
+    marks.mark(paths.overlay_ahead)
     await disks.prepare_ahead(frozen)  # already there: left as it is
-    assert _marked(paths.overlay_ahead)
+    assert marks.marked(paths.overlay_ahead)
 
     assert await disks.overlay(frozen) == paths.overlay
-    assert _marked(paths.overlay) and not paths.overlay_ahead.exists()  # renamed, not made
+    assert marks.marked(paths.overlay) and not paths.overlay_ahead.exists()  # renamed, not made
     disks.drop_overlays()  # the recycle after: the next restore has none made ahead and makes one
     await disks.overlay(frozen)
-    assert not _marked(paths.overlay) and _backing_of(paths.overlay) == str(frozen.path)
+    assert not marks.marked(paths.overlay) and _backing_of(paths.overlay) == str(frozen.path)
 
 
-async def test_an_overlay_made_ahead_over_another_or_a_changed_disk_is_not_used(tmp_path: Path,
-                                                                               tiny_image: Any) -> None:
+async def test_an_overlay_made_ahead_over_another_or_a_changed_disk_is_not_used(tmp_path: Path, tiny_image: Any,
+                                                                               marks: Marks) -> None:
     disks, frozen = _disks(tmp_path, tiny_image)
     paths = disks.paths
     other = DiskImage(tmp_path / "other.qcow2", "qcow2", frozen.digest, frozen.source)
     shutil.copyfile(frozen.path, other.path)
 
     await disks.prepare_ahead(other)
-    _mark(paths.overlay_ahead)
+    marks.mark(paths.overlay_ahead)
     await disks.overlay(frozen)  # another disk's (a flashed one boots between): made anew over this one
-    assert _backing_of(paths.overlay) == str(frozen.path) and not _marked(paths.overlay)
+    assert _backing_of(paths.overlay) == str(frozen.path) and not marks.marked(paths.overlay)
     disks.drop_overlays()
     await disks.overlay(other)  # ... and the one made ahead waited for the restore it was made for
-    assert _marked(paths.overlay) and _backing_of(paths.overlay) == str(other.path)
+    assert marks.marked(paths.overlay) and _backing_of(paths.overlay) == str(other.path)
 
     disks.drop_overlays()
     await disks.prepare_ahead(frozen)
-    _mark(paths.overlay_ahead)
+    marks.mark(paths.overlay_ahead)
     replaced = tmp_path / "replaced.qcow2"  # the snapshot's disk replaced at its path (a new capture)
     shutil.copyfile(frozen.path, replaced)
     os.replace(replaced, frozen.path)
     await disks.overlay(frozen)
-    assert not _marked(paths.overlay) and not paths.overlay_ahead.exists()
+    assert not marks.marked(paths.overlay) and not paths.overlay_ahead.exists()
 
     disks.drop_overlays()
     await disks.prepare_ahead(frozen)

@@ -32,11 +32,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Ahead:
-    """An overlay made ahead over ``backing`` (a snapshot's frozen disk), as that file was then."""
+    """An overlay made ahead over ``backing`` (a snapshot's frozen disk), as that file was then, and
+    the overlay's own stat seal: it waits in the state directory through a lease, where an escaped
+    QEMU of that lease (the runtime's UID) can write it; any write changes its ctime."""
 
     backing: Path
     format: str
     seal: dict
+    own: dict
 
 
 def _stat_seal(path: Path) -> dict | None:
@@ -137,8 +140,9 @@ class Disks:
         try:
             seal = _stat_seal(backing.path)
             await create_overlay(backing, self.paths.overlay_ahead)
-            if seal is not None and seal == _stat_seal(backing.path):
-                self._ahead = _Ahead(backing.path, backing.format, seal)
+            own = _stat_seal(self.paths.overlay_ahead)
+            if seal is not None and seal == _stat_seal(backing.path) and own is not None:
+                self._ahead = _Ahead(backing.path, backing.format, seal, own)
             else:
                 self.paths.overlay_ahead.unlink(missing_ok=True)
         except (HostError, OSError) as e:
@@ -151,7 +155,7 @@ class Disks:
     def _ahead_for(self, backing: DiskImage) -> bool:
         ahead = self._ahead
         return (ahead is not None and ahead.backing == backing.path and ahead.format == backing.format
-                and ahead.seal == _stat_seal(backing.path) and self.paths.overlay_ahead.exists())
+                and ahead.seal == _stat_seal(backing.path) and ahead.own == _stat_seal(self.paths.overlay_ahead))
 
     async def _take_ahead(self, backing: DiskImage) -> bool:
         """Rename the overlay made ahead into the lease's place if it stands on ``backing`` as that
@@ -164,6 +168,8 @@ class Disks:
         if ahead is None or (ahead.backing, ahead.format) != (backing.path, backing.format):
             return False
         if not self._ahead_for(backing):
+            log.warning("the overlay made ahead (%s), or the disk it stands on, changed since it was made; the "
+                        "restore makes a fresh one", self.paths.overlay_ahead)
             self._drop_ahead()
             return False
         self._ahead = None
