@@ -148,6 +148,13 @@ def _republish(pub: Published, repo: str, edit: Callable[[dict, RegistryClient, 
         dst.close()
 
 
+def _refused_once_republished(pub: Published, repo: str, edit: Callable[[dict, RegistryClient, Path], None],
+                              cache: Path) -> SourceRefused:
+    """The refusal of the artifact :func:`_republish` puts in ``repo`` with ``edit`` applied."""
+    _republish(pub, repo, edit)
+    return _refused(pub, cache, source=f"{pub.registry.host}/{repo}")
+
+
 def _layer(doc: dict, name: str) -> dict:
     return next(d for d in doc["layers"] if d["annotations"][TITLE] == name)
 
@@ -177,8 +184,7 @@ def test_an_artifact_of_another_key_is_refused_naming_the_field(published: Publi
     def other_qemu(doc: dict, client: RegistryClient, tmp: Path) -> None:
         doc["annotations"][PREFIX + "qemu-version"] = "QEMU emulator version 99.0.0"
 
-    _republish(published, "snapattack/wrongkey", other_qemu)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/wrongkey")
+    refusal = _refused_once_republished(published, "snapattack/wrongkey", other_qemu, tmp_path / "cache")
     assert refusal.code == "key_mismatch"
     assert "QEMU version is 'QEMU emulator version 99.0.0'" in refusal.message, refusal.message
 
@@ -224,8 +230,7 @@ def test_a_layer_of_the_right_digest_that_does_not_decompress_is_refused(publish
         client.push_blob_bytes(bad, SNAPSHOT_FILE_ZSTD, tmp)
         layer.update(digest=Crafter.digest(bad), size=len(bad))
 
-    _republish(published, "snapattack/garbled", garbled)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/garbled")
+    refusal = _refused_once_republished(published, "snapattack/garbled", garbled, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "decompress" in refusal.message, refusal.message
 
 
@@ -237,8 +242,7 @@ def test_a_layer_of_the_right_digest_that_is_not_the_sealed_file_is_refused(publ
         client.push_blob_bytes(other, SNAPSHOT_FILE, tmp)
         layer.update(mediaType=SNAPSHOT_FILE, digest=Crafter.digest(other), size=len(other))
 
-    _republish(published, "snapattack/swapped", swapped)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/swapped")
+    refusal = _refused_once_republished(published, "snapattack/swapped", swapped, tmp_path / "cache")
     assert refusal.code == "tampered" and "meta.json" in refusal.message, refusal.message
 
 
@@ -246,8 +250,7 @@ def test_a_layer_titled_as_a_path_is_refused(published: Published, tmp_path: Pat
     def escaping(doc: dict, client: RegistryClient, tmp: Path) -> None:
         _layer(doc, "memory")["annotations"][TITLE] = "../../memory"
 
-    _republish(published, "snapattack/escape", escaping)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/escape")
+    refusal = _refused_once_republished(published, "snapattack/escape", escaping, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "plain file name" in refusal.message, refusal.message
     assert not (tmp_path / "memory").exists()
 
@@ -258,8 +261,7 @@ def test_an_index_claiming_the_right_key_for_a_manifest_of_another_is_refused(pu
     def other_cpu(doc: dict, client: RegistryClient, tmp: Path) -> None:
         doc["annotations"][PREFIX + "cpu"] = "host"
 
-    _republish(published, "snapattack/lying-index", other_cpu)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/lying-index")
+    refusal = _refused_once_republished(published, "snapattack/lying-index", other_cpu, tmp_path / "cache")
     assert refusal.code == "key_mismatch" and "CPU model" in refusal.message, refusal.message
 
 
@@ -280,8 +282,7 @@ def test_a_frozen_overlay_that_grows_the_guests_disk_past_the_limit_is_refused(p
             client.push_blob_bytes(blob, SNAPSHOT_FILE, tmp)
             _layer(doc, name).update(mediaType=SNAPSHOT_FILE, digest=Crafter.digest(blob), size=len(blob))
 
-    _republish(published, "snapattack/huge", huge_overlay)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/huge")
+    refusal = _refused_once_republished(published, "snapattack/huge", huge_overlay, tmp_path / "cache")
     assert refusal.code == "too_large" and "2 PiB" in refusal.message, refusal.message
 
 
@@ -291,8 +292,7 @@ def test_a_meta_json_built_to_exhaust_the_parser_is_refused(published: Published
         client.push_blob_bytes(deep, SNAPSHOT_FILE, tmp)
         _layer(doc, "meta.json").update(digest=Crafter.digest(deep), size=len(deep))
 
-    _republish(published, "snapattack/deep-meta", deep_meta)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/deep-meta")
+    refusal = _refused_once_republished(published, "snapattack/deep-meta", deep_meta, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "meta.json" in refusal.message, refusal.message
 
 
@@ -306,8 +306,7 @@ def test_an_artifact_sealed_without_the_memory_stream_is_refused(published: Publ
         client.push_blob_bytes(data, SNAPSHOT_FILE, tmp)
         _layer(doc, "meta.json").update(digest=Crafter.digest(data), size=len(data))
 
-    _republish(published, "snapattack/no-memory", no_memory)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/no-memory")
+    refusal = _refused_once_republished(published, "snapattack/no-memory", no_memory, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "lacks files every snapshot has" in refusal.message, refusal.message
 
 
@@ -342,8 +341,7 @@ def test_a_sealed_console_larger_than_any_scrollback_is_refused(published: Publi
         _put_file(doc, client, tmp, "ttyS0.console", bytes(64 << 20), meta)
         _put_meta(doc, client, tmp, meta)
 
-    _republish(published, "snapattack/huge-console", huge_console)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/huge-console")
+    refusal = _refused_once_republished(published, "snapattack/huge-console", huge_console, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "ttyS0.console" in refusal.message, refusal.message
     assert "256 KiB" in refusal.message, refusal.message
 
@@ -357,8 +355,7 @@ def test_a_meta_json_that_decompresses_past_its_bound_is_refused(published: Publ
         client.push_blob_bytes(blob, SNAPSHOT_FILE_ZSTD, tmp)
         _layer(doc, "meta.json").update(mediaType=SNAPSHOT_FILE_ZSTD, digest=Crafter.digest(blob), size=len(blob))
 
-    _republish(published, "snapattack/meta-bomb", bomb)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/meta-bomb")
+    refusal = _refused_once_republished(published, "snapattack/meta-bomb", bomb, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "meta.json" in refusal.message, refusal.message
 
 
@@ -372,8 +369,7 @@ def test_a_meta_json_of_the_other_form_than_its_key_is_refused(published: Publis
         meta["form"] = "stream"
         _put_meta(doc, client, tmp, meta)
 
-    _republish(published, "snapattack/other-form", stream)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/other-form")
+    refusal = _refused_once_republished(published, "snapattack/other-form", stream, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "form" in refusal.message, refusal.message
 
 
@@ -382,8 +378,7 @@ def test_a_layer_title_no_file_system_takes_is_refused_as_the_artifacts_fault(pu
     def long_title(doc: dict, client: RegistryClient, tmp: Path) -> None:
         _layer(doc, "ttyS0.console")["annotations"][TITLE] = "c" * 300 + ".console"
 
-    _republish(published, "snapattack/long-title", long_title)
-    refusal = _refused(published, tmp_path / "cache", source=f"{published.registry.host}/snapattack/long-title")
+    refusal = _refused_once_republished(published, "snapattack/long-title", long_title, tmp_path / "cache")
     assert refusal.code == "bad_artifact" and "plain file name" in refusal.message, refusal.message
 
 
