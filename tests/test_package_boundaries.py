@@ -109,7 +109,8 @@ RUNTIME_FLOORS = [
     ["controller"],
     ["backend", "devices", "console", "stream_pipes", "firmware", "snapshots", "snapshot_identity",
      "capture_ram", "readiness_rules", "disk", "oci.snapshot_push", "oci.snapshot_fetch"],
-    ["oci", "image", "plan", "accel", "procs", "perms", "hostpaths", "ports", "metrics", "events", "audit"],
+    ["oci", "image", "plan", "accel", "procs", "perms", "hostpaths", "ports", "metrics", "events", "audit",
+     "threads"],
 ]
 
 

@@ -27,6 +27,7 @@ from .image.limits import DEFAULT_LIMITS, Limits, Origin
 from .image.sniff import DiskFormat
 from .image.write import write_disk
 from .procs import spawn
+from .threads import run_abortable
 
 #: how messages about a flashed image name it and end their fix
 FLASHED = Origin("the flashed image", "flash the result")
@@ -80,7 +81,9 @@ async def check_image(path: Path, fmt: str, label: str | None = None, *, limits:
     :raise HostError: when qemu-img is not installed.
     """
     origin = Origin(label or f"disk image {path.name}", "use the result")
-    await asyncio.to_thread(checks.check_image, path, fmt, origin, limits)
+    # a thread of its own, and a caller that gives up kills qemu-img (threads.run_abortable): the
+    # loop's pool must not wait on qemu-img reading a lease holder's image to its own deadline
+    await run_abortable(checks.check_image, path, fmt, origin, limits, name="image-check")
 
 
 async def create_overlay(base: DiskImage, overlay: Path, *, size: int | None = None) -> None:

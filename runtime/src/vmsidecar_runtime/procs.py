@@ -21,6 +21,8 @@ from typing import Any
 
 from vmsidecar_contract.errors import HostError
 
+from .threads import current_abort
+
 log = logging.getLogger(__name__)
 
 #: pids started through ``spawn`` and not yet waited for; the reaper leaves these to asyncio
@@ -201,10 +203,14 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
     the child first and ``subprocess`` would then report a failed ``qemu-img check`` as rc 0.
     The child gets :func:`child_env`.
 
+    Run for work that may be given up (:func:`.threads.current_abort`), the program is killed when
+    it is: nothing keeps reading an image the runtime abandoned until its own deadline.
+
     :raise FileNotFoundError: when the program is not installed.
     :raise HostError: ``max_memory`` asked for and prlimit is not installed.
     :raise subprocess.TimeoutExpired: past ``timeout`` (the program killed and reaped).
     :raise OutputTooLarge: past ``max_output`` bytes of stdout (the program killed and reaped).
+    :raise threads.Abandoned: the work was given up (the program killed and reaped).
     """
     program = os.path.basename(argv[0])
     if max_memory is not None:
@@ -215,13 +221,21 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=child_env())
         OWN.add(proc.pid)
+    abort = current_abort()
+    # the hook runs on the thread that gives the work up; Popen.kill polls first and does not signal
+    # a child already reaped (bpo-38630), whose pid another process may have by then
+    unhook = abort.on_set(proc.kill) if abort is not None else None
     try:
         out, err = _communicate_bounded(proc, timeout, max_output, program)
+        if abort is not None:
+            abort.check()  # killed for it: its rc and output say nothing of the image
     except BaseException:
         proc.kill()
         proc.wait()
         raise
     finally:
+        if unhook is not None:
+            unhook()
         assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()
         proc.stderr.close()

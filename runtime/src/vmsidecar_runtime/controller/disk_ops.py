@@ -80,7 +80,8 @@ class DiskOps:
         """
         self._host_paths.check_reference(reference)
         self._require_off_or(power_off)
-        return self._transfers.begin(f"the flash from {reference}")
+        # redacted: what a transfer is called reaches the next lease (a 409, transfer_cancelled)
+        return self._transfers.begin(f"the flash from {redact(reference)}")
 
     async def flash_reference(self, spec: VmSpec | None, reference: str, *, power_off: bool,
                               progress: Progress | None, transfer: Transfer | None) -> None:

@@ -23,6 +23,7 @@ from vmsidecar_contract.spec import VmSpec
 from ..disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
 from ..image.checks import verdict
 from ..oci.cache import DiskCache, stat_seal
+from ..threads import Abort, run_abortable
 from .paths import RuntimePaths
 
 Progress = Callable[[int, int | None], None]
@@ -70,12 +71,14 @@ class Disks:
         return self.flashed or self.base
 
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
-                   on_download: Callable[[str], None] | None = None) -> tuple[DiskImage, Any, float]:
+                   on_download: Callable[[str], None] | None = None, abort: Abort | None = None
+                   ) -> tuple[DiskImage, Any, float]:
         """Pull an image into the cache (or reuse it): the disk, the pull result, the seconds taken.
         ``reference``: a lease's flash, named by the lease holder (it gets the pool's registry
         credentials only as :func:`vmsidecar_runtime.oci.auth.lease_config` lends them); else the
         spec's image. ``on_download``: see :func:`vmsidecar_runtime.oci.pull.pull` (called in the
-        pull's thread).
+        pull's thread). ``abort``: set, the pull's thread stops at once (its registry connections
+        shut down, its qemu-img killed); cancelling this call sets it too.
 
         :raise SpecError: when neither ``reference`` nor the spec names an image.
         :raise ImageError: for every pull failure, with the cause and the fix.
@@ -95,7 +98,10 @@ class Disks:
                            on_download=on_download, registry_config=config)
 
         started = time.monotonic()
-        pulled = await asyncio.to_thread(pulling)
+        # a daemon thread of its own, never the loop's pool: a registry that trickles may hold it in
+        # a read until the abort shuts its connection, and a pool of such threads would queue every
+        # other to_thread (the recycle's clean-up) and hold the runtime's exit (threads.py)
+        pulled = await run_abortable(pulling, name="pull", abort=abort)
         await self._checked(pulled.path, pulled.format, f"image {ref}")
         disk = DiskImage(pulled.path, pulled.format, pulled.digest, ref, pulled.annotations,
                          pulled.manifest_digest)

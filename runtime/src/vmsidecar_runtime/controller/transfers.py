@@ -8,8 +8,12 @@ one at a time per VM (a second is a 409), cancelled when its lease ends (recycle
 lease claims the VM or when its client goes away, and never installed once cancelled or once the
 generation it started in is gone. A flash is bounded by the runtime's pull deadline; a dump (streamed
 by ``api/server.py``) lasts until its reader has read it all or left, and its temp copy of the disk
-with it. A pull runs in a worker thread that cannot be interrupted from outside: it is told to stop
-(``Transfer.abort``) and does at its next chunk, removing its partial file.
+with it. A pull runs in a daemon thread of its own (never the loop's pool: ``threads.py``); given
+up, it is told to stop (``Transfer.abort``), which also shuts down its registry connections and
+kills its qemu-img, so it stops at once wherever it waits, removing its partial file.
+
+What a transfer is called (``Transfer.what``: a 409's message, the ``transfer_cancelled`` event, the
+log) quotes its reference redacted: those reach whoever has the VM next.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from vmsidecar_contract.errors import PullTimeoutError, TransferError
 from vmsidecar_contract.spec import VmSpec
 
 from .. import metrics
+from ..audit import redact
 from ..disk import DiskImage
 from ..events import EventBus
+from ..threads import Abort
 from .disks import Disks, Progress
 
 log = logging.getLogger(__name__)
@@ -37,20 +43,14 @@ T = TypeVar("T")
 DEFAULT_PULL_TIMEOUT_S = 1800.0
 
 
-class _Abandoned(BaseException):
-    """Raised in a pull's worker thread at its next chunk once the pull was given up. A
-    BaseException, so no ``except Exception`` on the way turns it into an image error; the pull's
-    own clean-up (``except BaseException``) removes the partial file."""
-
-
 @dataclass(eq=False)
 class Transfer:
     """One disk transfer of a lease: what it is, the generation it belongs to, how to stop it."""
 
     what: str
     generation: int
-    #: set when the transfer is given up: the pull's worker thread stops at its next chunk
-    abort: threading.Event = field(default_factory=threading.Event)
+    #: set when the transfer is given up: the pull's thread stops (its reads fail, it checks at each chunk)
+    abort: Abort = field(default_factory=Abort)
     #: why it was cancelled (None while it may still be installed)
     reason: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -136,9 +136,9 @@ class Transfers:
             if stop is not None:
                 stop.cancel()
             if not task.done():
-                abort.set()  # a worker thread stops at its next chunk
+                abort.set()  # a pull's thread stops at once: its sockets shut down, its qemu-img killed
                 task.cancel()
-                await asyncio.wait({task})  # its clean-up (partial files) runs before the answer
+                await asyncio.wait({task})  # its clean-up (partial files) runs before the answer (threads.GRACE_S)
         if transfer is not None and transfer.reason is not None:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: it is thrown away with the transfer
@@ -160,18 +160,17 @@ class Transfers:
         :raise ImageError: for every pull failure, with the cause and the fix.
         :raise PullTimeoutError: past the deadline. :raise TransferError: ``transfer`` was cancelled.
         """
-        abort = transfer.abort if transfer is not None else threading.Event()
+        abort = transfer.abort if transfer is not None else Abort()
 
-        def report(done: int, total: int | None) -> None:  # the worker thread, at every chunk
-            if abort.is_set():
-                raise _Abandoned
+        def report(done: int, total: int | None) -> None:  # the pull's thread, at every chunk
+            abort.check()
             if progress is not None:
                 progress(done, total)
 
-        what = f"the pull of {reference or spec.image}"
+        what = f"the pull of {redact(reference or spec.image)}"
         disk, pulled, seconds = await self._bounded(self._disks.pull(spec, reference, progress=report,
-                                                                     on_download=on_download), what,
-                                                    transfer, abort)
+                                                                     on_download=on_download, abort=abort),
+                                                    what, transfer, abort)
         self._events.publish("pulled", reference=disk.source, digest=pulled.digest, cached=pulled.cached,
                              bytes_downloaded=pulled.bytes_downloaded)
         source = metrics.source_of(reference or spec.image or "")

@@ -327,6 +327,11 @@ class VmController:
             await self._lease.clear(claim=claim)  # disk files, scrollback, console clients, the ledger's summary
             self._power.machine.forget_lease()  # timings, last exit
             self._phases.last_error = None
+            # again, under the lock, with no await before the generation moves on: the ending lease's
+            # calls still passed while this recycle waited for the lock (a claim's, behind its power
+            # operation), and a transfer one of them began meanwhile runs outside the lock: left in
+            # the slot, it would refuse the next lease's flash and dump (409) until its deadline
+            self.transfers.cancel(f"the lease it belonged to ended (generation {self.generation} was recycled)")
             self.events.generation += 1
             self._phases.set(Phase.STOPPED, reason="recycled")
             self.events.publish("recycled", generation=self.generation)

@@ -24,15 +24,19 @@ uploads. :class:`OrasRegistry` adds what it lacks for our use:
   reader): an error answer's at most :data:`MAX_ERROR_BODY` (past it, no error codes), a token
   answer's :data:`MAX_TOKEN_BODY` (past it, refused), and whatever requests reads whole on its own
   (a request not streamed, a redirect's body) the same (:class:`_BoundedBody`): a registry's 404 of
-  many GB, or chunked for ever, had been read into memory whole.
+  many GB, or chunked for ever, had been read into memory whole;
+* a pull given up (its :func:`..threads.current_abort` set) stops at once: every connection made
+  for it is shut down then, which wakes the read a registry that trickles keeps it in (a timeout is
+  per read, and a byte now and then never lets one expire), and no request or retry follows.
 
 What is asked of the registry, and how its answers become vmsidecar errors, is :mod:`.registry`.
 """
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.cookiejar import DefaultCookiePolicy
 from typing import Any
 from urllib.parse import SplitResult, urljoin, urlsplit
@@ -41,10 +45,13 @@ import oras.provider
 import requests
 import requests.adapters
 import requests.auth
+import urllib3
+import urllib3.connection
 
 from vmsidecar_contract.errors import RegistryError
 from vmsidecar_contract.reach import resolves_to_pod
 
+from ..threads import current_abort
 from .auth import ENV_INSECURE, HOW_TO_CONFIGURE, INSECURE_FLAG, Credentials, RegistryConfig, normalize_host
 from .mediatypes import load_document
 
@@ -193,10 +200,76 @@ class _BoundedBody:
         return data
 
 
+def _check_abort() -> None:
+    """:raise threads.Abandoned: the pull this thread runs for was given up."""
+    if (abort := current_abort()) is not None:
+        abort.check()
+
+
+def _pause(seconds: float) -> None:
+    """Sleep ``seconds``, less once the current pull is given up (the next check then stops it)."""
+    abort = current_abort()
+    if abort is None:
+        time.sleep(seconds)
+    else:
+        abort.wait(seconds)
+
+
+def _connect_abortably(conn: urllib3.connection.HTTPConnection, connect: Callable[[], None]) -> None:
+    """``connect()`` of ``conn``, its socket shut down when the current pull is given up (then, or
+    at once if it was already): what the thread then reads or writes on it fails at once."""
+    abort = current_abort()
+    if abort is None:
+        connect()
+        return
+
+    def shut() -> None:
+        if (sock := conn.sock) is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+
+    # never unregistered: the connection may outlive this request in the session's pool (a
+    # closed socket's shutdown fails with EBADF, which the Abort ignores). Not covered: the TLS
+    # handshake, where conn.sock is the plain socket the TLS one has taken over (each of its reads
+    # is bounded by CONNECT_TIMEOUT)
+    abort.on_set(shut)
+    abort.check()
+    connect()
+    abort.check()  # set while it connected: the hook found no socket yet
+
+
+class _AbortableHTTPConnection(urllib3.connection.HTTPConnection):
+    def connect(self) -> None:
+        _connect_abortably(self, super().connect)
+
+
+class _AbortableHTTPSConnection(urllib3.connection.HTTPSConnection):
+    def connect(self) -> None:
+        _connect_abortably(self, super().connect)
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _AbortableHTTPConnection
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _AbortableHTTPSConnection
+
+
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
     """Requests' adapter with our socket timeouts wherever the caller gave none (oras-py never does),
     and a bound on every body requests may read whole: a request not streamed (requests reads its
-    answer at once), an error answer and a redirect's (:class:`_BoundedBody`)."""
+    answer at once), an error answer and a redirect's (:class:`_BoundedBody`). Its connections are
+    shut down when the pull they serve is given up (:func:`_connect_abortably`)."""
+
+    def init_poolmanager(self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any) -> None:
+        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> urllib3.PoolManager:
+        manager: urllib3.PoolManager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if isinstance(manager, urllib3.ProxyManager):  # (a SOCKS proxy's manager has pools of its own)
+            manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+        return manager
 
     def send(self, request: requests.PreparedRequest, stream: bool = False,
              timeout: float | tuple[float | None, float | None] | None = None, verify: bool | str = True,
@@ -291,14 +364,16 @@ class OrasRegistry(oras.provider.Registry):
         :raise requests.exceptions.SSLError: TLS failed (never retried).
         """
         for attempt in range(TRIES):
+            _check_abort()  # a pull given up sends nothing more (its connection was shut down: no retry)
             try:
                 return self._send_with_auth(url, method, data, dict(headers or {}), json, stream)
             except requests.exceptions.SSLError:
                 raise  # a certificate problem is not "unreachable" and retrying cannot fix it
             except (requests.ConnectionError, requests.Timeout) as exc:
+                _check_abort()
                 if attempt == TRIES - 1:
                     raise Unreachable(str(exc)) from exc
-                time.sleep(BACKOFF[attempt])
+                _pause(BACKOFF[attempt])
         raise AssertionError("unreachable")
 
     def _send_with_auth(

@@ -1,0 +1,357 @@
+"""A lease holder's pulls (``POST /v1/vm/disk/pull``, the storage driver's ``flash oci://…``) from a
+registry of their own that answers slowly, used against the runtime.
+
+- A pull from a registry that trickles its answer (a byte a second: no socket read ever times
+  out) and is then cancelled (its client goes away). Its blocking work ran in the event loop's
+  default thread pool (``asyncio.to_thread``, min(32, CPUs + 4) threads) and a cancel only told the
+  thread to stop at its next blob chunk, which never came: a handful of such pulls took every
+  thread, and every later ``to_thread`` (the recycle's clean-up of the lease's files) queued behind
+  them for ever, with the power lock held; ``POST /v1/shutdown`` never ended the process either
+  (Python 3.11's ``asyncio.run`` waits for the pool's threads). A cancelled image check left its
+  ``qemu-img`` running.
+- Lease N holds the power lock while the next lease's claim waits for it, and lease N starts
+  one more pull meanwhile: the claim had cancelled the transfer before it took the lock, and its
+  recycle never cancelled again, so lease N's pull kept the VM's one transfer slot in lease N+1
+  (its flash refused with 409, quoting lease N's reference).
+
+Real runtime processes and real HTTP servers on loopback (a registry that misbehaves on purpose);
+``qemu-img`` is a real one, behind a script that makes only its ``check`` hang (so that a cancel
+is sure to find it running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.events import collecting
+from fixtures.http_server import LoopbackServer
+from fixtures.waiting import wait_until_async
+from vmsidecar_contract.errors import TransferError
+from vmsidecar_contract.spec import VmSpec
+from vmsidecar_runtime.oci import push_artifact
+
+pytestmark = pytest.mark.timeout(300)
+
+#: seconds between two bytes of a trickled answer: far below the runtime's 60 s read timeout, so
+#: no read ever times out and the answer never ends
+TRICKLE_S = 1.0
+#: what a trickled answer announces (it never gets there)
+TRICKLED_SIZE = 1 << 20
+#: the pool of ``asyncio.to_thread`` in the runtime (Python 3.11: min(32, os.cpu_count() + 4)), and
+#: two more pulls than it has threads, at least 8
+POOL = min(32, (os.cpu_count() or 1) + 4)
+PULLS = max(8, POOL + 2)
+#: generous bounds: each is milliseconds once nothing waits on a pull's thread
+RECYCLE_BOUND_S = 30.0
+EXIT_BOUND_S = 30.0
+#: threads the runtime may have beyond its count before the pulls (an idle worker of the loop's
+#: pool that the recycle's clean-up started, say)
+THREAD_SLACK = 2
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+EMPTY_DIGEST = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+LAYER_DIGEST = "sha256:" + "ab" * 32
+#: a manifest of one qcow2 disk layer (the blob is what the ``blob`` stage trickles)
+MANIFEST = json.dumps({
+    "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+    "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": EMPTY_DIGEST, "size": 2},
+    "layers": [{"mediaType": "application/vnd.diskimage.qcow2", "digest": LAYER_DIGEST, "size": TRICKLED_SIZE}],
+}).encode()
+UNKNOWN = b'{"errors":[{"code":"NAME_UNKNOWN","message":"repository name not known"}]}'
+
+
+class Trickle(LoopbackServer):
+    """A registry on 127.0.0.1 whose answer to every pull trickles, a byte every :data:`TRICKLE_S`
+    until its client goes away: the manifest (``stage="manifest"``) or the disk layer's blob
+    (``stage="blob"``, after a whole manifest). The manifest of a repository in ``held`` is not
+    answered at all until its event is set, then answered 404.
+
+    ``started`` lists the repositories whose answer began (trickling or held); ``open`` counts the
+    trickled answers whose client has not gone away yet."""
+
+    def __init__(self, stage: str = "manifest") -> None:
+        self.started: list[str] = []
+        self.open = 0
+        self.held: dict[str, threading.Event] = {}
+        self._stop = threading.Event()
+        lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _trickle(self, repo: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", OCI_MANIFEST if stage == "manifest" else "application/octet-stream")
+                self.send_header("Content-Length", str(TRICKLED_SIZE))
+                self.end_headers()
+                self.close_connection = True
+                with lock:
+                    server.open += 1
+                    server.started.append(repo)
+                try:
+                    for _ in range(TRICKLED_SIZE):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        if server._stop.wait(TRICKLE_S):
+                            return
+                except OSError:
+                    pass  # the client went away: what it holds of the answer is nobody's
+                finally:
+                    with lock:
+                        server.open -= 1
+
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if path == "/v2/":
+                    self._answer(200, b"{}")
+                    return
+                repo, _, rest = path[len("/v2/"):].partition("/manifests/")
+                if rest:
+                    if (held := server.held.get(repo)) is not None:
+                        with lock:
+                            server.started.append(repo)
+                        held.wait(120)  # the answer's status line waits for the test
+                        self._answer(404, UNKNOWN)
+                    elif stage == "manifest":
+                        self._trickle(repo)
+                    else:
+                        self._answer(200, MANIFEST, OCI_MANIFEST)
+                    return
+                repo, _, digest = path[len("/v2/"):].partition("/blobs/")
+                if digest == LAYER_DIGEST:
+                    self._trickle(repo)
+                elif digest == EMPTY_DIGEST:
+                    self._answer(200, b"{}")
+                else:
+                    self._answer(404, UNKNOWN)
+
+        super().__init__(Handler)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for held in self.held.values():
+            held.set()
+        super().__exit__(*exc)
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+async def exits_within(rt: Any, seconds: float) -> int | None:
+    """The runtime's exit code, or None when it still runs after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (rc := rt.proc.poll()) is not None:
+            return int(rc)
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def start_then_cut(rt: Any, reference: str, registry: Trickle, events: Any) -> bool:
+    """``POST /v1/vm/disk/pull`` of ``reference``; once its answer trickles in (or, when it never
+    reaches the registry, after 10 s) its client goes away. Returns whether it reached the registry.
+    Waits until the runtime has cancelled it (its transfer slot is free again)."""
+    repo = reference.split("/", 1)[1].rsplit(":", 1)[0]
+    gone = rt.client()
+    pull = asyncio.create_task(gone.flash_reference(reference))
+    try:
+        await wait_until_async(lambda: repo in registry.started or pull.done(), 10, f"the pull of {repo} to start")
+        reached = True
+    except AssertionError:
+        reached = False  # queued in the runtime, behind the pulls before it
+    assert not pull.done(), f"the pull of {reference} ended by itself: {pull.exception()!r}"
+    pull.cancel()
+    await gone.close()  # the client goes away mid-pull: the runtime cancels the pull
+    await events.wait_for(lambda e: e["type"] == "transfer_cancelled" and f"/{repo}:" in e["data"]["what"], 15)
+    return reached
+
+
+# ---- a cancelled pull leaves no thread behind ----------------------------------------------------
+@pytest.mark.parametrize("stage", ["manifest", "blob"])
+async def test_cancelled_pulls_from_a_trickling_registry_leave_the_runtime_whole(
+        start_runtime: Any, tmp_path: Path, stage: str) -> None:
+    """More cancelled pulls from a trickling registry than the loop's pool has threads; then the
+    next lease's recycle and claim complete, the runtime drops every connection to that registry,
+    its thread count comes back to what it was, and ``POST /v1/shutdown`` ends the process."""
+    rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache")  # no image: nothing boots
+    client = rt.client()
+    await client.claim()
+    baseline = thread_count(rt.proc.pid)
+    with Trickle(stage) as registry:
+        async with collecting(rt.client(), ["transfer_cancelled"]) as events:
+            reached = [await start_then_cut(rt, f"{registry.host}/evil/pull{i}:1", registry, events)
+                       for i in range(PULLS)]
+            queued = [i for i, r in enumerate(reached) if not r]
+            held = thread_count(rt.proc.pid) - baseline
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(client.claim(), RECYCLE_BOUND_S)  # the next lease: recycles first
+                await asyncio.wait_for(client.recycle(boot=False), RECYCLE_BOUND_S)  # and its end
+            except TimeoutError:
+                pytest.fail(f"after {PULLS} cancelled pulls the claim and recycle did not complete within "
+                            f"{RECYCLE_BOUND_S:g} s (pulls that never reached the registry, queued behind the "
+                            f"others: {queued}; threads held: {held})")
+            took = time.monotonic() - started
+        assert not queued, f"pulls {queued} waited for a thread that earlier, cancelled pulls held"
+        await wait_until_async(lambda: registry.open == 0, 15, "the runtime to drop its connections to the registry",
+                               detail=lambda: f"{registry.open} trickled answers still have a reader")
+    await wait_until_async(lambda: thread_count(rt.proc.pid) <= baseline + THREAD_SLACK, 15,
+                           f"the runtime's threads to come back to {baseline} (+{THREAD_SLACK})",
+                           detail=lambda: f"{thread_count(rt.proc.pid)} threads")
+    await client.shutdown()
+    rc = await exits_within(rt, EXIT_BOUND_S)
+    assert rc == 0, f"the runtime did not exit within {EXIT_BOUND_S:g} s of POST /v1/shutdown (rc {rc})"
+    print(f"\n{PULLS} cancelled pulls ({stage} trickled): claim + recycle in {took:.2f} s, "
+          f"{held} threads over the baseline right after the cancels")
+
+
+#: a qemu-img whose ``check`` hangs (its pid written to $HANG_PIDS first); every other command is the real one
+HANGING_QEMU_IMG = """#!/bin/sh
+if [ "$1" = check ]; then echo $$ >> "{pids}"; exec sleep 600; fi
+exec {real} "$@"
+"""
+
+
+@pytest.fixture
+def hanging_qemu_img(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """``(directory to put first on PATH, the file the hanging checks write their pids to)``; any
+    such check still running at the end is killed."""
+    real = shutil.which("qemu-img")
+    assert real is not None, "qemu-img is not installed"
+    shim_dir, pids = tmp_path / "shim", tmp_path / "check-pids"
+    shim_dir.mkdir()
+    shim = shim_dir / "qemu-img"
+    shim.write_text(HANGING_QEMU_IMG.format(pids=pids, real=real))
+    shim.chmod(0o755)
+    try:
+        yield shim_dir, pids
+    finally:
+        for pid in _pids(pids):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pids(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it was killed and waits to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+async def test_a_cancelled_pull_kills_the_qemu_img_checking_its_disk(
+        start_runtime: Any, registry: Any, oci_qcow2: Path, hanging_qemu_img: tuple[Path, Path],
+        tmp_path: Path) -> None:
+    """A pull cancelled while ``qemu-img check`` reads its disk: the check is killed, not left to
+    run to its own deadline (300 s) on an image the runtime gave up."""
+    shim_dir, pids = hanging_qemu_img
+    reference = f"{registry.host}/attack/check-cancel:1"
+    await asyncio.to_thread(push_artifact, oci_qcow2, reference, compression=None)
+    rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache",
+                             env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
+    async with collecting(rt.client(), ["transfer_cancelled"]) as events:
+        gone = rt.client()
+        pull = asyncio.create_task(gone.flash_reference(reference))
+        await wait_until_async(lambda: _pids(pids) or pull.done(), 60, "qemu-img check to start")
+        assert not pull.done(), f"the pull ended before its check: {pull.exception()!r}"
+        [check] = _pids(pids)
+        pull.cancel()
+        await gone.close()
+        await events.wait_for("transfer_cancelled", 15)
+    await wait_until_async(lambda: not _alive(check), 15, f"the cancelled pull's qemu-img check (pid {check}) to end")
+
+
+async def test_a_cancelled_image_check_kills_its_qemu_img(
+        oci_qcow2: Path, hanging_qemu_img: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disk.check_image`` (the check of a cached disk before it boots or is flashed) given up by
+    its caller: its qemu-img is killed and reaped before the cancellation goes on."""
+    from vmsidecar_runtime.disk import check_image
+
+    shim_dir, pids = hanging_qemu_img
+    monkeypatch.setenv("PATH", f"{shim_dir}:{os.environ['PATH']}")
+    task = asyncio.create_task(check_image(oci_qcow2, "qcow2"))
+    await wait_until_async(lambda: _pids(pids) or task.done(), 30, "qemu-img check to start")
+    assert not task.done(), f"the check ended by itself: {task.exception()!r}"
+    [check] = _pids(pids)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    alive = _alive(check)
+    if alive:  # else the thread waiting for it would hold this test's loop at its close
+        os.kill(check, signal.SIGKILL)
+    assert not alive, f"qemu-img check (pid {check}) still runs after its caller gave up"
+
+
+# ---- a pull of lease N started while the next lease's claim waits -------------------------------
+async def test_a_pull_lease_n_starts_while_the_next_claim_waits_is_cancelled_by_that_claim(
+        start_runtime: Any, tmp_path: Path) -> None:
+    """Lease N holds the power lock (its guest's image pulled from its own registry, which holds
+    the answer), lease N+1's claim waits for it, and lease N starts a flash meanwhile (its calls
+    still pass: the VM is still its). The claim's recycle must cancel that flash: lease N+1's own
+    flash is not refused (409 ``transfer_in_progress`` naming lease N's reference)."""
+    rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache")
+    with Trickle("manifest") as registry:
+        registry.held["evil/boot"] = release = threading.Event()
+        lease_n, exporter, lease_n1 = rt.client(), rt.client(), rt.client()
+        lease_n.generation = (await lease_n.claim(token="lease-n-token")).generation
+        async with collecting(rt.client(), ["transfer_cancelled"]) as events:
+            # lease N's guest: its image from its registry, which holds the answer; the boot holds the lock
+            await lease_n.put_spec({"memory": "256M", "image": f"{registry.host}/evil/boot:1"})
+            await wait_until_async(lambda: "evil/boot" in registry.started, 30, "the boot's pull to start")
+            first = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/first:1", power_off=True))
+            await wait_until_async(lambda: "evil/first" in registry.started or first.done(), 30,
+                                   "lease N's first flash to start")
+            # lease N+1 is handed out: its claim cancels lease N's flash, then waits for the lock
+            claim = asyncio.create_task(exporter.claim(token="lease-n1-token", spec=VmSpec.model_validate({"memory": "256M"})))
+            await events.wait_for(lambda e: "/evil/first:" in e["data"]["what"], 15)
+            late = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/late:1", power_off=True))
+            await wait_until_async(lambda: "evil/late" in registry.started or late.done(), 30,
+                                   "lease N's late flash to start")
+            assert not late.done(), f"lease N's late flash was refused: {late.exception()!r}"
+            assert not claim.done(), "the claim did not wait for the lock: no race here"
+            release.set()  # lease N's boot ends (its registry answers 404): the lock is free
+            state = await asyncio.wait_for(claim, 30)
+            assert state.generation == lease_n.generation + 1 and state.claimed, state
+            # lease N+1 flashes: the VM's one transfer slot must be free
+            lease_n1.generation = state.generation
+            own = asyncio.create_task(lease_n1.flash_reference(f"{registry.host}/evil/own:1", power_off=True))
+            await wait_until_async(lambda: "evil/own" in registry.started or own.done(), 30,
+                                   "lease N+1's flash to start")
+            if own.done():
+                pytest.fail(f"lease N+1's flash was refused: {own.exception()!r}")
+            cancelled = await events.wait_for(lambda e: "/evil/late:" in e["data"]["what"], 15)
+            assert cancelled["data"]["generation"] == lease_n.generation, cancelled
+            with pytest.raises(TransferError) as late_error:
+                await asyncio.wait_for(late, 15)
+            assert late_error.value.code == "transfer_cancelled", late_error.value
+            with pytest.raises(TransferError):
+                await asyncio.wait_for(first, 15)
+            own.cancel()
