@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
+import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
 from ..image.sniff import QCOW2_MAGIC, Compression
 from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
 from ..snapshots import CONSOLE_SUFFIX, Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
+from ..threads import Abort, in_daemon_thread
 from .cache import remove_tree, stat_seal
 from .mediatypes import (
     ANNOTATION_TITLE,
@@ -126,16 +126,20 @@ async def _in_thread(source: str, timeout: float, fetch: Callable[..., _T], *arg
                      late: Callable[[_T], None] | None = None) -> tuple[_T, float]:
     """``fetch(source, *args, deadline=…)`` in a thread of its own and the seconds it took; a refusal is
     logged. The caller waits no longer than the deadline (and :data:`GIVE_UP_AFTER_S`), whatever the
-    thread is blocked in: a daemon thread, so one a registry keeps in a read holds neither a worker of
-    the loop's executor nor the runtime's exit; what it returns once given up goes to ``late``."""
+    thread is blocked in: a daemon thread (:mod:`..threads`), so one a registry keeps in a read holds
+    neither a worker of the loop's executor nor the runtime's exit; given up, its connections are shut
+    down, which ends it; what it returns once given up goes to ``late``."""
     started = time.monotonic()
-    done = _in_daemon_thread(fetch, source, *args, deadline=started + timeout)
+    abort = Abort()
+    done = in_daemon_thread(functools.partial(fetch, source, *args, deadline=started + timeout),
+                            name="snapshot-fetch", abort=abort)
     try:
         result = await asyncio.wait_for(asyncio.shield(done), timeout + GIVE_UP_AFTER_S)
     except SourceRefused as e:
         log.warning("no snapshot from %s (%s): %s; booting cold", source, e.code, e.message)
         raise
     except (TimeoutError, asyncio.CancelledError) as e:
+        abort.set()
         # what the thread ends with is read either way (an unread exception is a traceback in the log)
         done.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or late is None
                                or late(f.result()))
@@ -146,35 +150,6 @@ async def _in_thread(source: str, timeout: float, fetch: Callable[..., _T], *arg
         log.warning("no snapshot from %s (timeout): %s; booting cold", source, message)
         raise SourceRefused("timeout", message) from None
     return result, time.monotonic() - started
-
-
-def _in_daemon_thread(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> asyncio.Future[_T]:
-    """``fn(*args, **kwargs)`` in a new daemon thread, in a copy of the caller's context (the
-    registry settings are context variables), its outcome on the returned future."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-    context = contextvars.copy_context()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            result = context.run(fn, *args, **kwargs)
-        except BaseException as e:  # handed to the waiting side as it is
-            error = e
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="snapshot-fetch", daemon=True).start()
-    return future
 
 
 def fetch_snapshot(source: str, identity: SnapshotIdentity, base: DiskImage, store: SnapshotStore, *,
