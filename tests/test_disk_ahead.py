@@ -17,32 +17,16 @@ from typing import Any
 
 import pytest
 
+from fixtures.marks import Marks
 from vmsidecar_runtime.controller.disks import Disks
 from vmsidecar_runtime.controller.paths import RuntimePaths
 from vmsidecar_runtime.disk import DiskImage
 
 
-class Marks:
-    """Tells a file renamed from a marked one from a file made anew: a mark holds the marked file
-    open, so its inode number is not given to a new file (one removed is); nothing is written to
-    it (a write, even an mtime set, is a change the runtime must refuse to boot: its stat seal)."""
-
-    def __init__(self) -> None:
-        self.fds: list[int] = []
-
-    def mark(self, path: Path) -> None:
-        self.fds.append(os.open(path, os.O_RDONLY))
-
-    def marked(self, path: Path) -> bool:
-        return path.stat().st_ino in {os.fstat(fd).st_ino for fd in self.fds}
-
-
 @pytest.fixture
 def marks() -> Iterator[Marks]:
-    held = Marks()
-    yield held
-    for fd in held.fds:
-        os.close(fd)
+    with Marks() as held:
+        yield held
 
 
 def _backing_of(path: Path) -> str:

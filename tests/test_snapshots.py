@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from fixtures.faults import wait_phase
+from fixtures.marks import Marks
 from fixtures.runtime import BACKENDS, qemu_pids
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
@@ -167,12 +168,13 @@ async def test_recycle_restores_a_pristine_guest_with_nothing_of_the_last_lease(
         if backend == "qemu" and standby is False:  # made after the capture was stored, then after lease 2's restore
             ahead = rt.state / "overlay-ahead.qcow2"
             await wait_until_async(ahead.exists, 30, "the next restore's overlay to be made ahead")
-            made_ahead = 1_000_000  # an mtime that tells it (a file made later may get its inode number)
-            os.utime(ahead, (made_ahead, made_ahead))
+            made_ahead = Marks()
+            made_ahead.mark(ahead)
         state, seconds = await _recycle(client)
         assert state.generation == lease - 1
         if made_ahead is not None:  # renamed into place: what follows shows it is as pristine as one made now
-            assert (rt.state / "overlay.qcow2").stat().st_mtime == made_ahead
+            with made_ahead:
+                assert made_ahead.marked(rt.state / "overlay.qcow2")
         if backend == "qemu":
             assert state.snapshot.boot == "restored", state.snapshot
             assert state.snapshot.restored_ahead == (standby is True), state.snapshot
