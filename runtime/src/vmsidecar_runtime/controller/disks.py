@@ -174,8 +174,9 @@ class Disks:
         if ahead is None or (ahead.backing, ahead.format) != (backing.path, backing.format):
             return False
         if not self._ahead_for(backing):
-            log.warning("the overlay made ahead (%s), or the disk it stands on, changed since it was made; the "
-                        "restore makes a fresh one", self.paths.overlay_ahead)
+            if (now := _stat_seal(self.paths.overlay_ahead)) is not None and now != ahead.own:
+                log.warning("the overlay made ahead (%s) was written since it was made, by no process of the "
+                            "runtime's own; the restore makes a fresh one", self.paths.overlay_ahead)
             self._drop_ahead()
             return False
         self._ahead = None

@@ -408,10 +408,10 @@ def _bound(name: str, left: int, limits: Limits) -> _Bound:
     """How large the file ``name`` may be: its role's bound (a few KiB of ``meta.json``, a console's
     scrollback: both are read whole into memory), else what is left of the limit for them all."""
     if name == META_FILE:
-        return _Bound(MAX_META, "bad_artifact", f"no snapshot's {META_FILE} is; {RESEND}")
+        return _Bound(MAX_META, "bad_artifact", f"larger than any snapshot's {META_FILE}; {RESEND}")
     if name.endswith(CONSOLE_SUFFIX):
-        return _Bound(SCROLLBACK, "bad_artifact", f"a console's scrollback at capture, which no snapshot's "
-                      f"console is larger than; {RESEND}")
+        return _Bound(SCROLLBACK, "bad_artifact", f"larger than a console's scrollback (all a snapshot's console "
+                      f"holds); {RESEND}")
     return _Bound(left, "too_large", f"what is left of this runtime's {human_size(limits.max_disk_bytes)} limit for a "
                   "snapshot's files together; push a snapshot of a smaller guest, or raise --max-disk-size")
 

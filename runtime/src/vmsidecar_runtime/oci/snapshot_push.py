@@ -177,6 +177,6 @@ def _add_referrer(client: RegistryClient, subject: str, entry: dict) -> None:
 def _same_key(listed: dict, entry: dict) -> bool:
     """Whether ``listed`` is a snapshot artifact of ``entry``'s key."""
     key = PREFIX + "key"
-    notes = listed.get("annotations")
-    return (listed.get("artifactType") == entry.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE
-            and isinstance(notes, dict) and notes.get(key) == entry.get("annotations", {}).get(key) is not None)
+    mine, theirs = entry.get("annotations", {}).get(key), listed.get("annotations")
+    return (mine is not None and listed.get("artifactType") == entry.get("artifactType") == SNAPSHOT_ARTIFACT_TYPE
+            and isinstance(theirs, dict) and theirs.get(key) == mine)
