@@ -22,8 +22,6 @@ is sure to find it running).
 from __future__ import annotations
 
 import asyncio
-import http.server
-import json
 import os
 import shutil
 import signal
@@ -36,7 +34,7 @@ from typing import Any
 import pytest
 
 from fixtures.events import collecting
-from fixtures.http_server import LoopbackServer
+from fixtures.trickle import Trickle
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.errors import TransferError
 from vmsidecar_contract.spec import VmSpec
@@ -44,11 +42,6 @@ from vmsidecar_runtime.oci import push_artifact
 
 pytestmark = pytest.mark.timeout(300)
 
-#: seconds between two bytes of a trickled answer: far below the runtime's 60 s read timeout, so
-#: no read ever times out and the answer never ends
-TRICKLE_S = 1.0
-#: what a trickled answer announces (it never gets there)
-TRICKLED_SIZE = 1 << 20
 #: the pool of ``asyncio.to_thread`` in the runtime (Python 3.11: min(32, os.cpu_count() + 4)), and
 #: two more pulls than it has threads, at least 8
 POOL = min(32, (os.cpu_count() or 1) + 4)
@@ -59,103 +52,6 @@ EXIT_BOUND_S = 30.0
 #: threads the runtime may have beyond its count before the pulls (an idle worker of the loop's
 #: pool that the recycle's clean-up started, say)
 THREAD_SLACK = 2
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-EMPTY_DIGEST = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
-LAYER_DIGEST = "sha256:" + "ab" * 32
-#: a manifest of one qcow2 disk layer (the blob is what the ``blob`` stage trickles)
-MANIFEST = json.dumps({
-    "schemaVersion": 2, "mediaType": OCI_MANIFEST,
-    "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": EMPTY_DIGEST, "size": 2},
-    "layers": [{"mediaType": "application/vnd.diskimage.qcow2", "digest": LAYER_DIGEST, "size": TRICKLED_SIZE}],
-}).encode()
-UNKNOWN = b'{"errors":[{"code":"NAME_UNKNOWN","message":"repository name not known"}]}'
-
-
-class Trickle(LoopbackServer):
-    """A registry on 127.0.0.1 whose answer to every pull trickles, a byte every :data:`TRICKLE_S`
-    until its client goes away: the manifest (``stage="manifest"``) or the disk layer's blob
-    (``stage="blob"``, after a whole manifest). The manifest of a repository in ``held`` is not
-    answered at all until its event is set, then answered 404.
-
-    ``started`` lists the repositories whose answer began (trickling or held); ``open`` counts the
-    trickled answers whose client has not gone away yet."""
-
-    def __init__(self, stage: str = "manifest") -> None:
-        self.started: list[str] = []
-        self.open = 0
-        self.held: dict[str, threading.Event] = {}
-        self._stop = threading.Event()
-        lock = threading.Lock()
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _trickle(self, repo: str) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", OCI_MANIFEST if stage == "manifest" else "application/octet-stream")
-                self.send_header("Content-Length", str(TRICKLED_SIZE))
-                self.end_headers()
-                self.close_connection = True
-                with lock:
-                    server.open += 1
-                    server.started.append(repo)
-                try:
-                    for _ in range(TRICKLED_SIZE):
-                        self.wfile.write(b" ")
-                        self.wfile.flush()
-                        if server._stop.wait(TRICKLE_S):
-                            return
-                except OSError:
-                    pass  # the client went away: what it holds of the answer is nobody's
-                finally:
-                    with lock:
-                        server.open -= 1
-
-            def do_GET(self) -> None:
-                path = self.path.split("?")[0]
-                if path == "/v2/":
-                    self._answer(200, b"{}")
-                    return
-                repo, _, rest = path[len("/v2/"):].partition("/manifests/")
-                if rest:
-                    if (held := server.held.get(repo)) is not None:
-                        with lock:
-                            server.started.append(repo)
-                        held.wait(120)  # the answer's status line waits for the test
-                        self._answer(404, UNKNOWN)
-                    elif stage == "manifest":
-                        self._trickle(repo)
-                    else:
-                        self._answer(200, MANIFEST, OCI_MANIFEST)
-                    return
-                repo, _, digest = path[len("/v2/"):].partition("/blobs/")
-                if digest == LAYER_DIGEST:
-                    self._trickle(repo)
-                elif digest == EMPTY_DIGEST:
-                    self._answer(200, b"{}")
-                else:
-                    self._answer(404, UNKNOWN)
-
-        super().__init__(Handler)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for held in self.held.values():
-            held.set()
-        super().__exit__(*exc)
-
-
 def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 

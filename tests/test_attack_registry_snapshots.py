@@ -16,7 +16,6 @@ from real captures.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -582,34 +581,15 @@ async def test_a_source_that_trickles_its_answer_is_given_up_at_the_fetchs_bound
     """The fetch's bound was checked between a blob's chunks only: a source answering its referrers
     listing one byte every 0.2 s (a 100 KB body: five and a half hours) held the boot, and the power
     lock with it, for as long as it went on. The boot now gives up at the bound (then boots cold),
-    whatever the fetching thread is blocked in."""
-    import http.server
-
-    from fixtures.http_server import LoopbackServer
+    whatever the fetching thread is blocked in (here the listing trickles a byte a second)."""
+    from fixtures.trickle import Trickle
     from vmsidecar_runtime.oci import auth
     from vmsidecar_runtime.oci.snapshot_fetch import stage_in_thread
-
-    class Trickle(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *_: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", OCI_INDEX)
-            self.send_header("Content-Length", "100000")
-            self.end_headers()
-            with contextlib.suppress(OSError):
-                for _ in range(100000):
-                    self.wfile.write(b" ")
-                    self.wfile.flush()
-                    time.sleep(0.2)
 
     store = SnapshotStore(tmp_path / "cache")
     known = identify_before_pull(load_spec({"image": "registry.example/vm/guest:1", "memory": "256M"}), "tcg")
     started = time.monotonic()
-    with LoopbackServer(Trickle) as server, auth.settings(insecure=(server.host,)), \
+    with Trickle() as server, auth.settings(insecure=(server.host,)), \
             pytest.raises(SourceRefused) as refused:
         await stage_in_thread(f"{server.host}/snapshots", "sha256:" + "a" * 64, known, store, timeout=1.0)
     took = time.monotonic() - started
