@@ -14,9 +14,13 @@ registry of their own that answers slowly, used against the runtime.
   recycle never cancelled again, so lease N's pull kept the VM's one transfer slot in lease N+1
   (its flash refused with 409, quoting lease N's reference).
 
+- Lease N dumps its disk (``GET /v1/vm/disk``, ``j vm storage dump``) and ends while the disk is
+  converted for it: the conversion held the power lock to its end (minutes for a large disk), and
+  the lease's recycle and the next lease's claim waited for it; a claim gives up after 120 s.
+
 Real runtime processes and real HTTP servers on loopback (a registry that misbehaves on purpose);
-``qemu-img`` is a real one, behind a script that makes only its ``check`` hang (so that a cancel
-is sure to find it running).
+``qemu-img`` is a real one, behind a script that makes only its ``check`` (or ``convert``) hang (so
+that a cancel is sure to find it running, as it would find a large disk's).
 """
 
 from __future__ import annotations
@@ -124,23 +128,22 @@ async def test_cancelled_pulls_from_a_trickling_registry_leave_the_runtime_whole
           f"{held} threads over the baseline right after the cancels")
 
 
-#: a qemu-img whose ``check`` hangs (its pid written to $HANG_PIDS first); every other command is the real one
+#: a qemu-img whose ``{command}`` hangs (its pid written to ``{pids}`` first); every other command is the real one
 HANGING_QEMU_IMG = """#!/bin/sh
-if [ "$1" = check ]; then echo $$ >> "{pids}"; exec sleep 600; fi
+if [ "$1" = {command} ]; then echo $$ >> "{pids}"; exec sleep 600; fi
 exec {real} "$@"
 """
 
 
-@pytest.fixture
-def hanging_qemu_img(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """``(directory to put first on PATH, the file the hanging checks write their pids to)``; any
-    such check still running at the end is killed."""
+def _hanging(tmp_path: Path, command: str) -> Iterator[tuple[Path, Path]]:
+    """``(directory to put first on PATH, the file the hanging commands write their pids to)``; any
+    such command still running at the end is killed."""
     real = shutil.which("qemu-img")
     assert real is not None, "qemu-img is not installed"
-    shim_dir, pids = tmp_path / "shim", tmp_path / "check-pids"
+    shim_dir, pids = tmp_path / "shim", tmp_path / f"{command}-pids"
     shim_dir.mkdir()
     shim = shim_dir / "qemu-img"
-    shim.write_text(HANGING_QEMU_IMG.format(pids=pids, real=real))
+    shim.write_text(HANGING_QEMU_IMG.format(command=command, pids=pids, real=real))
     shim.chmod(0o755)
     try:
         yield shim_dir, pids
@@ -148,6 +151,18 @@ def hanging_qemu_img(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         for pid in _pids(pids):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def hanging_qemu_img(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A qemu-img whose ``check`` hangs (:func:`_hanging`)."""
+    yield from _hanging(tmp_path, "check")
+
+
+@pytest.fixture
+def hanging_convert(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A qemu-img whose ``convert`` hangs, as a large disk's dump takes minutes (:func:`_hanging`)."""
+    yield from _hanging(tmp_path, "convert")
 
 
 def _pids(path: Path) -> list[int]:
@@ -251,3 +266,36 @@ async def test_a_pull_lease_n_starts_while_the_next_claim_waits_is_cancelled_by_
             with pytest.raises(TransferError):
                 await asyncio.wait_for(first, 15)
             own.cancel()
+
+
+# ---- a dump under way when its lease ends ---------------------------------------------------------
+async def test_a_dump_under_way_when_its_lease_ends_is_cut_and_the_next_claim_does_not_wait_for_it(
+        start_runtime: Any, tiny_image: Any, hanging_convert: tuple[Path, Path], tmp_path: Path) -> None:
+    """Lease N dumps its disk and is ended by the next lease's claim while qemu-img converts it (a
+    large disk's minutes; here a convert that hangs). The claim must not wait for the conversion
+    under the power lock: its qemu-img is killed, its partial copy removed, the dump answered
+    ``transfer_cancelled``, and lease N+1 has the VM within the bound."""
+    shim_dir, pids = hanging_convert
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
+                             cache=tmp_path / "cache", env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
+    exporter, lease_n = rt.client(), rt.client()
+    await exporter.recycle(boot=False)  # the guest off: a dump needs it so, and no boot is waited for
+    lease_n.generation = (await exporter.claim(token="lease-n-token")).generation
+    dump = asyncio.create_task(lease_n.dump(tmp_path / "lease-n.qcow2"))
+    await wait_until_async(lambda: _pids(pids) or dump.done(), 60, "the dump's qemu-img convert to start")
+    assert not dump.done(), f"the dump ended before its conversion: {dump.exception()!r}"
+    [convert] = _pids(pids)
+    assert any(p.name.startswith("dump-") for p in rt.state.iterdir()), "the dump's copy is under way"
+
+    started = time.monotonic()
+    state = await asyncio.wait_for(exporter.claim(token="lease-n1-token"), RECYCLE_BOUND_S)
+    took = time.monotonic() - started
+    assert state.generation == lease_n.generation + 1 and state.claimed, state
+    with pytest.raises(TransferError) as cut:
+        await asyncio.wait_for(dump, 15)
+    assert cut.value.code == "transfer_cancelled" and "dump again within a lease" in cut.value.message, cut.value
+    assert not _alive(convert), f"lease N's qemu-img convert (pid {convert}) still runs in lease N+1"
+    left = sorted(p.name for p in rt.state.iterdir() if p.name.startswith("dump-"))
+    assert not left, f"lease N's partial dump is still in the state volume: {left}"
+    assert not (tmp_path / "lease-n.qcow2").exists(), "the cut dump was saved as if it were whole"
+    print(f"\nthe next lease's claim during lease N's dump: {took:.2f} s")

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from vmsidecar_contract import endpoints as api
 from vmsidecar_contract.endpoints import MAX_EVENTS_TIMEOUT, MAX_JSON_BODY, Endpoint
-from vmsidecar_contract.errors import RequestError, TransferError, VmsidecarError
+from vmsidecar_contract.errors import RequestError, VmsidecarError
 from vmsidecar_contract.models import Accepted, ClaimRequest, PowerRequest, PullRequest, RecycleRequest
 from vmsidecar_contract.spec import load_spec
 
@@ -230,7 +230,8 @@ async def get_disk(request: web.Request) -> web.StreamResponse:
     A dump is a full-size temp copy of the disk in the state volume until its reader has read it all
     or left, so it takes the VM's one disk transfer: dumps started and never read cannot fill the
     volume (a second dump, or a flash, is a 409 meanwhile). The end of the lease (recycle, the next
-    claim) cancels it: the stream is cut short and the copy removed."""
+    claim) cancels it: its conversion is stopped (``Transfers.dump``) or its stream cut short, and
+    the copy removed."""
     vm = _vm(request)
     fmt = request.query.get("format", "qcow2")
     if fmt not in ("qcow2", "raw"):
@@ -238,10 +239,7 @@ async def get_disk(request: web.Request) -> web.StreamResponse:
     transfer = vm.transfers.begin("a disk dump")
     path: Path | None = None
     try:
-        path = await vm.dump(fmt)
-        if transfer.reason is not None:  # the lease ended during the conversion: its disk is no one's now
-            raise TransferError(f"the disk dump was cancelled: {transfer.reason}; dump again within a lease",
-                                code="transfer_cancelled")
+        path = await vm.dump(fmt, transfer=transfer)  # the lease's end cuts the conversion (transfer_cancelled)
         response = web.StreamResponse(
             headers={"Content-Type": "application/octet-stream", "Content-Length": str(path.stat().st_size)}
         )

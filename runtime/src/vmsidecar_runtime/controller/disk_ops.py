@@ -127,16 +127,21 @@ class DiskOps:
             await self._power.stop(graceful=False)
             self._phases.set(Phase.STOPPED, reason="flash")
 
-    async def dump(self, spec: VmSpec | None, fmt: str) -> Path:
+    async def dump(self, spec: VmSpec | None, fmt: str, transfer: Transfer | None = None) -> Path:
         """Write the current disk (base + this lease's changes) to a new standalone image file,
-        which the caller deletes.
+        which the caller deletes. ``transfer``: the dump's (the API's); its cancel (the lease's end)
+        stops the conversion.
 
         :raise StateError: while the guest runs (its writes would make the copy inconsistent).
+        :raise TransferError: ``transfer`` was cancelled (nothing is left of the copy).
         """
         async with self._phases.lock:
             self._phases.require(BOOTABLE, "dump the disk (power it off first)")
             await self._power.ensure_disk(spec)
-            path = await self._disks.dump(fmt)
+            if transfer is None:
+                path = await self._disks.dump(fmt)
+            else:
+                path = await self._transfers.dump(fmt, transfer)
             size = path.stat().st_size
             metrics.dump_bytes.inc(size)
             self._ledger().dump(size)

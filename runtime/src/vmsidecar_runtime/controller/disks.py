@@ -289,7 +289,11 @@ class Disks:
         os.close(fd)
         # -f: never let qemu-img probe a disk the lease holder chose (a raw disk that looks like a
         # qcow2 or vmdk would make it read the host files that image names)
-        rc, _, err = await run_tool("qemu-img", "convert", "-f", source_format, "-O", fmt, str(source), str(out))
+        try:
+            rc, _, err = await run_tool("qemu-img", "convert", "-f", source_format, "-O", fmt, str(source), str(out))
+        except BaseException:  # given up (the lease ended): qemu-img is killed; its part of a disk goes
+            out.unlink(missing_ok=True)
+            raise
         if rc != 0:
             out.unlink(missing_ok=True)
             raise HostError(f"cannot write the disk dump ({err.strip()}); free space in {out.parent}")

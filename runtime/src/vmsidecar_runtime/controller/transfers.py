@@ -23,6 +23,7 @@ import logging
 import threading
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from vmsidecar_contract.errors import PullTimeoutError, TransferError
@@ -120,8 +121,9 @@ class Transfers:
             raise TransferError(f"{transfer.what} was cancelled: {transfer.reason}; nothing of it was installed",
                                 code="transfer_cancelled")
 
-    async def _bounded(self, work: Awaitable[T], what: str, transfer: Transfer | None, abort: threading.Event) -> T:
-        """Await ``work`` within the pull deadline, unless ``transfer`` is cancelled first.
+    async def _bounded(self, work: Awaitable[T], what: str, transfer: Transfer | None, abort: threading.Event,
+                       *, deadline: bool = True) -> T:
+        """Await ``work`` within the pull deadline (``deadline``), unless ``transfer`` is cancelled first.
 
         :raise PullTimeoutError: past the deadline; :raise TransferError: cancelled.
         """
@@ -131,7 +133,8 @@ class Transfers:
         if stop is not None:
             waiters.add(stop)
         try:
-            done, _ = await asyncio.wait(waiters, timeout=self.pull_timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, timeout=self.pull_timeout if deadline else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             if stop is not None:
                 stop.cancel()
@@ -193,3 +196,19 @@ class Transfers:
             "the upload flash", transfer, transfer.abort)
         self.check(transfer)
         return received
+
+    async def dump(self, fmt: str, transfer: Transfer) -> Path:
+        """Write the disk in ``fmt`` for a dump (``Disks.dump``) unless ``transfer`` is cancelled first:
+        then its qemu-img is killed and its file removed. The conversion runs under the power lock,
+        for minutes on a large disk, and the lease's end waits for that lock: it must not wait for
+        the whole conversion (nor must the next lease's claim). No deadline: a disk takes its time.
+
+        :raise HostError: qemu-img cannot write it. :raise TransferError: ``transfer`` was cancelled.
+        """
+        try:
+            self.check(transfer)  # (cancelled while it waited for the lock)
+            return await self._bounded(self._disks.dump(fmt), "the disk dump", transfer, transfer.abort,
+                                       deadline=False)
+        except TransferError:
+            raise TransferError(f"the disk dump was cancelled: {transfer.reason}; no copy of the disk was kept; "
+                                "dump again within a lease", code="transfer_cancelled") from None
