@@ -129,6 +129,36 @@ async def test_an_upload_flash_of_lease_n_is_cancelled_by_its_recycle(start_runt
     print(f"\nrecycle with a stalled upload under way: {took:.2f} s")
 
 
+async def test_a_graceful_power_off_the_guest_ignores_does_not_hold_the_next_lease(
+        start_runtime: Any, tiny_image: Any) -> None:
+    """Lease N stops its guest's power-button handler (root on the console), asks for a graceful
+    power-off with the longest timeout the API takes (an hour) and leaves. The power-off waited out
+    its timeout under the power lock, and the next lease's claim waited for that lock (its client
+    gives up after 120 s; the exporter claims again and again). Now the claim cuts it short: the
+    guest is forced off, and lease N+1 has the VM within the bound."""
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"})
+    client = rt.client()
+    await client.wait_ready(240)
+    lease_n = await client.claim(token="lease-n-token")
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        assert "acpid gone" in await con.run("killall acpid; sleep 0.5; pidof acpid || echo acpid gone")
+    finally:
+        await con.close()
+    async with collecting(client, ["phase"]) as events:
+        off = asyncio.create_task(rt.client().power("off", graceful=True, timeout=3600))
+        await events.wait_for(lambda e: e["data"].get("phase") == "Stopping", 30)
+    await asyncio.sleep(2)  # the guest ignores the button: the power-off waits
+    assert not off.done(), f"the power-off ended although the guest ignores the button: {off!r}"
+    started = time.monotonic()
+    lease_n1 = await asyncio.wait_for(client.claim(token="lease-n1-token"), 30)
+    took = time.monotonic() - started
+    assert lease_n1.generation == lease_n.generation + 1 and lease_n1.claimed, lease_n1
+    await asyncio.wait_for(off, 15)  # lease N's call ends too (its guest forced off)
+    print(f"\nthe next claim during lease N's graceful power-off of an hour: {took:.2f} s")
+
+
 async def test_a_second_pull_while_one_runs_is_refused_with_409(
     start_runtime: Any, registry: Any, slow_image: str
 ) -> None:

@@ -418,16 +418,16 @@ async def test_two_recycles_of_one_generation_recycle_once(fake_vm: Build, fake_
 # ---- a call of lease N queued behind lease N+1's claim --------------------------------------------
 async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on_its_guest(
         fake_vm: Build, fake_images: Images, tmp_path: Path) -> None:
-    """Lease N holds the power lock (a graceful off its guest, root being the lease holder, ignores),
-    the next lease's claim waits for it, and lease N sends one more call: it passed the generation
-    check (N was still the VM's, claimed) and waited for the lock behind the claim, then powered off
-    lease N+1's fresh guest. It must be refused once it has the lock, naming both generations."""
+    """The power lock is held (:func:`_held_by_lease_n`), the next lease's claim waits for it, and
+    lease N sends one more call: it passed the generation check (N was still the VM's, claimed) and
+    waited for the lock behind the claim, then powered off lease N+1's fresh guest. It must be
+    refused once it has the lock, naming both generations."""
     from aiohttp import web
 
     from vmsidecar_contract.client import RuntimeClient
     from vmsidecar_runtime.api.server import make_app
 
-    fvm = await fake_vm(fake_spec(fake_images.base), hv=FakeHypervisor(acpi=False))
+    fvm = await fake_vm(fake_spec(fake_images.base))
     await _ready(fvm)
     runner = web.AppRunner(make_app(fvm.vm))
     await runner.setup()
@@ -436,7 +436,7 @@ async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on
     lease_n, exporter = RuntimeClient(sock), RuntimeClient(sock)
     try:
         lease_n.generation = (await lease_n.claim()).generation
-        hold = asyncio.create_task(lease_n.power("off", graceful=True, timeout=2))  # the guest ignores it
+        hold = asyncio.create_task(_held_by_lease_n(fvm.vm, 2))
         await wait_until_async(fvm.vm._phases.lock.locked, 5, "lease N's power-off to hold the lock")
         claim = asyncio.create_task(exporter.claim())  # lease N+1 handed out: waits for the lock
         await wait_until_async(fvm.vm._phases.lock.wanted.is_set, 5, "the claim to wait for the lock")
@@ -454,7 +454,16 @@ async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on
         await exporter.close()
         await runner.cleanup()
         sock.unlink(missing_ok=True)
-        await fvm.vm.power_off(graceful=False)  # (its guest ignores the ACPI button the teardown presses)
+        await fvm.vm.power_off(graceful=False)
+
+
+async def _held_by_lease_n(vm: Any, seconds: float) -> None:
+    """The power lock held for ``seconds``, as lease N can still hold it past the next lease's claim:
+    the boot of an image of its own, from a registry that holds the answer, runs under the lock to
+    the pull deadline (docs/security.md, row 65; a graceful power-off the guest ignores, which these
+    tests held it with before, is now cut short by the next claim)."""
+    async with vm._phases.lock:
+        await asyncio.sleep(seconds)
 
 
 def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
@@ -462,8 +471,8 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
     """A tree handed to a lease claims in ``reset()`` within a bound (120 s); past it, the tree gave up
     for good unless the runtime did not answer at all: served unclaimed, a lease that used only CAN
     (which asks the runtime nothing) was never recycled, and the next lease got its guest. Here the
-    runtime holds its power lock past the bound (lease N's graceful power-off of a guest that ignores
-    the button); the tree must claim once it can, and recycle at its close."""
+    runtime holds its power lock past the bound (:func:`_held_by_lease_n`); the tree must claim once
+    it can, and recycle at its close."""
     import jumpstarter_driver_vmsidecar.link as link_module
     from fixtures.fake_backend import served_on_a_thread
     from jumpstarter_driver_vmsidecar.driver import VirtualMachine
@@ -471,7 +480,7 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
 
     monkeypatch.setattr(link_module, "CLAIM_TIMEOUT_S", 1.0)
     spec = fake_spec(fake_images.base)
-    with served_on_a_thread(tmp_path / "vm", spec, FakeHypervisor(acpi=False)) as served:
+    with served_on_a_thread(tmp_path / "vm", spec, FakeHypervisor()) as served:
         vm = served.fvm.vm
 
         async def lease_n_holds_the_lock() -> Any:
@@ -479,7 +488,7 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
                 client.generation = (await client.claim()).generation
                 await client.power("on")
                 await client.wait_ready(30)
-                return asyncio.create_task(client.power("off", graceful=True, timeout=4))
+                return asyncio.create_task(_held_by_lease_n(vm, 4))
 
         tree = VirtualMachine(socket=str(served.socket), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
         hold = served.run(lease_n_holds_the_lock())

@@ -59,6 +59,9 @@ class Lease:
         self._recycling = False
         #: what the current generation's lease did, for its summary line when it ends
         self.ledger = LeaseLedger()
+        #: set once the current generation's lease is being ended (its recycle, or the next lease's
+        #: claim, waits for the power lock): a wait that lease holds the lock with ends early
+        self.ending = asyncio.Event()
 
     def require_generation(self, if_generation: int | None) -> None:
         """:raise GenerationChangedError: ``if_generation`` is no longer the current one (an earlier
@@ -99,6 +102,12 @@ class Lease:
         self.claimed, self.token = True, token
         return True
 
+    def end(self) -> None:
+        """The current generation's lease is being ended: what it waits for under the power lock (a
+        graceful power-off whose timeout it chose, up to an hour) stops waiting, so that neither its
+        recycle nor the next lease's claim waits for it."""
+        self.ending.set()
+
     def claimed_by(self, token: str | None) -> bool:
         """Whether the claimer of ``token`` holds the current generation already."""
         return token is not None and self.claimed and self.token == token
@@ -112,15 +121,17 @@ class Lease:
         finally:
             self._recycling = False
 
-    async def clear(self, *, claim: bool) -> None:
+    async def clear(self, *, claim: bool, token: str | None = None) -> None:
         """Drop what the ending lease left (the guest is stopped): its overlay, flashed disks and
         UEFI vars, all scrollback, every console client. ``claim``: the next generation is the
-        claiming lease's from the start (its boot is never captured, no other claim can take it)."""
+        claiming lease's (of ``token``) from the start (its boot is never captured, no other claim
+        can take it, and that claim asked again is answered, not taken for the next lease's)."""
         await self._disks.discard_lease()
         self._streams.clear_for_next_lease()
-        self.claimed, self.token = claim, None
+        self.claimed, self.token = claim, token if claim else None
         self.summarize("claim" if claim else "recycle")
         self.ledger = LeaseLedger()
+        self.ending = asyncio.Event()
 
     def summarize(self, ended_by: str) -> None:
         """The audit trail's summary line of the current generation's lease."""

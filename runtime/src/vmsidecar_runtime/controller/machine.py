@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,15 +229,18 @@ class Machine:
         assert self.backend is not None
         await self.backend.reset()
 
-    async def powerdown(self, timeout: float) -> bool:
-        """Press the ACPI power button and wait for the guest to power off; False on timeout."""
+    async def powerdown(self, timeout: float, *, until: asyncio.Event | None = None) -> bool:
+        """Press the ACPI power button and wait for the guest to power off; False on timeout, or
+        once ``until`` is set (the lease that asked ended: the guest is forced off, at once)."""
         backend = self.backend
         assert backend is not None
         self.expect_exit = True
         async with self._events.listen({BackendEvent.POWERED_OFF, BackendEvent.EXITED}) as queue:
             try:
                 await backend.powerdown()
-                await asyncio.wait_for(queue.get(), timeout)
+                if not await _first(queue.get(), until, timeout):
+                    log.warning("the lease that asked for the power-down ended; forcing the guest off")
+                    return False
                 return True
             except TimeoutError:  # before OSError, of which it is a subclass
                 log.warning("guest ignored ACPI power-down for %.0f s; forcing it off", timeout)
@@ -279,3 +282,24 @@ class Machine:
                if info.returncode is not None or not why else why)
         tail = " | ".join(info.stderr_tail[-3:]) or "no output"
         return GuestError(f"{backend.label} died unexpectedly ({how}; stderr: {tail}); power on again to recover")
+
+
+async def _first(work: Awaitable[Any], until: asyncio.Event | None, timeout: float) -> bool:
+    """Await ``work`` within ``timeout``: True once it is done, False if ``until`` is set first.
+
+    :raise TimeoutError: past ``timeout``."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(until.wait()) if until is not None else None
+    try:
+        done, _ = await asyncio.wait({task} | ({stop} if stop else set()), timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, stop):
+            if pending is not None and not pending.done():
+                pending.cancel()
+    if task in done:
+        task.result()
+        return True
+    if stop is not None and stop in done:
+        return False
+    raise TimeoutError

@@ -158,8 +158,8 @@ class Power:
             # A guest still booting has nothing to save and usually no ACPI handler yet: stop it hard.
             graceful = graceful and self._phases.phase == Phase.READY
             self._phases.set(Phase.STOPPING, graceful=graceful)
-            if graceful:
-                await self.machine.powerdown(timeout)
+            if graceful:  # (a lease's: cut short when that lease ends)
+                await self.machine.powerdown(timeout, until=self._lease.ending)
         await self.machine.stop()
         self._free_live_ram()
 

@@ -247,8 +247,10 @@ class VmController:
             earlier recycle already happened, e.g. the next lease claimed the VM first).
         """
         self._lease.require_generation(if_generation)
-        # before the lock: an upload flash of the ending lease holds it while it receives
+        # before the lock: an upload flash of the ending lease holds it while it receives, a graceful
+        # power-off while its guest ignores the button
         self.transfers.cancel(f"the lease it belonged to ended (generation {self.generation} is being recycled)")
+        self._lease.end()
         async with self._phases.lock:
             self._lease.require_generation(if_generation)
             await self._recycle_locked(boot=boot)
@@ -292,6 +294,8 @@ class VmController:
         if self._lease.claimed_by(token):  # asked again: its first answer was lost
             return
         self.transfers.cancel("the next lease claimed the VM")
+        if self._lease.claimed:  # another lease's: it ends (what it holds the lock with stops waiting)
+            self._lease.end()
         if spec is not None and self.spec is None:  # a pool pod's first claim: no boot to wait for
             await self.set_spec(spec, from_api=False)
         if (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
@@ -305,8 +309,7 @@ class VmController:
             self._served_spec = spec
             foreign = spec is not None and self.spec != spec
             if foreign or not self._lease.claim_unclaimed(token):
-                await self._recycle_locked(boot=True, claim=True)
-                self._lease.token = token
+                await self._recycle_locked(boot=True, claim=True, token=token)
             self._claimed()
 
     def _claimed(self) -> None:
@@ -314,17 +317,18 @@ class VmController:
         metrics.leases_claimed.inc()
         self.events.publish("claimed", generation=self.generation)
 
-    async def _recycle_locked(self, *, boot: bool, claim: bool = False) -> None:
-        """``claim``: the fresh generation is the claiming lease's from the start (its boot is
-        never captured, and no other claim can take it in the meantime)."""
+    async def _recycle_locked(self, *, boot: bool, claim: bool = False, token: str | None = None) -> None:
+        """``claim``: the fresh generation is the claiming lease's (of ``token``) from the start (its
+        boot is never captured, and no other claim can take it in the meantime)."""
         started = time.monotonic()
         with self._lease.recycling():
-            await self._recycle_steps(started, boot=boot, claim=claim)
+            await self._recycle_steps(started, boot=boot, claim=claim, token=token)
 
-    async def _recycle_steps(self, started: float, *, boot: bool, claim: bool) -> None:
+    async def _recycle_steps(self, started: float, *, boot: bool, claim: bool, token: str | None) -> None:
         with metrics.outcome(metrics.recycles):
             await self._power.stop(graceful=False)
-            await self._lease.clear(claim=claim)  # disk files, scrollback, console clients, the ledger's summary
+            # disk files, scrollback, console clients, the ledger's summary
+            await self._lease.clear(claim=claim, token=token)
             self._power.machine.forget_lease()  # timings, last exit
             self._phases.last_error = None
             # again, under the lock, with no await before the generation moves on: the ending lease's
@@ -371,7 +375,7 @@ class VmController:
                                              transfer=transfer)
         return self.state()
 
-    async def dump(self, fmt: str = "qcow2") -> Path:
+    async def dump(self, fmt: str = "qcow2", *, transfer: Transfer | None = None) -> Path:
         """Write the current disk (base + this lease's changes) to a new standalone image file,
-        which the caller deletes (``DiskOps.dump``)."""
-        return await self._disk_ops.dump(self.spec, fmt)
+        which the caller deletes (``DiskOps.dump``); cancelling ``transfer`` stops it."""
+        return await self._disk_ops.dump(self.spec, fmt, transfer)
