@@ -222,50 +222,91 @@ async def test_a_cancelled_image_check_kills_its_qemu_img(
 
 
 # ---- a pull of lease N started while the next lease's claim waits -------------------------------
+#: a qemu-img whose first ``check`` hangs (its pid written to ``{pids}``); every other call is the real one
+CHECK_HANGS_ONCE = """#!/bin/sh
+if [ "$1" = check ] && mkdir "{pids}.once" 2>/dev/null; then echo $$ >> "{pids}"; exec sleep 600; fi
+exec {real} "$@"
+"""
+
+
 async def test_a_pull_lease_n_starts_while_the_next_claim_waits_is_cancelled_by_that_claim(
+        start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    """The power lock is held by what no lease's end cuts (the pod's first boot, its image's check
+    taking long: here a ``qemu-img check`` that hangs once), lease N claims meanwhile (an unclaimed
+    generation is claimed without the lock), lease N+1's claim waits for the lock, and lease N
+    starts a flash meanwhile (its calls still pass: the VM is still its). The claim's recycle must
+    cancel that flash: lease N+1's own flash is not refused (409 ``transfer_in_progress`` naming
+    lease N's reference)."""
+    real = shutil.which("qemu-img")
+    assert real is not None, "qemu-img is not installed"
+    shim_dir, pids = tmp_path / "shim", tmp_path / "check-pids"
+    shim_dir.mkdir()
+    (shim_dir / "qemu-img").write_text(CHECK_HANGS_ONCE.format(pids=pids, real=real))
+    (shim_dir / "qemu-img").chmod(0o755)
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
+                             cache=tmp_path / "cache", env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
+    try:
+        with Trickle("manifest") as registry:
+            lease_n, exporter, lease_n1 = rt.client(), rt.client(), rt.client()
+            await wait_until_async(lambda: _pids(pids), 60, "the first boot's image check to start")
+            lease_n.generation = (await lease_n.claim(token="lease-n-token")).generation
+            async with collecting(rt.client(), ["transfer_cancelled"]) as events:
+                first = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/first:1", power_off=True))
+                await wait_until_async(lambda: "evil/first" in registry.started or first.done(), 30,
+                                       "lease N's first flash to start")
+                # lease N+1 is handed out: its claim cancels lease N's flash, then waits for the lock
+                claim = asyncio.create_task(exporter.claim(token="lease-n1-token"))
+                await events.wait_for(lambda e: "/evil/first:" in e["data"]["what"], 15)
+                late = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/late:1", power_off=True))
+                await wait_until_async(lambda: "evil/late" in registry.started or late.done(), 30,
+                                       "lease N's late flash to start")
+                assert not late.done(), f"lease N's late flash was refused: {late.exception()!r}"
+                assert not claim.done(), "the claim did not wait for the lock: no race here"
+                os.kill(_pids(pids)[0], signal.SIGKILL)  # the first boot's check ends: the lock is free
+                state = await asyncio.wait_for(claim, 30)
+                assert state.generation == lease_n.generation + 1 and state.claimed, state
+                # lease N+1 flashes: the VM's one transfer slot must be free
+                lease_n1.generation = state.generation
+                own = asyncio.create_task(lease_n1.flash_reference(f"{registry.host}/evil/own:1", power_off=True))
+                await wait_until_async(lambda: "evil/own" in registry.started or own.done(), 30,
+                                       "lease N+1's flash to start")
+                if own.done():
+                    pytest.fail(f"lease N+1's flash was refused: {own.exception()!r}")
+                cancelled = await events.wait_for(lambda e: "/evil/late:" in e["data"]["what"], 15)
+                assert cancelled["data"]["generation"] == lease_n.generation, cancelled
+                with pytest.raises(TransferError) as late_error:
+                    await asyncio.wait_for(late, 15)
+                assert late_error.value.code == "transfer_cancelled", late_error.value
+                with pytest.raises(TransferError):
+                    await asyncio.wait_for(first, 15)
+                own.cancel()
+    finally:
+        for pid in _pids(pids):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_the_boot_of_an_image_of_lease_ns_own_is_cut_by_the_next_claim(
         start_runtime: Any, tmp_path: Path) -> None:
-    """Lease N holds the power lock (its guest's image pulled from its own registry, which holds
-    the answer), lease N+1's claim waits for it, and lease N starts a flash meanwhile (its calls
-    still pass: the VM is still its). The claim's recycle must cancel that flash: lease N+1's own
-    flash is not refused (409 ``transfer_in_progress`` naming lease N's reference)."""
+    """Lease N sets a spec whose image is in a registry of its own that never answers and powers
+    on: the boot's pull runs under the power lock, to the pull deadline (30 min by default). The
+    next lease's claim must cut it, not wait for it (its client gives up after 120 s)."""
+    served = VmSpec.model_validate({"memory": "256M"})
     rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache")
     with Trickle("manifest") as registry:
-        registry.held["evil/boot"] = release = threading.Event()
-        lease_n, exporter, lease_n1 = rt.client(), rt.client(), rt.client()
-        lease_n.generation = (await lease_n.claim(token="lease-n-token")).generation
-        async with collecting(rt.client(), ["transfer_cancelled"]) as events:
-            # lease N's guest: its image from its registry, which holds the answer; the boot holds the lock
-            await lease_n.put_spec({"memory": "256M", "image": f"{registry.host}/evil/boot:1"})
-            await wait_until_async(lambda: "evil/boot" in registry.started, 30, "the boot's pull to start")
-            first = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/first:1", power_off=True))
-            await wait_until_async(lambda: "evil/first" in registry.started or first.done(), 30,
-                                   "lease N's first flash to start")
-            # lease N+1 is handed out: its claim cancels lease N's flash, then waits for the lock
-            claim = asyncio.create_task(exporter.claim(token="lease-n1-token", spec=VmSpec.model_validate({"memory": "256M"})))
-            await events.wait_for(lambda e: "/evil/first:" in e["data"]["what"], 15)
-            late = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/late:1", power_off=True))
-            await wait_until_async(lambda: "evil/late" in registry.started or late.done(), 30,
-                                   "lease N's late flash to start")
-            assert not late.done(), f"lease N's late flash was refused: {late.exception()!r}"
-            assert not claim.done(), "the claim did not wait for the lock: no race here"
-            release.set()  # lease N's boot ends (its registry answers 404): the lock is free
-            state = await asyncio.wait_for(claim, 30)
-            assert state.generation == lease_n.generation + 1 and state.claimed, state
-            # lease N+1 flashes: the VM's one transfer slot must be free
-            lease_n1.generation = state.generation
-            own = asyncio.create_task(lease_n1.flash_reference(f"{registry.host}/evil/own:1", power_off=True))
-            await wait_until_async(lambda: "evil/own" in registry.started or own.done(), 30,
-                                   "lease N+1's flash to start")
-            if own.done():
-                pytest.fail(f"lease N+1's flash was refused: {own.exception()!r}")
-            cancelled = await events.wait_for(lambda e: "/evil/late:" in e["data"]["what"], 15)
-            assert cancelled["data"]["generation"] == lease_n.generation, cancelled
-            with pytest.raises(TransferError) as late_error:
-                await asyncio.wait_for(late, 15)
-            assert late_error.value.code == "transfer_cancelled", late_error.value
-            with pytest.raises(TransferError):
-                await asyncio.wait_for(first, 15)
-            own.cancel()
+        registry.held["evil/own-boot"] = threading.Event()  # never set: the answer never comes
+        exporter, lease_n = rt.client(), rt.client()
+        lease_n.generation = (await exporter.claim(token="lease-n-token", spec=served)).generation
+        await lease_n.put_spec({"memory": "256M", "image": f"{registry.host}/evil/own-boot:1"})
+        await wait_until_async(lambda: "evil/own-boot" in registry.started, 30, "the boot's pull to start")
+        assert (await exporter.state()).phase.value == "Pulling"
+        started = time.monotonic()
+        state = await asyncio.wait_for(exporter.claim(token="lease-n1-token", spec=served), RECYCLE_BOUND_S)
+        took = time.monotonic() - started
+        assert state.generation == lease_n.generation + 1 and state.claimed, state
+        assert state.phase.value == "Stopped", state  # the exporter's spec again: no image to boot
+        assert await exporter.get_spec() == served
+    print(f"\nthe next claim during lease N's boot of its own image: {took:.2f} s")
 
 
 # ---- a dump under way when its lease ends ---------------------------------------------------------

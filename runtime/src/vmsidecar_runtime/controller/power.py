@@ -79,11 +79,12 @@ class Power:
         task.add_done_callback(self._background.discard)
 
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
-                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None) -> DiskImage:
+                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None,
+                   until: asyncio.Event | None = None) -> DiskImage:
         """Pull an image (``Transfers.pull``; no lock needed, nothing is installed), its time kept
         in the timings."""
         disk, seconds = await self._transfers.pull(spec, reference, progress=progress, transfer=transfer,
-                                                   on_download=on_download)
+                                                   on_download=on_download, until=until)
         self.machine.record_pull(seconds)
         return disk
 
@@ -104,7 +105,11 @@ class Power:
                     # its snapshot (snapshot_source) is fetched meanwhile, not after the disk
                     loop.call_soon_threadsafe(self._snapshots.source.start, required, manifest)
 
-                self._disks.base = await self.pull(required, on_download=downloading)
+                # a lease's pull (its power-on, its dump) holds the lock: the lease's end cuts it, or
+                # the recycle and the next claim wait for it (the image may be the lease's own, from a
+                # registry that trickles, up to the pull deadline); a pod's first pull is no lease's
+                until = self._lease.ending if self._lease.claimed else None
+                self._disks.base = await self.pull(required, on_download=downloading, until=until)
             except VmsidecarError as e:
                 self._snapshots.source.drop()
                 self._phases.fail(Phase.ERROR, e)
