@@ -8,6 +8,7 @@ test_runtime_lifecycle.py) hit by timing is hit here every run, in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -457,6 +458,45 @@ async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on
         await fvm.vm.power_off(graceful=False)
 
 
+async def test_a_claim_whose_caller_gave_up_while_it_waited_for_the_lock_does_nothing(
+        fake_vm: Build, fake_images: Images, tmp_path: Path) -> None:
+    """The lock is held past a claim's bound (:func:`_held_by_lease_n`); a claim (an ended lease's
+    tree's, its client given up: the exporter's claims are bounded) waits for it, and the VM's
+    current lease (here the one already claimed) goes on. Once the lock frees, the runtime carried
+    the claim out for nobody: it recycled the current lease's guest under it. A claim whose caller
+    has gone is dropped when it gets the lock."""
+    from aiohttp import web
+
+    from vmsidecar_contract.client import RuntimeClient
+    from vmsidecar_runtime.api.server import make_app
+
+    fvm = await fake_vm(fake_spec(fake_images.base))
+    await _ready(fvm)
+    runner = web.AppRunner(make_app(fvm.vm))
+    await runner.setup()
+    sock = Path(f"/tmp/vmr-{id(tmp_path)}.sock")
+    await web.UnixSite(runner, str(sock)).start()
+    current, gone = RuntimeClient(sock), RuntimeClient(sock)
+    try:
+        held = (await current.claim(token="current-lease")).generation
+        hold = asyncio.create_task(_held_by_lease_n(fvm.vm, 1.5))
+        await wait_until_async(fvm.vm._phases.lock.locked, 5, "the lock to be held")
+        with pytest.raises(TimeoutError):  # the caller gives up while its claim waits for the lock
+            await asyncio.wait_for(gone.claim(token="ended-lease"), 0.5)
+        await hold
+        await asyncio.sleep(0.5)  # (the dropped claim has had the lock)
+        state = await current.state()
+        assert state.generation == held and state.claimed, f"a claim nobody waited for recycled the VM: {state}"
+        assert (await current.claim(token="current-lease")).generation == held, "the current lease lost the VM"
+        assert fvm.hv.current.alive and len(fvm.hv.backends) == 1, "the current lease's guest was recycled"
+    finally:
+        await current.close()
+        await gone.close()
+        await runner.cleanup()
+        sock.unlink(missing_ok=True)
+        await fvm.vm.power_off(graceful=False)
+
+
 async def _held_by_lease_n(vm: Any, seconds: float) -> None:
     """The power lock held for ``seconds``, as lease N can still hold it past the next lease's claim:
     the boot of an image of its own, from a registry that holds the answer, runs under the lock to
@@ -505,6 +545,66 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
         tree.close()  # the lease ends: its generation is recycled
         assert vm.generation == 2, f"the lease's generation was not recycled ({vm.generation})"
         del hold
+
+
+def test_the_last_leases_claim_retry_never_lands_after_the_next_leases_claim(
+        fake_images: Images, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime's lock is held past the claim's bound (:func:`_held_by_lease_n`, until released
+    here); lease N's tree gives its claim up at the bound and retries in the background; lease N+1
+    is handed out (0.9.0 builds its tree before it closes lease N's) and claims. A retry of lease
+    N's sent after that claim was carried out after it: it recycled lease N+1's guest, and the VM
+    was lease N's, whose lease had ended. Now lease N+1's tree supersedes lease N's: no retry of
+    lease N's is sent after lease N+1's claim."""
+    import jumpstarter_driver_vmsidecar.link as link_module
+    from fixtures.fake_backend import served_on_a_thread
+    from jumpstarter_driver_vmsidecar.driver import SPEC_RETRY_EVERY_S, SUPERSEDE_WAIT_S, VirtualMachine
+    from vmsidecar_contract.client import RuntimeClient
+
+    spec = fake_spec(fake_images.base)
+    with served_on_a_thread(tmp_path / "vm", spec, FakeHypervisor()) as served:
+        vm = served.fvm.vm
+        held: list[asyncio.Task[None]] = []
+
+        async def the_lock_held() -> asyncio.Event:
+            async with RuntimeClient(served.socket) as client:  # lease N-1 has the VM
+                await client.claim(token="lease-n-minus-1")
+            release = asyncio.Event()
+
+            async def hold() -> None:
+                async with vm._phases.lock:
+                    await release.wait()
+
+            held.append(asyncio.create_task(hold()))
+            return release
+
+        async def release_it(release: asyncio.Event) -> None:
+            release.set()
+
+        release = served.run(the_lock_held())
+        served.run(wait_until_async(vm._phases.lock.locked, 5, "the lock to be held"))
+        tree_n = VirtualMachine(socket=str(served.socket), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
+        tree_n1 = VirtualMachine(socket=str(served.socket), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
+        try:
+            monkeypatch.setattr(link_module, "CLAIM_TIMEOUT_S", 1.0)
+            tree_n.reset()  # lease N: its claim gives up at its bound, then retries in the background
+            assert tree_n.link.claimed_generation is None, "the claim did not wait for the lock: no race here"
+            monkeypatch.setattr(link_module, "CLAIM_TIMEOUT_S", 60.0)  # the next attempts wait for the lock
+            next_lease = threading.Thread(target=tree_n1.reset)  # lease N+1 handed out: its claim waits
+            next_lease.start()
+            time.sleep(SUPERSEDE_WAIT_S + 4 * SPEC_RETRY_EVERY_S)  # (lease N's retry had sent one more by now)
+            served.run(release_it(release))
+            next_lease.join(30)
+            assert not next_lease.is_alive(), "lease N+1's claim never got an answer"
+            time.sleep(1.0)  # anything queued behind it has had the lock
+            state = vm.state()
+            assert tree_n1.link.claimed_generation == state.generation and state.claimed, (
+                f"lease N+1 claimed generation {tree_n1.link.claimed_generation}, the VM is at {state.generation}: "
+                "a claim after its own recycled its guest")
+            assert tree_n.link.claimed_generation is None, "lease N's tree claimed after the next lease was handed out"
+        finally:
+            tree_n1.close()
+            tree_n.close()
+            served.run(release_it(release))
 
 
 async def test_a_claim_asked_again_with_its_token_is_answered_not_made_twice(

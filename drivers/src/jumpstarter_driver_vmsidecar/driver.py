@@ -21,6 +21,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ RESERVED_NAMES = {"power", "console", "hvc0", "storage", "can", "gpio"}
 #: how long (and how often) a spec the runtime could not take at session start is offered again
 SPEC_RETRY_S = 120.0
 SPEC_RETRY_EVERY_S = 0.5
+#: how long a tree handed the next lease waits for a claim attempt an earlier tree has under way:
+#: long enough for that request to be at the runtime, which takes claims in the order they come
+SUPERSEDE_WAIT_S = 1.0
+#: the tree of each runtime (its API socket) that was handed a lease last
+_lease_trees: dict[str, weakref.ref[VirtualMachine]] = {}
+_lease_trees_lock = threading.Lock()
+
 @metered_driver
 @dataclass(kw_only=True)
 class VirtualMachine(RefusesUploads, Driver):
@@ -145,6 +153,8 @@ class VirtualMachine(RefusesUploads, Driver):
         self._retry_stop = threading.Event()
         self.link = RuntimeLink(Path(self.socket), spec=self._spec, on_claim=self._on_claim)
         lease = serves_a_lease()
+        if lease:
+            self._supersede_the_last_lease_tree()
         if lease and self._lease_began is None:
             self._lease_began = lease_started()
         try:
@@ -162,6 +172,24 @@ class VirtualMachine(RefusesUploads, Driver):
             log.warning("runtime not reachable at %s yet (%s); will retry on first use", self.socket, e)
             if isinstance(e, TimeoutError):  # a lease's tree must claim: CAN and forwards never ask
                 self._push_spec_later(self.link, self._spec, claim=lease)
+
+    def _supersede_the_last_lease_tree(self) -> None:
+        """This tree serves the next lease: the tree of the last one (0.9.0 hands the next lease
+        out before it closes the last one's tree) claims nothing from now on. A claim retry of its
+        sent after this tree's claim would be carried out after it and recycle this lease's guest
+        (the last lease's claim still waiting, the runtime's lock held past the claim's bound); an
+        attempt of its under way is waited for briefly, so that it reaches the runtime first and
+        this tree's claim recycles what it claims."""
+        with _lease_trees_lock:
+            last = _lease_trees.get(self.socket)
+            _lease_trees[self.socket] = weakref.ref(self)
+        tree = last() if last is not None else None
+        if tree is None or tree is self:
+            return
+        tree.link.ended = True  # its calls still to come (a console's first use) claim nothing either
+        tree._retry_stop.set()
+        if tree._retry_gate.acquire(timeout=SUPERSEDE_WAIT_S):
+            tree._retry_gate.release()
 
     def _push_spec_later(self, link: RuntimeLink, spec: VmSpec | None, *, claim: bool = False) -> None:
         """Keep offering the spec for a while (the lease's claim until it is taken or the lease ends) in

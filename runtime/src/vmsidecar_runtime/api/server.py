@@ -185,7 +185,11 @@ async def post_lease(request: web.Request) -> web.Response:
     """Claim the VM for a new lease (recycles first when an earlier lease used this generation)."""
     vm = _vm(request)
     req = await parse(request, ClaimRequest)
-    await vm.claim(token=req.token, spec=None if req.spec is None else load_spec(req.spec, wire=True))
+    # a caller that gave up (the exporter's claim is bounded: 120 s) while this waited for the lock
+    # must not recycle the VM after all: it may be the next lease's by then (aiohttp runs a handler
+    # on when its client has left; its transport is gone)
+    await vm.claim(token=req.token, spec=None if req.spec is None else load_spec(req.spec, wire=True),
+                   still_asked=lambda: request.transport is not None)
     return _state(vm)
 
 

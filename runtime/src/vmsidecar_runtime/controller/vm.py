@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterable, Callable
 from pathlib import Path
@@ -40,6 +41,8 @@ from .power import Power
 from .snapshot_ops import SnapshotOps
 from .streams import GuestStreams
 from .transfers import DEFAULT_PULL_TIMEOUT_S, Transfer, Transfers
+
+log = logging.getLogger(__name__)
 
 
 class VmController:
@@ -256,7 +259,8 @@ class VmController:
             await self._recycle_locked(boot=boot)
             return self.state()
 
-    async def claim(self, *, token: str | None = None, spec: VmSpec | None = None) -> VmState:
+    async def claim(self, *, token: str | None = None, spec: VmSpec | None = None,
+                    still_asked: Callable[[], bool] | None = None) -> VmState:
         """Start a lease: the caller gets a generation no earlier lease has used.
 
         A generation already claimed (the previous lease's recycle has not run yet) is recycled
@@ -275,10 +279,13 @@ class VmController:
         The answer waits until a restored guest's clock is set (a new boot's restore is Ready
         before its clock: ``Boot.clock_settled``), so nothing of the lease reaches it earlier.
 
+        ``still_asked``: False once the caller has gone; a claim that waited for the lock is then
+        dropped there, having done nothing (its lease may have ended, the VM be the next lease's).
+
         :raise SpecError, HostPathError: ``spec`` is not one the API takes.
         :raise GenerationChangedError: another claim recycled the VM while this one waited for the clock.
         """
-        await self._claim(token, spec)
+        await self._claim(token, spec, still_asked)
         generation = self.generation
         await self._power.clock_settled()
         if self.generation != generation:  # another claimer recycled the VM meanwhile: this lease has nothing
@@ -287,7 +294,7 @@ class VmController:
                                          "clock; claim again")
         return self.state()
 
-    async def _claim(self, token: str | None, spec: VmSpec | None) -> None:
+    async def _claim(self, token: str | None, spec: VmSpec | None, still_asked: Callable[[], bool] | None) -> None:
         if spec is not None:
             admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
             check_native_can(spec)
@@ -305,6 +312,10 @@ class VmController:
             return
         async with self._phases.lock:
             if self._lease.claimed_by(token):  # (its first request was ahead of this one for the lock)
+                return
+            if still_asked is not None and not still_asked():
+                log.warning("a claim whose caller left while it waited for the VM was dropped (generation %d "
+                            "stays as it is)", self.generation)
                 return
             self._served_spec = spec
             foreign = spec is not None and self.spec != spec
