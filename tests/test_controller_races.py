@@ -8,6 +8,7 @@ test_runtime_lifecycle.py) hit by timing is hit here every run, in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -419,26 +420,16 @@ async def test_two_recycles_of_one_generation_recycle_once(fake_vm: Build, fake_
 # ---- a call of lease N queued behind lease N+1's claim --------------------------------------------
 async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on_its_guest(
         fake_vm: Build, fake_images: Images, tmp_path: Path) -> None:
-    """The power lock is held (:func:`_held_by_lease_n`), the next lease's claim waits for it, and
+    """The power lock is held (:func:`_lock_held`), the next lease's claim waits for it, and
     lease N sends one more call: it passed the generation check (N was still the VM's, claimed) and
     waited for the lock behind the claim, then powered off lease N+1's fresh guest. It must be
     refused once it has the lock, naming both generations."""
-    from aiohttp import web
-
-    from vmsidecar_contract.client import RuntimeClient
-    from vmsidecar_runtime.api.server import make_app
-
     fvm = await fake_vm(fake_spec(fake_images.base))
     await _ready(fvm)
-    runner = web.AppRunner(make_app(fvm.vm))
-    await runner.setup()
-    sock = Path(f"/tmp/vmr-{id(tmp_path)}.sock")
-    await web.UnixSite(runner, str(sock)).start()
-    lease_n, exporter = RuntimeClient(sock), RuntimeClient(sock)
-    try:
+    async with _served_api(fvm, tmp_path) as (lease_n, exporter):
         lease_n.generation = (await lease_n.claim()).generation
-        hold = asyncio.create_task(_held_by_lease_n(fvm.vm, 2))
-        await wait_until_async(fvm.vm._phases.lock.locked, 5, "lease N's power-off to hold the lock")
+        hold = asyncio.create_task(_lock_held(fvm.vm, 2))
+        await wait_until_async(fvm.vm._phases.lock.locked, 5, "the lock to be held")
         claim = asyncio.create_task(exporter.claim())  # lease N+1 handed out: waits for the lock
         await wait_until_async(fvm.vm._phases.lock.wanted.is_set, 5, "the claim to wait for the lock")
         late = asyncio.create_task(lease_n.power("off", graceful=False))  # lease N, once more
@@ -450,36 +441,20 @@ async def test_a_call_of_lease_n_that_waited_behind_the_next_claim_never_acts_on
         await until(fvm.vm, READY)
         assert fvm.vm.generation == state.generation and fvm.vm.phase == READY, "lease N+1's guest was touched"
         await hold
-    finally:
-        await lease_n.close()
-        await exporter.close()
-        await runner.cleanup()
-        sock.unlink(missing_ok=True)
-        await fvm.vm.power_off(graceful=False)
 
 
 async def test_a_claim_whose_caller_gave_up_while_it_waited_for_the_lock_does_nothing(
         fake_vm: Build, fake_images: Images, tmp_path: Path) -> None:
-    """The lock is held past a claim's bound (:func:`_held_by_lease_n`); a claim (an ended lease's
+    """The lock is held past a claim's bound (:func:`_lock_held`); a claim (an ended lease's
     tree's, its client given up: the exporter's claims are bounded) waits for it, and the VM's
     current lease (here the one already claimed) goes on. Once the lock frees, the runtime carried
     the claim out for nobody: it recycled the current lease's guest under it. A claim whose caller
     has gone is dropped when it gets the lock."""
-    from aiohttp import web
-
-    from vmsidecar_contract.client import RuntimeClient
-    from vmsidecar_runtime.api.server import make_app
-
     fvm = await fake_vm(fake_spec(fake_images.base))
     await _ready(fvm)
-    runner = web.AppRunner(make_app(fvm.vm))
-    await runner.setup()
-    sock = Path(f"/tmp/vmr-{id(tmp_path)}.sock")
-    await web.UnixSite(runner, str(sock)).start()
-    current, gone = RuntimeClient(sock), RuntimeClient(sock)
-    try:
+    async with _served_api(fvm, tmp_path) as (current, gone):
         held = (await current.claim(token="current-lease")).generation
-        hold = asyncio.create_task(_held_by_lease_n(fvm.vm, 1.5))
+        hold = asyncio.create_task(_lock_held(fvm.vm, 1.5))
         await wait_until_async(fvm.vm._phases.lock.locked, 5, "the lock to be held")
         with pytest.raises(TimeoutError):  # the caller gives up while its claim waits for the lock
             await asyncio.wait_for(gone.claim(token="ended-lease"), 0.5)
@@ -489,19 +464,36 @@ async def test_a_claim_whose_caller_gave_up_while_it_waited_for_the_lock_does_no
         assert state.generation == held and state.claimed, f"a claim nobody waited for recycled the VM: {state}"
         assert (await current.claim(token="current-lease")).generation == held, "the current lease lost the VM"
         assert fvm.hv.current.alive and len(fvm.hv.backends) == 1, "the current lease's guest was recycled"
+
+
+@contextlib.asynccontextmanager
+async def _served_api(fvm: Any, tmp_path: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """The controller's API on a Unix socket, and two clients of it; the guest is forced off at the end."""
+    from aiohttp import web
+
+    from vmsidecar_contract.client import RuntimeClient
+    from vmsidecar_runtime.api.server import make_app
+
+    runner = web.AppRunner(make_app(fvm.vm))
+    await runner.setup()
+    sock = Path(f"/tmp/vmr-{id(tmp_path)}.sock")
+    await web.UnixSite(runner, str(sock)).start()
+    first, second = RuntimeClient(sock), RuntimeClient(sock)
+    try:
+        yield first, second
     finally:
-        await current.close()
-        await gone.close()
+        await first.close()
+        await second.close()
         await runner.cleanup()
         sock.unlink(missing_ok=True)
         await fvm.vm.power_off(graceful=False)
 
 
-async def _held_by_lease_n(vm: Any, seconds: float) -> None:
-    """The power lock held for ``seconds``, as lease N can still hold it past the next lease's claim:
-    the boot of an image of its own, from a registry that holds the answer, runs under the lock to
-    the pull deadline (docs/security.md, row 65; a graceful power-off the guest ignores, which these
-    tests held it with before, is now cut short by the next claim)."""
+async def _lock_held(vm: Any, seconds: float) -> None:
+    """The power lock held for ``seconds``, as it can still be held past a claim's bound: a pod's
+    first pull of a large image, or, under an exporter that names no spec, the boot of the image a
+    lease set (docs/security.md, rows 65-66). (A graceful power-off the guest ignores, which these
+    tests held it with before, is cut short by the next claim now; so is a lease's own boot.)"""
     async with vm._phases.lock:
         await asyncio.sleep(seconds)
 
@@ -511,7 +503,7 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
     """A tree handed to a lease claims in ``reset()`` within a bound (120 s); past it, the tree gave up
     for good unless the runtime did not answer at all: served unclaimed, a lease that used only CAN
     (which asks the runtime nothing) was never recycled, and the next lease got its guest. Here the
-    runtime holds its power lock past the bound (:func:`_held_by_lease_n`); the tree must claim once
+    runtime holds its power lock past the bound (:func:`_lock_held`); the tree must claim once
     it can, and recycle at its close."""
     import jumpstarter_driver_vmsidecar.link as link_module
     from fixtures.fake_backend import served_on_a_thread
@@ -528,7 +520,7 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
                 client.generation = (await client.claim()).generation
                 await client.power("on")
                 await client.wait_ready(30)
-                return asyncio.create_task(_held_by_lease_n(vm, 4))
+                return asyncio.create_task(_lock_held(vm, 4))
 
         tree = VirtualMachine(socket=str(served.socket), spec=spec.model_dump(mode="json"), recycle="InPlaceReuse")
         hold = served.run(lease_n_holds_the_lock())
@@ -549,7 +541,7 @@ def test_a_lease_whose_claim_outlasts_its_bound_is_claimed_later_and_recycled(
 
 def test_the_last_leases_claim_retry_never_lands_after_the_next_leases_claim(
         fake_images: Images, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runtime's lock is held past the claim's bound (:func:`_held_by_lease_n`, until released
+    """The runtime's lock is held past the claim's bound (:func:`_lock_held`, until released
     here); lease N's tree gives its claim up at the bound and retries in the background; lease N+1
     is handed out (0.9.0 builds its tree before it closes lease N's) and claims. A retry of lease
     N's sent after that claim was carried out after it: it recycled lease N+1's guest, and the VM

@@ -56,6 +56,7 @@ SUPERSEDE_WAIT_S = 1.0
 _lease_trees: dict[str, weakref.ref[VirtualMachine]] = {}
 _lease_trees_lock = threading.Lock()
 
+
 @metered_driver
 @dataclass(kw_only=True)
 class VirtualMachine(RefusesUploads, Driver):
