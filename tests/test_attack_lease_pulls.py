@@ -309,6 +309,35 @@ async def test_the_boot_of_an_image_of_lease_ns_own_is_cut_by_the_next_claim(
     print(f"\nthe next claim during lease N's boot of its own image: {took:.2f} s")
 
 
+async def test_the_snapshot_fetch_of_a_boot_of_lease_ns_own_is_cut_by_the_next_claim(
+        start_runtime: Any, registry: Any, oci_qcow2: Path, tmp_path: Path) -> None:
+    """Lease N sets a spec whose ``snapshot_source`` is a registry of its own that never answers,
+    over an image from a registry, and boots it: on the cache miss the boot asks the source for a
+    snapshot under the power lock, up to the fetch's bound (120 s, then 5 s of grace), past the
+    next claim's own bound (120 s). The next lease's claim must cut it, not wait for it."""
+    served = VmSpec.model_validate({"memory": "256M"})
+    image = f"{registry.host}/attack/fetch-held:1"
+    await asyncio.to_thread(push_artifact, oci_qcow2, image, compression=None)
+    rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache")
+    with Trickle("manifest") as source:
+        source.held["evil/snaps"] = threading.Event()  # never set: the answer never comes
+        exporter, lease_n = rt.client(), rt.client()
+        lease_n.generation = (await exporter.claim(token="lease-n-token", spec=served)).generation
+        await lease_n.put_spec({"memory": "256M", "image": image, "snapshot_source": f"{source.host}/evil/snaps"})
+
+        async def fetching() -> bool:
+            return "evil/snaps" in source.started and (await exporter.state()).phase.value == "Starting"
+
+        await wait_until_async(fetching, 60, "the boot to ask the snapshot_source",
+                               detail=lambda: rt.log_text()[-2000:])
+        started = time.monotonic()
+        state = await asyncio.wait_for(exporter.claim(token="lease-n1-token", spec=served), RECYCLE_BOUND_S)
+        took = time.monotonic() - started
+        assert state.generation == lease_n.generation + 1 and state.claimed, state
+        assert state.phase.value == "Stopped", state  # the exporter's spec again: no image to boot
+    print(f"\nthe next claim during lease N's snapshot fetch from its own source: {took:.2f} s")
+
+
 # ---- a dump under way when its lease ends ---------------------------------------------------------
 async def test_a_dump_under_way_when_its_lease_ends_is_cut_and_the_next_claim_does_not_wait_for_it(
         start_runtime: Any, tiny_image: Any, hanging_convert: tuple[Path, Path], tmp_path: Path) -> None:

@@ -58,9 +58,10 @@ class Boot:
         not restore): a claim waits for it, so nothing of a lease reaches a guest on a stale clock."""
         await until_set(self._clock_set)
 
-    async def start(self, spec: VmSpec) -> bool:
+    async def start(self, spec: VmSpec, *, until: asyncio.Event | None = None) -> bool:
         """Boot ``spec`` on the current disk: restore the snapshot when this fresh overlay of the
         spec's image has one (True: the guest is Ready), else cold (False: watch its readiness).
+        ``until``: the ending of the lease whose boot this is (a snapshot_source's fetch stops then).
 
         :raise VmsidecarError: the guest cannot start (the caller stops what is left and fails).
         """
@@ -77,7 +78,7 @@ class Boot:
                 await self._cold(spec)
                 return False
         if snap is None:  # a cache miss: the spec's snapshot_source may have one
-            snap = await self._snapshots.from_source(spec)
+            snap = await self._snapshots.from_source(spec, until=until)
         if snap is not None and await self._restore(spec, snap):
             metrics.snapshot_lookup("hit")
             return True

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from vmsidecar_contract.errors import GenerationChangedError
 
@@ -28,6 +28,39 @@ from ..events import EventBus
 from .disks import Disks
 from .ledger import LeaseLedger
 from .streams import GuestStreams
+
+T = TypeVar("T")
+
+
+class LeaseEnded(Exception):
+    """The lease a wait was for ended first (:func:`unless_ended`)."""
+
+
+async def unless_ended(work: Awaitable[T], ending: asyncio.Event | None, timeout: float | None = None) -> T:
+    """What ``work`` returns, unless ``ending`` (a lease's :attr:`Lease.ending`) is set first: then
+    ``work`` is cancelled (and has ended) before this raises.
+
+    :raise LeaseEnded: ``ending`` was set first. :raise TimeoutError: past ``timeout`` (``work`` cancelled).
+    """
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(ending.wait()) if ending is not None else None
+    try:
+        done, _ = await asyncio.wait({task} if stop is None else {task, stop}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if stop is not None:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task in done:
+        return task.result()
+    if not task.cancelled():
+        task.exception()  # (read: thrown away with the work)
+    if stop is not None and stop in done:
+        raise LeaseEnded
+    raise TimeoutError
+
 
 #: the generation the API call being served is bound to, with the task serving it (a task the call
 #: spawns copies the context, but is not the call: a boot's helpers outlive it)

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from ..backend import Backend, BackendEvent, BackendFactory, EventSink
 from ..events import EventBus
 from ..firmware import prepare_firmware
 from ..plan import BootPlan, RamFile
+from .lease import LeaseEnded, unless_ended
 from .paths import RuntimePaths
 from .streams import GuestStreams
 
@@ -238,10 +239,11 @@ class Machine:
         async with self._events.listen({BackendEvent.POWERED_OFF, BackendEvent.EXITED}) as queue:
             try:
                 await backend.powerdown()
-                if not await _first(queue.get(), until, timeout):
-                    log.warning("the lease that asked for the power-down ended; forcing the guest off")
-                    return False
+                await unless_ended(queue.get(), until, timeout)
                 return True
+            except LeaseEnded:
+                log.warning("the lease that asked for the power-down ended; forcing the guest off")
+                return False
             except TimeoutError:  # before OSError, of which it is a subclass
                 log.warning("guest ignored ACPI power-down for %.0f s; forcing it off", timeout)
                 self._events.publish("powerdown_timeout", timeout=timeout)
@@ -283,23 +285,3 @@ class Machine:
         tail = " | ".join(info.stderr_tail[-3:]) or "no output"
         return GuestError(f"{backend.label} died unexpectedly ({how}; stderr: {tail}); power on again to recover")
 
-
-async def _first(work: Awaitable[Any], until: asyncio.Event | None, timeout: float) -> bool:
-    """Await ``work`` within ``timeout``: True once it is done, False if ``until`` is set first.
-
-    :raise TimeoutError: past ``timeout``."""
-    task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(until.wait()) if until is not None else None
-    try:
-        done, _ = await asyncio.wait({task} | ({stop} if stop else set()), timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, stop):
-            if pending is not None and not pending.done():
-                pending.cancel()
-    if task in done:
-        task.result()
-        return True
-    if stop is not None and stop in done:
-        return False
-    raise TimeoutError

@@ -135,7 +135,7 @@ class Power:
             self._spec = spec
             self._phases.set(Phase.STARTING)
             started = time.monotonic()
-            restored = await self._boot.start(spec)
+            restored = await self._boot.start(spec, until=self._lease.ending if self._lease.claimed else None)
             kind: metrics.BootKind = "cold" if not restored else (
                 "registry_warm" if self._snapshots.info.boot == "registry_warm" else "restored")
             metrics.boots.labels(kind).inc()

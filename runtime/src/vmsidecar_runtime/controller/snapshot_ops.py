@@ -48,6 +48,7 @@ from ..snapshots import STREAM, TEMPLATED, Snapshot, SnapshotMeta, SnapshotStore
 from .capture import Capture, FrozenCapture, Staging
 from .disks import Disks
 from .guest_clock import CLOCK_NO_AGENT, CLOCK_SETTING, correct_clock, has_guest_agent
+from .lease import LeaseEnded, unless_ended
 from .paths import RuntimePaths
 from .snapshot_rules import LEASE_BOUND, no_snapshot
 from .source_fetch import SourceFetch
@@ -182,9 +183,11 @@ class SnapshotOps:
             metrics.snapshot_lookup("none_cached")
         return None
 
-    async def from_source(self, spec: VmSpec) -> Snapshot | None:
+    async def from_source(self, spec: VmSpec, *, until: asyncio.Event | None = None) -> Snapshot | None:
         """On a cache miss (this boot was to capture): the snapshot of the spec's ``snapshot_source``
-        in the cache, or None (refusal recorded). A flashed or pulled disk never gets here (``_key``)."""
+        in the cache, or None (refusal recorded). A flashed or pulled disk never gets here (``_key``).
+        ``until``: the ending of the lease whose boot this is; the fetch is given up when it is set
+        (the boot holds the power lock, which that lease's recycle and the next claim wait for)."""
         source, key, identity, base = spec.snapshot_source, self._capture_key, self._identity, self._disks.current
         if source is None or key is None or identity is None or base is None:
             self.source.drop()
@@ -192,7 +195,10 @@ class SnapshotOps:
         # the registry code (oras, requests: 0.08 s of imports) only when a source is configured
         from ..oci.snapshot_fetch import SourceRefused
         try:
-            snap = await self.source.snapshot(source, identity, base)
+            snap = await unless_ended(self.source.snapshot(source, identity, base), until)
+        except LeaseEnded:
+            self._why(f"the lease whose boot this is ended during the fetch from the snapshot_source {source}")
+            return None
         except SourceRefused as e:
             self.info = self.info.model_copy(update={"source_refusal": e.code, "reason": f"no snapshot from the "
                                                      f"snapshot_source {source}: {e.message}; this boot captures one at Ready"})
