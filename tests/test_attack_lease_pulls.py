@@ -128,14 +128,16 @@ async def test_cancelled_pulls_from_a_trickling_registry_leave_the_runtime_whole
           f"{held} threads over the baseline right after the cancels")
 
 
-#: a qemu-img whose ``{command}`` hangs (its pid written to ``{pids}`` first); every other command is the real one
+#: a qemu-img whose ``{command}`` hangs (its pid written to ``{pids}`` first), every time or
+#: (``{once}``: ``mkdir`` of a marker, which only the first call makes) the first time; every other
+#: call is the real one
 HANGING_QEMU_IMG = """#!/bin/sh
-if [ "$1" = {command} ]; then echo $$ >> "{pids}"; exec sleep 600; fi
+if [ "$1" = {command} ] {once}; then echo $$ >> "{pids}"; exec sleep 600; fi
 exec {real} "$@"
 """
 
 
-def _hanging(tmp_path: Path, command: str) -> Iterator[tuple[Path, Path]]:
+def _hanging(tmp_path: Path, command: str, *, once: bool = False) -> Iterator[tuple[Path, Path]]:
     """``(directory to put first on PATH, the file the hanging commands write their pids to)``; any
     such command still running at the end is killed."""
     real = shutil.which("qemu-img")
@@ -143,7 +145,8 @@ def _hanging(tmp_path: Path, command: str) -> Iterator[tuple[Path, Path]]:
     shim_dir, pids = tmp_path / "shim", tmp_path / f"{command}-pids"
     shim_dir.mkdir()
     shim = shim_dir / "qemu-img"
-    shim.write_text(HANGING_QEMU_IMG.format(command=command, pids=pids, real=real))
+    first_only = f'&& mkdir "{pids}.once" 2>/dev/null' if once else ""
+    shim.write_text(HANGING_QEMU_IMG.format(command=command, once=first_only, pids=pids, real=real))
     shim.chmod(0o755)
     try:
         yield shim_dir, pids
@@ -163,6 +166,12 @@ def hanging_qemu_img(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 def hanging_convert(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """A qemu-img whose ``convert`` hangs, as a large disk's dump takes minutes (:func:`_hanging`)."""
     yield from _hanging(tmp_path, "convert")
+
+
+@pytest.fixture
+def first_check_hangs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A qemu-img whose first ``check`` hangs, as a large image's does (:func:`_hanging`)."""
+    yield from _hanging(tmp_path, "check", once=True)
 
 
 def _pids(path: Path) -> list[int]:
@@ -222,68 +231,51 @@ async def test_a_cancelled_image_check_kills_its_qemu_img(
 
 
 # ---- a pull of lease N started while the next lease's claim waits -------------------------------
-#: a qemu-img whose first ``check`` hangs (its pid written to ``{pids}``); every other call is the real one
-CHECK_HANGS_ONCE = """#!/bin/sh
-if [ "$1" = check ] && mkdir "{pids}.once" 2>/dev/null; then echo $$ >> "{pids}"; exec sleep 600; fi
-exec {real} "$@"
-"""
-
-
 async def test_a_pull_lease_n_starts_while_the_next_claim_waits_is_cancelled_by_that_claim(
-        start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+        start_runtime: Any, tiny_image: Any, first_check_hangs: tuple[Path, Path], tmp_path: Path) -> None:
     """The power lock is held by what no lease's end cuts (the pod's first boot, its image's check
     taking long: here a ``qemu-img check`` that hangs once), lease N claims meanwhile (an unclaimed
     generation is claimed without the lock), lease N+1's claim waits for the lock, and lease N
     starts a flash meanwhile (its calls still pass: the VM is still its). The claim's recycle must
     cancel that flash: lease N+1's own flash is not refused (409 ``transfer_in_progress`` naming
     lease N's reference)."""
-    real = shutil.which("qemu-img")
-    assert real is not None, "qemu-img is not installed"
-    shim_dir, pids = tmp_path / "shim", tmp_path / "check-pids"
-    shim_dir.mkdir()
-    (shim_dir / "qemu-img").write_text(CHECK_HANGS_ONCE.format(pids=pids, real=real))
-    (shim_dir / "qemu-img").chmod(0o755)
+    shim_dir, pids = first_check_hangs
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
                              cache=tmp_path / "cache", env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
-    try:
-        with Trickle("manifest") as registry:
-            lease_n, exporter, lease_n1 = rt.client(), rt.client(), rt.client()
-            await wait_until_async(lambda: _pids(pids), 60, "the first boot's image check to start")
-            lease_n.generation = (await lease_n.claim(token="lease-n-token")).generation
-            async with collecting(rt.client(), ["transfer_cancelled"]) as events:
-                first = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/first:1", power_off=True))
-                await wait_until_async(lambda: "evil/first" in registry.started or first.done(), 30,
-                                       "lease N's first flash to start")
-                # lease N+1 is handed out: its claim cancels lease N's flash, then waits for the lock
-                claim = asyncio.create_task(exporter.claim(token="lease-n1-token"))
-                await events.wait_for(lambda e: "/evil/first:" in e["data"]["what"], 15)
-                late = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/late:1", power_off=True))
-                await wait_until_async(lambda: "evil/late" in registry.started or late.done(), 30,
-                                       "lease N's late flash to start")
-                assert not late.done(), f"lease N's late flash was refused: {late.exception()!r}"
-                assert not claim.done(), "the claim did not wait for the lock: no race here"
-                os.kill(_pids(pids)[0], signal.SIGKILL)  # the first boot's check ends: the lock is free
-                state = await asyncio.wait_for(claim, 30)
-                assert state.generation == lease_n.generation + 1 and state.claimed, state
-                # lease N+1 flashes: the VM's one transfer slot must be free
-                lease_n1.generation = state.generation
-                own = asyncio.create_task(lease_n1.flash_reference(f"{registry.host}/evil/own:1", power_off=True))
-                await wait_until_async(lambda: "evil/own" in registry.started or own.done(), 30,
-                                       "lease N+1's flash to start")
-                if own.done():
-                    pytest.fail(f"lease N+1's flash was refused: {own.exception()!r}")
-                cancelled = await events.wait_for(lambda e: "/evil/late:" in e["data"]["what"], 15)
-                assert cancelled["data"]["generation"] == lease_n.generation, cancelled
-                with pytest.raises(TransferError) as late_error:
-                    await asyncio.wait_for(late, 15)
-                assert late_error.value.code == "transfer_cancelled", late_error.value
-                with pytest.raises(TransferError):
-                    await asyncio.wait_for(first, 15)
-                own.cancel()
-    finally:
-        for pid in _pids(pids):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    with Trickle("manifest") as registry:
+        lease_n, exporter, lease_n1 = rt.client(), rt.client(), rt.client()
+        await wait_until_async(lambda: _pids(pids), 60, "the first boot's image check to start")
+        lease_n.generation = (await lease_n.claim(token="lease-n-token")).generation
+        async with collecting(rt.client(), ["transfer_cancelled"]) as events:
+            first = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/first:1", power_off=True))
+            await wait_until_async(lambda: "evil/first" in registry.started or first.done(), 30,
+                                   "lease N's first flash to start")
+            # lease N+1 is handed out: its claim cancels lease N's flash, then waits for the lock
+            claim = asyncio.create_task(exporter.claim(token="lease-n1-token"))
+            await events.wait_for(lambda e: "/evil/first:" in e["data"]["what"], 15)
+            late = asyncio.create_task(lease_n.flash_reference(f"{registry.host}/evil/late:1", power_off=True))
+            await wait_until_async(lambda: "evil/late" in registry.started or late.done(), 30,
+                                   "lease N's late flash to start")
+            assert not late.done(), f"lease N's late flash was refused: {late.exception()!r}"
+            assert not claim.done(), "the claim did not wait for the lock: no race here"
+            os.kill(_pids(pids)[0], signal.SIGKILL)  # the first boot's check ends: the lock is free
+            state = await asyncio.wait_for(claim, 30)
+            assert state.generation == lease_n.generation + 1 and state.claimed, state
+            # lease N+1 flashes: the VM's one transfer slot must be free
+            lease_n1.generation = state.generation
+            own = asyncio.create_task(lease_n1.flash_reference(f"{registry.host}/evil/own:1", power_off=True))
+            await wait_until_async(lambda: "evil/own" in registry.started or own.done(), 30,
+                                   "lease N+1's flash to start")
+            if own.done():
+                pytest.fail(f"lease N+1's flash was refused: {own.exception()!r}")
+            cancelled = await events.wait_for(lambda e: "/evil/late:" in e["data"]["what"], 15)
+            assert cancelled["data"]["generation"] == lease_n.generation, cancelled
+            with pytest.raises(TransferError) as late_error:
+                await asyncio.wait_for(late, 15)
+            assert late_error.value.code == "transfer_cancelled", late_error.value
+            with pytest.raises(TransferError):
+                await asyncio.wait_for(first, 15)
+            own.cancel()
 
 
 async def test_the_boot_of_an_image_of_lease_ns_own_is_cut_by_the_next_claim(

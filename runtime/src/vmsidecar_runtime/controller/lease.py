@@ -136,9 +136,9 @@ class Lease:
         return True
 
     def end(self) -> None:
-        """The current generation's lease is being ended: what it waits for under the power lock (a
-        graceful power-off whose timeout it chose, up to an hour) stops waiting, so that neither its
-        recycle nor the next lease's claim waits for it."""
+        """The current generation's lease is being ended: what it holds the power lock with stops
+        waiting (a graceful power-off whose timeout it chose, up to an hour; a pull or a snapshot
+        fetch from a registry of its own), so that neither its recycle nor the next claim waits."""
         self.ending.set()
 
     def claimed_by(self, token: str | None) -> bool:

@@ -284,4 +284,3 @@ class Machine:
                if info.returncode is not None or not why else why)
         tail = " | ".join(info.stderr_tail[-3:]) or "no output"
         return GuestError(f"{backend.label} died unexpectedly ({how}; stderr: {tail}); power on again to recover")
-
