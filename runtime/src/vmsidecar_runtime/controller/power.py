@@ -16,17 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from vmsidecar_contract.canhost import check_native_can
-from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.errors import TransferError, VmsidecarError
 from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import LIVE, Phase
 
 from .. import metrics
+from ..audit import redact
 from ..backend import Backend, BackendEvent, BackendFactory
 from ..disk import DiskImage
 from ..events import EventBus
 from .boot import Boot
 from .disks import Disks, Progress
-from .lease import Lease
+from .lease import Lease, LeaseEnded, unless_ended
 from .machine import Machine, disk_io_error
 from .paths import RuntimePaths
 from .phase import PhaseMachine, require_spec
@@ -79,12 +80,11 @@ class Power:
         task.add_done_callback(self._background.discard)
 
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
-                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None,
-                   until: asyncio.Event | None = None) -> DiskImage:
+                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None) -> DiskImage:
         """Pull an image (``Transfers.pull``; no lock needed, nothing is installed), its time kept
         in the timings."""
         disk, seconds = await self._transfers.pull(spec, reference, progress=progress, transfer=transfer,
-                                                   on_download=on_download, until=until)
+                                                   on_download=on_download)
         self.machine.record_pull(seconds)
         return disk
 
@@ -109,7 +109,11 @@ class Power:
                 # the recycle and the next claim wait for it (the image may be the lease's own, from a
                 # registry that trickles, up to the pull deadline); a pod's first pull is no lease's
                 until = self._lease.ending if self._lease.claimed else None
-                self._disks.base = await self.pull(required, on_download=downloading, until=until)
+                try:
+                    self._disks.base = await unless_ended(self.pull(required, on_download=downloading), until)
+                except LeaseEnded:
+                    raise TransferError(f"the pull of {redact(required.image or '')} was cut: the lease that "
+                                        "started it ended; nothing was installed", code="transfer_cancelled") from None
             except VmsidecarError as e:
                 self._snapshots.source.drop()
                 self._phases.fail(Phase.ERROR, e)

@@ -122,20 +122,21 @@ class Transfers:
                                 code="transfer_cancelled")
 
     async def _bounded(self, work: Awaitable[T], what: str, transfer: Transfer | None, abort: threading.Event,
-                       *, deadline: bool = True, until: asyncio.Event | None = None) -> T:
-        """Await ``work`` within the pull deadline (``deadline``), unless ``transfer`` is cancelled or
-        ``until`` is set first (the lease whose boot pulls ended).
+                       *, deadline: bool = True) -> T:
+        """Await ``work`` within the pull deadline (``deadline``), unless ``transfer`` is cancelled first.
 
-        :raise PullTimeoutError: past the deadline; :raise TransferError: cancelled, or cut by ``until``.
+        :raise PullTimeoutError: past the deadline; :raise TransferError: cancelled.
         """
         task = asyncio.ensure_future(work)
-        stops = [asyncio.ensure_future(event.wait())
-                 for event in (transfer.cancelled if transfer is not None else None, until) if event is not None]
+        waiters: set[asyncio.Future[Any]] = {task}
+        stop = asyncio.ensure_future(transfer.cancelled.wait()) if transfer is not None else None
+        if stop is not None:
+            waiters.add(stop)
         try:
-            done, _ = await asyncio.wait({task, *stops}, timeout=self.pull_timeout if deadline else None,
+            done, _ = await asyncio.wait(waiters, timeout=self.pull_timeout if deadline else None,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for stop in stops:
+            if stop is not None:
                 stop.cancel()
             if not task.done():
                 abort.set()  # a pull's thread stops at once: its sockets shut down, its qemu-img killed
@@ -147,11 +148,6 @@ class Transfers:
             self.check(transfer)
         if task in done:
             return task.result()
-        if until is not None and until.is_set():
-            if task.done() and not task.cancelled():
-                task.exception()
-            raise TransferError(f"{what} was cut: the lease that started it ended; nothing was installed",
-                                code="transfer_cancelled")
         raise PullTimeoutError(
             f"{what} did not finish within {self.pull_timeout:g} s, the runtime's deadline for one pull; nothing "
             "was installed; use a closer or faster registry (or send the image faster), or raise the deadline "
@@ -159,14 +155,13 @@ class Transfers:
 
     # ---- transfers -----------------------------------------------------------------------
     async def pull(self, spec: VmSpec, reference: str | None = None, *, progress: Progress | None = None,
-                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None,
-                   until: asyncio.Event | None = None) -> tuple[DiskImage, float]:
+                   transfer: Transfer | None = None, on_download: Callable[[str], None] | None = None
+                   ) -> tuple[DiskImage, float]:
         """Pull an image into the cache (or reuse it): the base disk and the seconds it took, within
-        the pull deadline and unless ``transfer`` is cancelled or ``until`` set first. Nothing is installed.
+        the pull deadline and unless ``transfer`` is cancelled first. Nothing is installed.
 
         :raise ImageError: for every pull failure, with the cause and the fix.
-        :raise PullTimeoutError: past the deadline. :raise TransferError: ``transfer`` was cancelled,
-            or ``until`` was set.
+        :raise PullTimeoutError: past the deadline. :raise TransferError: ``transfer`` was cancelled.
         """
         abort = transfer.abort if transfer is not None else Abort()
 
@@ -178,7 +173,7 @@ class Transfers:
         what = f"the pull of {redact(reference or spec.image)}"
         disk, pulled, seconds = await self._bounded(self._disks.pull(spec, reference, progress=report,
                                                                      on_download=on_download, abort=abort),
-                                                    what, transfer, abort, until=until)
+                                                    what, transfer, abort)
         self._events.publish("pulled", reference=disk.source, digest=pulled.digest, cached=pulled.cached,
                              bytes_downloaded=pulled.bytes_downloaded)
         source = metrics.source_of(reference or spec.image or "")
