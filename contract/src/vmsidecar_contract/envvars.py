@@ -39,6 +39,7 @@ KNOWN: dict[str, str] = {
     f"{PREFIX}REGISTRY_PASSWORD": "the runtime and vmsidecar-oci: that user's password",
     f"{PREFIX}SNAPSHOT_FORM": "the runtime: stream (the full-stream snapshot form)",
     f"{PREFIX}CAPTURE_SETTLE_S": "the runtime: the longest wait for a guest to settle before its capture",
+    f"{PREFIX}QEMU_CONFINEMENT": "the runtime: off runs QEMU outside its Landlock domain",
     f"{PREFIX}TCG_TB_SIZE": "the runtime: TCG's translation cache, MiB",
     f"{PREFIX}LIBVIRT_NAMESPACES": "the runtime's libvirt backend: the private daemon's namespaces",
     f"{PREFIX}DEBUG": "vmsidecar-oci: tracebacks on errors",

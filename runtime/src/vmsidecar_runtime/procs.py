@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from landlockpy import Ruleset
+
 from vmsidecar_contract.errors import HostError
 
 from .threads import current_abort
@@ -113,26 +115,37 @@ def _can_drop_bounding_set() -> bool:
     return False
 
 
-def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False) -> tuple[str, ...]:
+#: the program that enters a Landlock ruleset and execs (``-I -S``: it imports nothing of ours)
+LANDLOCK_EXEC = Path(__file__).with_name("landlock_exec.py")
+
+
+def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False,
+                         confine: Ruleset | None = None) -> tuple[str, ...]:
     """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies;
     ``no_capabilities``: and so that, started by root, it holds none (said in the log once when the
-    runtime cannot: without CAP_SETPCAP, root's exec gets the bounding set back)."""
+    runtime cannot: without CAP_SETPCAP, root's exec gets the bounding set back); ``confine``: and
+    so that it runs in that Landlock domain (entered after setpriv's no_new_privs, which an
+    unprivileged domain needs, by ``landlock_exec.py``)."""
     why = "the runtime starts QEMU through `setpriv --pdeathsig KILL` so that no guest outlives it"
     drop: tuple[str, ...] = ()
     if no_capabilities and os.geteuid() == 0:
         drop = NO_CAPABILITIES
         if not _can_drop_bounding_set():
             _warn_capabilities_kept()
+    if confine is not None:
+        drop = (*drop, "--no-new-privs")
+        argv = (sys.executable, "-I", "-S", str(LANDLOCK_EXEC), str(confine.fileno()), *argv)
     return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *argv)
 
 
 async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool = False,
-                **kwargs: Any) -> asyncio.subprocess.Process:
+                confine: Ruleset | None = None, **kwargs: Any) -> asyncio.subprocess.Process:
     """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid.
 
     ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies;
     ``no_capabilities`` with it: a child of a root runtime runs with no capability (QEMU: it needs
-    none; libvirt's helpers do).
+    none; libvirt's helpers do); ``confine`` with it: the child runs in that Landlock domain
+    (``confinement.py``; the caller closes the ruleset once the child started).
     The child gets :func:`child_env` unless ``env`` is given.
     PDEATHSIG follows the thread that forked, not the process: ``spawn`` is a coroutine, so the
     fork happens on the event-loop thread, which lives as long as the runtime does. setpriv execs
@@ -143,8 +156,11 @@ async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool
     """
     if "preexec_fn" in kwargs:
         raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
+    if confine is not None:
+        assert die_with_parent, "a confined child is started through setpriv (die_with_parent)"
+        kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), confine.fileno())
     if die_with_parent and sys.platform == "linux":
-        argv = die_with_parent_argv(argv, no_capabilities=no_capabilities)
+        argv = die_with_parent_argv(argv, no_capabilities=no_capabilities, confine=confine)
     kwargs.setdefault("env", child_env())
     with _starting_child():
         proc = await asyncio.create_subprocess_exec(*argv, **kwargs)

@@ -26,6 +26,7 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward, VmSpec
 from vmsidecar_contract.state import ExitInfo
 
+from .. import confinement
 from ..plan import BootPlan, shared_with_another_qemu
 from ..procs import exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
@@ -33,7 +34,7 @@ from .base import BackendEvent, EventSink, register_shared
 from .common import emulator_path, hostfwd_rule, qemu_binary
 from .guest_agent import GuestAgent, hold
 from .netguard import NetGuard, guarded
-from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, piped_streams
+from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, listening_sockets, piped_streams
 
 log = logging.getLogger(__name__)
 #: QEMU's output lines logged one by one per process; after them, one line every OUTPUT_EVERY seconds
@@ -172,11 +173,15 @@ class QemuBackend:
 
         :raise HostError: when the QEMU binary is missing or QEMU exits before QMP answers.
         """
-        emulator_path(self.plan.spec.arch)  # fail early, naming the package, when QEMU is missing
+        emulator = emulator_path(self.plan.spec.arch)  # fail early, naming the package, when QEMU is missing
         argv = build_argv(self.plan)
         log.info("starting %s", " ".join(argv))
+        for socket in listening_sockets(argv):  # a confined QEMU cannot remove its predecessor's
+            if socket.is_socket():
+                socket.unlink(missing_ok=True)
         self._pipes = StreamPipes(self.plan.stream_pipe, piped_streams(self.plan.spec))
         ram_fd = (self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else ()
+        ruleset = confinement.ruleset_for(confinement.qemu_rules(self.plan, emulator)) if confinement.wanted() else None
         try:
             self._proc = await spawn(
                 *argv,
@@ -186,11 +191,15 @@ class QemuBackend:
                 start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
                 die_with_parent=True,
                 no_capabilities=True,
+                confine=ruleset,
                 pass_fds=(*ram_fd, *self._pipes.qemu_fds),
             )
         except BaseException:
             self._pipes.close()
             raise
+        finally:
+            if ruleset is not None:
+                ruleset.close()
         self._pipes.close_qemu_ends()
         self._readers = [asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
                          asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr")]
@@ -301,6 +310,22 @@ class QemuBackend:
         finally:
             os.close(fd)
 
+    async def _add_fds(self, path: Path, flags: tuple[int, ...]) -> int:
+        """Hand QEMU descriptors of ``path`` opened with each of ``flags`` as one fd set
+        (``add-fd``); its id (QEMU opens ``/dev/fdset/ID`` by taking the one of matching access)."""
+        assert self._qmp is not None
+        fdset: int | None = None
+        for flag in flags:
+            fd = os.open(path, flag | os.O_CLOEXEC)
+            try:
+                self._qmp.send_fd_scm(fd)
+                added = await self._execute("add-fd", **({} if fdset is None else {"fdset-id": fdset}))
+                fdset = int(added["fdset-id"])
+            finally:
+                os.close(fd)
+        assert fdset is not None
+        return fdset
+
     async def _restore(self, path: Path, timeout: float = MIGRATION_TIMEOUT_S) -> None:
         """Load a memory snapshot into the paused QEMU (it stays paused until ``resume``), once its
         seal check passed (``plan.incoming_check``): no migration starts and not one byte of the
@@ -368,16 +393,19 @@ class QemuBackend:
         node (``blockdev-snapshot``: QEMU drains and flushes the disk so far and no longer writes it).
 
         QEMU opens the overlay without its backing (``backing: null``, as ``blockdev-snapshot``
-        requires) and names the format: the qcow2 header is never probed. The node keeps QEMU's
-        paths as they were; the caller renames files afterwards (QEMU holds them open).
+        requires) and names the format: the qcow2 header is never probed. The overlay comes as
+        descriptors (an fd set: QEMU's Landlock domain grants it no file made after its start), one
+        read-write and one read-only for a reopen. The node keeps QEMU's paths as they were; the
+        caller renames files afterwards (QEMU holds them open).
 
         :raise HostError: QEMU refused; the guest stays on its disk and nothing was added.
         """
         node = f"{DISK_NODE}-top"
         try:
+            fdset = await self._add_fds(overlay, (os.O_RDWR, os.O_RDONLY))
             await self._execute("blockdev-add", driver="qcow2", **{"node-name": node}, backing=None,
-                                file={"driver": "file", "filename": str(overlay)})
-        except QMPError as e:
+                                file={"driver": "file", "filename": f"/dev/fdset/{fdset}"})
+        except (QMPError, OSError) as e:
             raise HostError(f"QEMU cannot open the new overlay {overlay} ({e})") from e
         try:
             await self._execute("blockdev-snapshot", node=DISK_NODE, overlay=node)

@@ -1,0 +1,161 @@
+"""QEMU in a Landlock domain of its own: the files a guest that escapes into QEMU can open.
+
+QEMU runs as the runtime's UID (a UID of its own would need CAP_SETUID: no privilege beyond
+/dev/kvm), so without more it could open whatever that UID can: the registry auth file, every
+image and snapshot in the cache, the state directory's next overlay, a standby spare's disk. The
+runtime builds a Landlock ruleset for each QEMU from its boot plan (:func:`qemu_rules`) and QEMU
+enters it before it runs a line (``landlock_exec.py``, started by setpriv with no_new_privs):
+
+- read and execute: the system's program and library directories, QEMU's own prefix;
+- read: the few files under /etc the C library and slirp read, /proc and /sys, the disk's backing
+  chain, the firmware code, the spec's kernel and initrd;
+- read and write: its own disk (the overlay), its UEFI vars, a templated restore's RAM file (QEMU
+  7.2 opens it read-write to map it privately: docs/security.md row 15), /dev/kvm and the
+  character devices every program writes (/dev/null ...);
+- make sockets in its private run directory (its QMP and console sockets).
+
+Nothing else: not another file of the cache or the state directory, not the auth file wherever it
+is mounted. The scopes (Landlock ABI 6) also keep it from signalling the runtime or reaching an
+abstract Unix socket outside its domain, and Landlock keeps any process in the domain from
+ptracing one outside it. Files QEMU is given later (a capture's new overlay, the migration stream)
+come as descriptors over QMP, never as paths.
+
+A kernel without Landlock (Linux < 5.13, or not in the LSM list, or a seccomp profile that refuses
+its syscalls) runs QEMU unconfined, said once in the log; rights a kernel's ABI lacks are left out
+(landlockpy's best effort: with ABI < 3 truncation is not confined). ``VMSIDECAR_QEMU_CONFINEMENT=off``
+runs QEMU unconfined on purpose: for an administrator's ``extra_args`` that name host files.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from landlockpy import AccessFS, LandlockError, Ruleset, Scope
+
+from .image.checks import parse_qcow2_header
+from .image.limits import KIB, Origin
+from .image.sniff import QCOW2_MAGIC
+from .plan import BootPlan
+
+log = logging.getLogger(__name__)
+
+#: what the domain confines: every filesystem right up to ABI 3 (later ones, such as ABI 11's
+#: connect to a Unix socket by path, are left to a later release that can test them)
+HANDLED = (AccessFS.EXECUTE | AccessFS.WRITE_FILE | AccessFS.READ_FILE | AccessFS.READ_DIR
+           | AccessFS.REMOVE_DIR | AccessFS.REMOVE_FILE | AccessFS.MAKE_CHAR | AccessFS.MAKE_DIR
+           | AccessFS.MAKE_REG | AccessFS.MAKE_SOCK | AccessFS.MAKE_FIFO | AccessFS.MAKE_BLOCK
+           | AccessFS.MAKE_SYM | AccessFS.REFER | AccessFS.TRUNCATE)
+SCOPES = Scope.ABSTRACT_UNIX_SOCKET | Scope.SIGNAL
+
+READ = AccessFS.READ_FILE
+READ_TREE = AccessFS.READ_FILE | AccessFS.READ_DIR
+RUN = READ_TREE | AccessFS.EXECUTE
+READ_WRITE = AccessFS.READ_FILE | AccessFS.WRITE_FILE | AccessFS.TRUNCATE
+
+#: programs, libraries, locales, QEMU's ROMs and firmware (Debian: /usr/share/qemu, seabios, OVMF)
+SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin")
+#: what the C library's loader and resolver and slirp (its DNS forwarder) read; not /etc as a whole,
+#: where a pod may mount the pool's credentials (/etc/containers/auth.json)
+ETC_FILES = ("ld.so.cache", "ld.so.preload", "localtime", "resolv.conf", "hosts", "host.conf",
+             "nsswitch.conf", "gai.conf", "services", "protocols")
+#: the library directories of crypto and TLS settings QEMU's libraries look for
+ETC_DIRS = ("gnutls", "gcrypt")
+DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/full")
+DEVICES_READ = ("/dev/random", "/dev/urandom")
+#: a backing chain longer than this is not one the runtime made (base, frozen overlay, overlay)
+MAX_CHAIN = 8
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``access`` granted on ``path`` (a file, or a directory and everything under it)."""
+
+    path: Path
+    access: AccessFS
+
+
+def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
+    """Everything the QEMU of ``plan`` may open (the module's docstring), existing paths only."""
+    rules = [Rule(Path(p), RUN) for p in SYSTEM_DIRS]
+    prefix = Path(emulator).resolve().parent.parent  # a QEMU built into /opt/qemu: bin/.. holds its share/
+    rules.append(Rule(prefix, RUN))
+    rules += [Rule(Path(p), RUN) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
+    rules += [Rule(Path("/etc", name), READ) for name in ETC_FILES]
+    rules += [Rule(Path("/etc", name), READ_TREE) for name in ETC_DIRS]
+    rules += [Rule(Path("/proc"), READ_TREE), Rule(Path("/sys"), READ_TREE)]
+    rules += [Rule(Path(p), READ_WRITE) for p in DEVICES_RW]
+    rules += [Rule(Path(p), READ) for p in DEVICES_READ]
+    if plan.accel == "kvm":
+        rules.append(Rule(Path("/dev/kvm"), READ_WRITE))
+    rules.append(Rule(plan.disk, READ_WRITE))
+    rules += [Rule(p, READ) for p in backing_chain(plan.disk)]
+    if plan.firmware is not None:
+        rules += [Rule(plan.firmware.code, READ), Rule(plan.firmware.vars, READ_WRITE)]
+    rules += [Rule(Path(p), READ) for p in (plan.spec.kernel, plan.spec.initrd) if p]
+    if plan.ram is not None and plan.ram.fd is None:  # a restore's RAM file (a capture's is a memfd)
+        rules.append(Rule(plan.ram.path, READ_WRITE))
+    rules.append(Rule(plan.run_dir, AccessFS.MAKE_SOCK))
+    return [rule for rule in rules if rule.path.exists()]
+
+
+def backing_chain(disk: Path) -> list[Path]:
+    """The files under ``disk`` that QEMU opens read-only: the backing files its qcow2 headers name.
+    A header that cannot be read ends the chain (QEMU then fails to open the next file, naming it)."""
+    chain: list[Path] = []
+    current = disk
+    for _ in range(MAX_CHAIN):
+        try:
+            with open(current, "rb") as f:
+                head = f.read(64 * KIB)
+            if not head.startswith(QCOW2_MAGIC):
+                break
+            name = parse_qcow2_header(head, Origin("a disk of this boot", "")).backing_file
+        except (OSError, ValueError):
+            break
+        if not name:
+            break
+        current = current.parent / name  # (an absolute name replaces the directory, as in QEMU)
+        chain.append(current)
+    return chain
+
+
+#: ``off``: QEMU runs without the domain (an administrator's ``extra_args`` that open host files)
+ENV = "VMSIDECAR_QEMU_CONFINEMENT"
+
+
+def wanted() -> bool:
+    """Whether QEMU is to be confined (the default), or the administrator turned it off (``ENV``)."""
+    if os.environ.get(ENV, "landlock") == "off":
+        _warn_unconfined(f"{ENV}=off")
+        return False
+    return True
+
+
+@functools.cache
+def _warn_unconfined(why: str) -> None:
+    log.warning("QEMU runs without a Landlock domain (%s): a guest that escapes into QEMU can open any "
+                "file the runtime's user can, the registry auth file included; run on a kernel with "
+                "Landlock (Linux >= 5.13 with landlock in its LSM list) and let the pod's seccomp "
+                "profile allow the landlock_* syscalls", why)
+
+
+def ruleset_for(rules: list[Rule]) -> Ruleset | None:
+    """A ruleset granting ``rules`` and nothing else, to be entered by QEMU (``landlock_exec.py``);
+    None when this kernel cannot confine (said in the log, once)."""
+    try:
+        ruleset = Ruleset(handled_fs=HANDLED, scoped=SCOPES)
+    except LandlockError as e:
+        _warn_unconfined(e.strerror or str(e))
+        return None
+    try:
+        for rule in rules:
+            ruleset.allow_path(rule.path, rule.access)
+    except BaseException:
+        ruleset.close()
+        raise
+    return ruleset
+

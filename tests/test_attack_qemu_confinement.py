@@ -1,0 +1,129 @@
+"""A guest that escapes into QEMU is QEMU: what it can open on the host (docs/security.md row 67).
+
+QEMU runs as the runtime's UID, so without more it could open every file that UID can: the pool's
+registry auth file, the next restore's overlay made during the lease, any image of the cache (for
+writing). The attack is carried out by the real QEMU the runtime starts (``QemuBackend.launch``),
+asked over its own QMP to open host files (``blockdev-add`` of a ``file`` node, a ``file``
+chardev): the same ``open`` an escaped guest's code would make in that process. With
+``VMSIDECAR_QEMU_CONFINEMENT=off`` (QEMU outside its Landlock domain, as before) every one of them
+succeeds, which shows the attack is real; in its domain each is refused by the kernel, while what
+QEMU needs (its own disk, the backing image read-only) still opens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from qemu.qmp.error import QMPError
+
+from vmsidecar_contract.spec import load_spec
+from vmsidecar_runtime import confinement
+from vmsidecar_runtime.backend.qemu import QemuBackend
+from vmsidecar_runtime.plan import BootPlan
+
+SECRET = "pool-s3cret-5e1d"
+
+
+class Host:
+    """The files an escaped QEMU is after, beside those its boot is given."""
+
+    def __init__(self, root: Path, base: Path, base_format: str) -> None:
+        self.auth = root / "secrets" / "auth.json"  # wherever the pod mounts the pool's credentials
+        self.auth.parent.mkdir()
+        self.auth.write_text(json.dumps({"auths": {"reg.example": {"auth": SECRET}}}))
+        # the cache's base image: its mode (0444) stops only a careless write, the same UID chmods it
+        self.base = root / "cache" / "base.qcow2"
+        self.base.parent.mkdir()
+        shutil.copyfile(base, self.base)
+        self.state = root / "state"
+        self.state.mkdir()
+        self.overlay = self.state / "overlay.qcow2"
+        self.ahead = self.state / "overlay-ahead.qcow2"  # the next lease's, made during this one
+        for disk in (self.overlay, self.ahead):
+            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(self.base), "-F", base_format,
+                            str(disk)], check=True)
+        self.run = root / "run"
+        self.run.mkdir(mode=0o700)
+
+
+@pytest.fixture
+async def launched(tiny_image: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
+        Callable[[bool], Any]]:
+    """``await launch(confined)``: the real QEMU of a tiny guest's boot plan, paused, and its files."""
+    backends: list[QemuBackend] = []
+
+    async def launch(confined: bool) -> tuple[QemuBackend, Host]:
+        if not confined:
+            monkeypatch.setenv(confinement.ENV, "off")
+        host = Host(tmp_path, tiny_image.disk, "qcow2")
+        spec = load_spec({"image": f"file:{tiny_image.disk}", "memory": "128M", "network": {"enabled": False}})
+        backend = QemuBackend(BootPlan(spec, "tcg", host.overlay, "qcow2", host.run), lambda event, data: None)
+        backends.append(backend)
+        await backend.launch()
+        return backend, host
+
+    yield launch
+    for backend in backends:
+        await backend.quit()
+
+
+async def _opens(backend: QemuBackend, node: str, path: Path, *, read_only: bool) -> str:
+    """What QEMU answers when asked to open ``path``: ``"opened"``, or its error."""
+    try:
+        await backend._execute("blockdev-add", driver="file", filename=str(path), **{"node-name": node},
+                               **{"read-only": read_only})
+    except QMPError as e:
+        return str(e)
+    return "opened"
+
+
+async def _writes_new_file(backend: QemuBackend, path: Path) -> str:
+    try:
+        await backend._execute("chardev-add", id="planted", backend={"type": "file", "data": {"out": str(path)}})
+    except QMPError as e:
+        return str(e)
+    return "opened"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("confined", [False, True], ids=["unconfined", "confined"])
+async def test_an_escaped_qemu_opens_no_host_file_but_its_own(launched: Any, confined: bool) -> None:
+    backend, host = await launched(confined)
+    attempts = {
+        "read the pool's auth file": await _opens(backend, "auth", host.auth, read_only=True),
+        "rewrite the next restore's overlay": await _opens(backend, "ahead", host.ahead, read_only=False),
+        "write the cache's base image": await _opens(backend, "base-rw", host.base, read_only=False),
+        "plant a file in the state directory": await _writes_new_file(backend, host.state / "planted"),
+    }
+    if not confined:  # the attack, as it was: every open succeeds
+        assert set(attempts.values()) == {"opened"}, attempts
+        assert (host.state / "planted").exists()
+        return
+    for what, answer in attempts.items():
+        assert "Permission denied" in answer, (what, answer)
+    assert not (host.state / "planted").exists()
+    # what the boot needs still opens: the base read-only (the overlay's backing), its own disk
+    # (open already: QEMU answered QMP with it attached), and the guest runs on them
+    assert await _opens(backend, "base-ro", host.base, read_only=True) == "opened"
+    await backend._execute("cont")
+    assert (await backend._execute("query-status"))["status"] == "running"
+
+
+def test_a_kernel_without_landlock_runs_qemu_unconfined_and_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """(A kernel without Landlock, or a seccomp profile refusing its syscalls, cannot be made here:
+    the ruleset's creation fails as landlockpy reports it there.)"""
+    def refused(**_: Any) -> Any:
+        raise confinement.LandlockError(38, "Function not implemented")
+
+    monkeypatch.setattr(confinement, "Ruleset", refused)
+    confinement._warn_unconfined.cache_clear()
+    assert confinement.ruleset_for([]) is None
+    assert "QEMU runs without a Landlock domain (Function not implemented)" in caplog.text
+    assert "landlock_* syscalls" in caplog.text
