@@ -22,9 +22,12 @@ from typing import Any
 import pytest
 from qemu.qmp.error import QMPError
 
+from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime import confinement
 from vmsidecar_runtime.backend.qemu import QemuBackend
+from vmsidecar_runtime.image.checks import run_qemu_img
+from vmsidecar_runtime.image.limits import Origin
 from vmsidecar_runtime.plan import BootPlan
 
 SECRET = "pool-s3cret-5e1d"
@@ -63,7 +66,8 @@ async def launched(tiny_image: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             monkeypatch.setenv(confinement.ENV, "off")
         host = Host(tmp_path, tiny_image.disk, "qcow2")
         spec = load_spec({"image": f"file:{tiny_image.disk}", "memory": "128M", "network": {"enabled": False}})
-        backend = QemuBackend(BootPlan(spec, "tcg", host.overlay, "qcow2", host.run), lambda event, data: None)
+        plan = BootPlan(spec, "tcg", host.overlay, "qcow2", host.run, disk_chain=(host.base,))
+        backend = QemuBackend(plan, lambda event, data: None)
         backends.append(backend)
         await backend.launch()
         return backend, host
@@ -127,3 +131,72 @@ def test_a_kernel_without_landlock_runs_qemu_unconfined_and_says_so(monkeypatch:
     assert confinement.ruleset_for([]) is None
     assert "QEMU runs without a Landlock domain (Function not implemented)" in caplog.text
     assert "landlock_* syscalls" in caplog.text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("confined", [False, True], ids=["unconfined", "confined"])
+async def test_an_overlay_header_an_escaped_qemu_rewrote_opens_nothing_at_the_next_boot(
+        launched: Any, confined: bool, tmp_path: Path) -> None:
+    """The overlay is its QEMU's to write, header included: an escaped QEMU names the auth file as
+    its backing file, and the lease's next boot (a power cycle) opens what the header names. The
+    runtime's record of what the overlay stands on (``disk_chain``) is all the next QEMU may open."""
+    backend, host = await launched(confined)
+    await backend.quit()
+    subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-b", str(host.auth), "-F", "raw", str(host.overlay)],
+                   check=True)  # (what the escaped QEMU writes into its overlay's header)
+    spec = backend.plan.spec
+    again = QemuBackend(BootPlan(spec, "tcg", host.overlay, "qcow2", host.run, disk_chain=(host.base,)),
+                        lambda event, data: None)
+    try:
+        if not confined:  # the guest's disk reads the auth file
+            await again.launch()
+            nodes = await again._execute("query-named-block-nodes", flat=True)
+            assert str(host.auth) in {n["image"]["filename"] for n in nodes}, nodes
+            return
+        with pytest.raises(HostError, match="Permission denied"):
+            await again.launch()
+    finally:
+        await again.quit()
+
+
+@pytest.mark.parametrize("confined", [False, True], ids=["unconfined", "confined"])
+def test_qemu_img_on_a_hostile_image_opens_only_that_image(tiny_image: Any, tmp_path: Path, confined: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A qemu-img a crafted image took over is qemu-img asked to open another file: here asked
+    plainly (``info`` of the auth file) with the rights of a check of the image."""
+    if not confined:
+        monkeypatch.setenv(confinement.ENV, "off")
+    host = Host(tmp_path, tiny_image.disk, "qcow2")
+    rc, out, err = run_qemu_img("info", "-f", "raw", "--output=json", str(host.auth),
+                                origin=Origin("the image", "fix it"), read=(host.base,))
+    if not confined:
+        assert rc == 0 and json.loads(out)["filename"] == str(host.auth), (rc, out, err)
+        return
+    assert rc != 0 and "Permission denied" in err, (rc, out, err)
+    rc, out, err = run_qemu_img("info", "-f", "qcow2", "--output=json", str(host.base),
+                                origin=Origin("the image", "fix it"), read=(host.base,))
+    assert rc == 0, err
+
+
+@pytest.mark.timeout(240)
+async def test_a_dump_of_an_overlay_naming_another_backing_file_copies_no_host_file(
+        start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
+    """The runtime's own dump (``GET /v1/vm/disk``) converts the lease's overlay: one whose header
+    an escaped QEMU rewrote to name the auth file copied it into the dump for the lease holder."""
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    auth = secrets / "auth.json"
+    auth.write_text(json.dumps({"auths": {"reg.example": {"auth": SECRET}}}))
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "128M", "snapshot": "off"})
+    client = rt.client()
+    await client.wait_ready(timeout=120)
+    await client.power("off")
+    overlay = rt.state / "overlay.qcow2"
+    subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-b", str(auth), "-F", "raw", str(overlay)],
+                   check=True)
+    dest = tmp_path / "dump.raw"
+    try:
+        await client.dump(dest, fmt="raw")
+    except HostError as e:
+        assert "Permission denied" in e.message, e.message
+    assert not dest.exists() or SECRET.encode() not in dest.read_bytes()

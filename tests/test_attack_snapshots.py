@@ -295,7 +295,7 @@ async def test_the_snapshot_reaches_qemu_only_after_its_seal_check(tiny_image: A
     spec = load_spec({"image": f"file:{tiny_image.disk}", "memory": "256M"})
     # no such stream: had the backend opened it to hand it over, the error would say QEMU could not load it
     plan = BootPlan(spec, "tcg", overlay, "qcow2", run_dir, incoming=run_dir / "memory",
-                    ram=RamFile(ram, share=False), incoming_check=check)
+                    ram=RamFile(ram, share=False), incoming_check=check, disk_chain=(tiny_image.disk,))
     backend = create_backend(plan, lambda event, data: None)
     launch = asyncio.create_task(backend.launch())
     try:

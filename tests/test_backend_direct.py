@@ -62,7 +62,7 @@ async def boot(tiny_image: Any) -> AsyncIterator[Any]:
         subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(tiny_image.disk),
                         str(overlay)], check=True)
         spec = load_spec({"image": f"file:{tiny_image.disk}", "memory": "256M", "backend": backend})
-        plan = BootPlan(spec, "tcg", overlay, "qcow2", run_dir)
+        plan = BootPlan(spec, "tcg", overlay, "qcow2", run_dir, disk_chain=(tiny_image.disk,))
         recorder = Recorder()
         made.append(created := create_backend(plan, recorder))
         await created.launch()

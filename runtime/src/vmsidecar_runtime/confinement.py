@@ -31,14 +31,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from landlockpy import AccessFS, LandlockError, Ruleset, Scope
+from landlockpy import AccessFS, AccessNet, LandlockError, Ruleset, Scope
 
-from .image.checks import parse_qcow2_header
-from .image.limits import KIB, Origin
-from .image.sniff import QCOW2_MAGIC
 from .plan import BootPlan
 
 log = logging.getLogger(__name__)
@@ -66,8 +64,6 @@ ETC_FILES = ("ld.so.cache", "ld.so.preload", "localtime", "resolv.conf", "hosts"
 ETC_DIRS = ("gnutls", "gcrypt")
 DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/full")
 DEVICES_READ = ("/dev/random", "/dev/urandom")
-#: a backing chain longer than this is not one the runtime made (base, frozen overlay, overlay)
-MAX_CHAIN = 8
 
 
 @dataclass(frozen=True)
@@ -78,21 +74,26 @@ class Rule:
     access: AccessFS
 
 
-def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
-    """Everything the QEMU of ``plan`` may open (the module's docstring), existing paths only."""
+def system_rules() -> list[Rule]:
+    """What every confined program may open: its programs and libraries, what the C library reads."""
     rules = [Rule(Path(p), RUN) for p in SYSTEM_DIRS]
-    prefix = Path(emulator).resolve().parent.parent  # a QEMU built into /opt/qemu: bin/.. holds its share/
-    rules.append(Rule(prefix, RUN))
     rules += [Rule(Path(p), RUN) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
     rules += [Rule(Path("/etc", name), READ) for name in ETC_FILES]
     rules += [Rule(Path("/etc", name), READ_TREE) for name in ETC_DIRS]
     rules += [Rule(Path("/proc"), READ_TREE), Rule(Path("/sys"), READ_TREE)]
     rules += [Rule(Path(p), READ_WRITE) for p in DEVICES_RW]
-    rules += [Rule(Path(p), READ) for p in DEVICES_READ]
+    return rules + [Rule(Path(p), READ) for p in DEVICES_READ]
+
+
+def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
+    """Everything the QEMU of ``plan`` may open (the module's docstring), existing paths only."""
+    rules = system_rules()
+    prefix = Path(emulator).resolve().parent.parent  # a QEMU built into /opt/qemu: bin/.. holds its share/
+    rules.append(Rule(prefix, RUN))
     if plan.accel == "kvm":
         rules.append(Rule(Path("/dev/kvm"), READ_WRITE))
     rules.append(Rule(plan.disk, READ_WRITE))
-    rules += [Rule(p, READ) for p in backing_chain(plan.disk)]
+    rules += [Rule(p, READ) for p in plan.disk_chain]
     if plan.firmware is not None:
         rules += [Rule(plan.firmware.code, READ), Rule(plan.firmware.vars, READ_WRITE)]
     rules += [Rule(Path(p), READ) for p in (plan.spec.kernel, plan.spec.initrd) if p]
@@ -102,25 +103,11 @@ def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
     return [rule for rule in rules if rule.path.exists()]
 
 
-def backing_chain(disk: Path) -> list[Path]:
-    """The files under ``disk`` that QEMU opens read-only: the backing files its qcow2 headers name.
-    A header that cannot be read ends the chain (QEMU then fails to open the next file, naming it)."""
-    chain: list[Path] = []
-    current = disk
-    for _ in range(MAX_CHAIN):
-        try:
-            with open(current, "rb") as f:
-                head = f.read(64 * KIB)
-            if not head.startswith(QCOW2_MAGIC):
-                break
-            name = parse_qcow2_header(head, Origin("a disk of this boot", "")).backing_file
-        except (OSError, ValueError):
-            break
-        if not name:
-            break
-        current = current.parent / name  # (an absolute name replaces the directory, as in QEMU)
-        chain.append(current)
-    return chain
+def tool_rules(*, read: Iterable[Path] = (), write: Iterable[Path] = ()) -> list[Rule]:
+    """What a qemu-img run may open: the files ``read``, read-only, and ``write``, read-write (each
+    existing; a backing file it needs is one of ``read``)."""
+    rules = system_rules() + [Rule(p, READ) for p in read] + [Rule(p, READ_WRITE) for p in write]
+    return [rule for rule in rules if rule.path.exists()]
 
 
 #: ``off``: QEMU runs without the domain (an administrator's ``extra_args`` that open host files)
@@ -144,10 +131,13 @@ def _warn_unconfined(why: str) -> None:
 
 
 def ruleset_for(rules: list[Rule]) -> Ruleset | None:
-    """A ruleset granting ``rules`` and nothing else, to be entered by QEMU (``landlock_exec.py``);
-    None when this kernel cannot confine (said in the log, once)."""
+    """A ruleset granting ``rules`` and nothing else, for a child to enter (``procs``'s ``confine``);
+    None when confinement is off or this kernel cannot confine (said in the log, once)."""
+    if not wanted():
+        return None
     try:
-        ruleset = Ruleset(handled_fs=HANDLED, scoped=SCOPES)
+        # (no network right is handled: slirp binds the forwards and connects for the guest)
+        ruleset = Ruleset(handled_fs=HANDLED, handled_net=AccessNet.NONE, scoped=SCOPES)
     except LandlockError as e:
         _warn_unconfined(e.strerror or str(e))
         return None

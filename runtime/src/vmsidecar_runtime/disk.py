@@ -21,6 +21,7 @@ from pathlib import Path
 
 from vmsidecar_contract.errors import DigestMismatchError, HostError, ImageError
 
+from . import confinement
 from .image import checks  # a module: this one has its own async check_image
 from .image.decompress import ChunkStream, open_decompressed
 from .image.limits import DEFAULT_LIMITS, Limits, Origin
@@ -48,19 +49,35 @@ class DiskImage:
     manifest_digest: str | None = field(default=None, compare=False)
 
 
-async def run_tool(*argv: str) -> tuple[int, str, str]:
-    """Run a helper program (list exec) and return (rc, stdout, stderr). A caller that gives up
-    (cancelled) takes the program down with it: killed and reaped before the cancellation goes on,
-    so nothing keeps writing a file the runtime abandoned.
+class NoSpace(HostError):
+    """The volume had no room for a file the runtime makes."""
+
+
+def chain_over(backing: DiskImage) -> tuple[Path, ...]:
+    """The files an overlay made over ``backing`` stands on: ``backing`` and its own backing chain
+    (a cache image's or a frozen overlay's, whose headers no QEMU writes)."""
+    return (backing.path, *checks.backing_chain(backing.path))
+
+
+async def run_tool(*argv: str, read: tuple[Path, ...] = (), write: tuple[Path, ...] = ()) -> tuple[int, str, str]:
+    """Run qemu-img (list exec) in a Landlock domain that opens only the files ``read`` (read-only)
+    and ``write`` (``confinement.tool_rules``) and return (rc, stdout, stderr). A caller that gives
+    up (cancelled) takes the program down with it: killed and reaped before the cancellation goes
+    on, so nothing keeps writing a file the runtime abandoned.
 
     :raise HostError: when the program is not installed.
     """
+    ruleset = confinement.ruleset_for(confinement.tool_rules(read=read, write=write))
     try:
         proc = await spawn(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            confine=ruleset,
         )
     except FileNotFoundError:
         raise HostError(f"{argv[0]} is not installed; install qemu-utils") from None
+    finally:
+        if ruleset is not None:
+            ruleset.close()
     try:
         out, err = await proc.communicate()
     except asyncio.CancelledError:
@@ -97,11 +114,16 @@ async def create_overlay(base: DiskImage, overlay: Path, *, size: int | None = N
     with contextlib.suppress(FileNotFoundError):
         overlay.unlink()
     unchecked = ["-u", str(overlay), str(size)] if size is not None else [str(overlay)]
+    # made here, empty, so that qemu-img needs no right to make files in the state directory
+    os.close(os.open(overlay, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
     rc, _, err = await run_tool(
-        "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format, *unchecked
+        "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.path), "-F", base.format, *unchecked,
+        read=chain_over(base), write=(overlay,),
     )
     if rc != 0:
-        raise HostError(f"cannot create the disk overlay {overlay} ({err.strip()}); free space or fix permissions")
+        overlay.unlink(missing_ok=True)
+        error = NoSpace if os.strerror(errno.ENOSPC) in err else HostError
+        raise error(f"cannot create the disk overlay {overlay} ({err.strip()}); free space or fix permissions")
 
 
 @dataclass(frozen=True)

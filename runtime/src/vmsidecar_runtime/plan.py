@@ -72,6 +72,9 @@ class BootPlan:
     #: passed, else why not; the backend hands QEMU the stream only after None (``snapshots.py``,
     #: ``SnapshotStore.verify_deferred``)
     incoming_check: asyncio.Future[str | None] | None = None
+    #: the files under ``disk`` (its backing chain) as the runtime made them, never read from
+    #: ``disk``'s header, which its QEMU writes: the only ones QEMU may open under it (``confinement``)
+    disk_chain: tuple[Path, ...] = ()
 
     @property
     def qmp_socket(self) -> Path:

@@ -124,18 +124,22 @@ def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False
     """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies;
     ``no_capabilities``: and so that, started by root, it holds none (said in the log once when the
     runtime cannot: without CAP_SETPCAP, root's exec gets the bounding set back); ``confine``: and
-    so that it runs in that Landlock domain (entered after setpriv's no_new_privs, which an
-    unprivileged domain needs, by ``landlock_exec.py``)."""
+    so that it runs in that Landlock domain (:func:`confined_argv`)."""
     why = "the runtime starts QEMU through `setpriv --pdeathsig KILL` so that no guest outlives it"
     drop: tuple[str, ...] = ()
     if no_capabilities and os.geteuid() == 0:
         drop = NO_CAPABILITIES
         if not _can_drop_bounding_set():
             _warn_capabilities_kept()
-    if confine is not None:
-        drop = (*drop, "--no-new-privs")
-        argv = (sys.executable, "-I", "-S", str(LANDLOCK_EXEC), str(confine.fileno()), *argv)
-    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *argv)
+    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *confined_argv(argv, confine))
+
+
+def confined_argv(argv: tuple[str, ...], confine: Ruleset | None) -> tuple[str, ...]:
+    """``argv`` run in the Landlock domain of ``confine`` (``landlock_exec.py`` enters it and execs;
+    the child must inherit its descriptor), or as it is (None)."""
+    if confine is None:
+        return argv
+    return (sys.executable, "-I", "-S", str(LANDLOCK_EXEC), str(confine.fileno()), *argv)
 
 
 async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool = False,
@@ -144,7 +148,7 @@ async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool
 
     ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies;
     ``no_capabilities`` with it: a child of a root runtime runs with no capability (QEMU: it needs
-    none; libvirt's helpers do); ``confine`` with it: the child runs in that Landlock domain
+    none; libvirt's helpers do); ``confine``: the child runs in that Landlock domain
     (``confinement.py``; the caller closes the ruleset once the child started).
     The child gets :func:`child_env` unless ``env`` is given.
     PDEATHSIG follows the thread that forked, not the process: ``spawn`` is a coroutine, so the
@@ -157,10 +161,11 @@ async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool
     if "preexec_fn" in kwargs:
         raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
     if confine is not None:
-        assert die_with_parent, "a confined child is started through setpriv (die_with_parent)"
         kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), confine.fileno())
     if die_with_parent and sys.platform == "linux":
         argv = die_with_parent_argv(argv, no_capabilities=no_capabilities, confine=confine)
+    else:
+        argv = confined_argv(argv, confine)
     kwargs.setdefault("env", child_env())
     with _starting_child():
         proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
@@ -200,7 +205,7 @@ class OutputTooLarge(Exception):
 
 
 def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
-        max_memory: int | None = None) -> tuple[int, str, str]:
+        max_memory: int | None = None, confine: Ruleset | None = None) -> tuple[int, str, str]:
     """Run a helper program to completion from a worker thread: ``(rc, stdout, stderr)``; past
     ``timeout`` seconds it is killed. ``max_memory``: the bytes of heap and private mappings the
     kernel lets it take (RLIMIT_DATA, through util-linux's ``prlimit``, which sets the limit on
@@ -229,13 +234,14 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
     :raise threads.Abandoned: the work was given up (the program killed and reaped).
     """
     program = os.path.basename(argv[0])
+    argv = confined_argv(argv, confine)
     if max_memory is not None:
         why = "the runtime holds qemu-img to a memory bound through `prlimit --data` while it reads an image"
         prlimit = _util_linux("prlimit", why)
         argv = (prlimit, f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
     with _starting_child():
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=child_env())
+                                env=child_env(), pass_fds=() if confine is None else (confine.fileno(),))
         OWN.add(proc.pid)
     abort = current_abort()
     # the hook runs on the thread that gives the work up; Popen.kill polls first and does not signal

@@ -91,8 +91,9 @@ def map_qmp_event(name: str, data: dict[str, Any]) -> tuple[BackendEvent, dict[s
     return None
 
 
-async def _exits_done() -> None:
-    """Until every QEMU left exiting by ``QemuBackend.quit`` is reaped (``close_backends``)."""
+async def exits_done() -> None:
+    """Until every QEMU left exiting by ``QemuBackend.quit`` is reaped (``close_backends``; a state
+    volume too full for the next overlay until an exiting QEMU closes the last, ``Disks.overlay``)."""
     while _EXITING:
         await asyncio.gather(*_EXITING, return_exceptions=True)
 
@@ -181,7 +182,7 @@ class QemuBackend:
                 socket.unlink(missing_ok=True)
         self._pipes = StreamPipes(self.plan.stream_pipe, piped_streams(self.plan.spec))
         ram_fd = (self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else ()
-        ruleset = confinement.ruleset_for(confinement.qemu_rules(self.plan, emulator)) if confinement.wanted() else None
+        ruleset = confinement.ruleset_for(confinement.qemu_rules(self.plan, emulator))
         try:
             self._proc = await spawn(
                 *argv,
@@ -492,7 +493,8 @@ class QemuBackend:
         its monitor, chardevs and objects, then exits; the kernel then frees its memory, which took
         0.12 s for a guest with 1.5 GiB written (every 4 KiB page unmapped), and as long after a
         lease that wrote as much. Once QEMU has entered its exit (``PF_EXITING``) it holds nothing
-        a next boot needs but that memory: unless ``reaped``, it is reaped in a task
+        a next boot needs but that memory, and the space of a disk unlinked meanwhile (the kernel
+        closes its files after freeing its memory: ``exits_done``): unless ``reaped``, it is reaped in a task
         (``close_backends`` waits for it) and reports nothing more, so a recycle does not wait for
         the kernel. Not for a GPIO device or a native CAN bus: the runtime's vhost-user backend and
         the host's interface are shared with the next QEMU, and their sockets may close only with
@@ -539,7 +541,7 @@ class QemuBackend:
         task = asyncio.create_task(reap(), name=f"qemu-exit-{proc.pid}")
         _EXITING.add(task)
         task.add_done_callback(_EXITING.discard)
-        register_shared("qemu-exits", _exits_done)
+        register_shared("qemu-exits", exits_done)
 
     async def kill(self) -> None:
         """SIGKILL QEMU and wait for it."""

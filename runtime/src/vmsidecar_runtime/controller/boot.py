@@ -95,7 +95,7 @@ class Boot:
 
     async def _launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
                       ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None) -> None:
-        await self._machine.launch(spec, overlay, incoming, ram, incoming_check)
+        await self._machine.launch(spec, overlay, self._disks.chain(overlay), incoming, ram, incoming_check)
         self._running()
 
     async def _restore(self, spec: VmSpec, snap: Snapshot, *, new_boot: bool = True) -> bool:
@@ -206,7 +206,7 @@ class Boot:
             metrics.snapshot_lookup("seal_broken")
             return None
         try:
-            self._disks.adopt_spare()
+            self._disks.adopt_spare(spare.plan.disk_chain)
         except OSError as e:
             log.warning("the spare restore's files could not be moved into the lease's (%s); restoring", e)
             await spare.backend.quit(timeout=1)

@@ -20,7 +20,17 @@ from typing import Any
 from vmsidecar_contract.errors import HostError, SpecError
 from vmsidecar_contract.spec import VmSpec
 
-from ..disk import DiskImage, check_image, create_overlay, install_image, receive_image, run_tool
+from ..backend.qemu import exits_done
+from ..disk import (
+    DiskImage,
+    NoSpace,
+    chain_over,
+    check_image,
+    create_overlay,
+    install_image,
+    receive_image,
+    run_tool,
+)
 from ..image.checks import verdict
 from ..oci.cache import DiskCache, stat_seal
 from ..threads import Abort, run_abortable
@@ -41,6 +51,14 @@ class _Ahead:
     format: str
     seal: dict
     own: dict
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _stat_seal(path: Path) -> dict | None:
@@ -64,6 +82,8 @@ class Disks:
         #: what ``paths.overlay_ahead`` stands on, once made (``prepare_ahead``)
         self._ahead: _Ahead | None = None
         self._making_ahead: asyncio.Task[None] | None = None
+        #: what each overlay this runtime made stands on (:meth:`chain`), by inode (renames keep it)
+        self._chains: dict[tuple[int, int], tuple[Path, ...]] = {}
 
     @property
     def current(self) -> DiskImage | None:
@@ -130,8 +150,27 @@ class Disks:
         backing = backing or self.current
         assert backing is not None
         if not self.paths.overlay.exists() and not await self._take_ahead(backing):
-            await create_overlay(backing, self.paths.overlay)
+            try:
+                await create_overlay(backing, self.paths.overlay)
+            except NoSpace:  # the last boot's overlay, unlinked, is freed once its QEMU's exit closes it
+                await exits_done()
+                await create_overlay(backing, self.paths.overlay)
+            self._made(self.paths.overlay, chain_over(backing))
         return self.paths.overlay
+
+    def chain(self, overlay: Path) -> tuple[Path, ...]:
+        """The files ``overlay`` stands on (its backing chain) as this runtime made it; none for a
+        file it did not make. Never read from the overlay's header, which its QEMU writes: a header
+        naming another backing file (the auth file, another lease's disk) opens nothing."""
+        key = _inode(overlay)
+        return self._chains.get(key, ()) if key is not None else ()
+
+    def _made(self, overlay: Path, chain: tuple[Path, ...]) -> None:
+        live = {key for path in (self.paths.overlay, self.paths.overlay_ahead, self._freeze_top)
+                if (key := _inode(path)) is not None}
+        self._chains = {key: known for key, known in self._chains.items() if key in live}
+        if (key := _inode(overlay)) is not None:
+            self._chains[key] = chain
 
     async def prepare_ahead(self, backing: DiskImage) -> None:
         """Make the next restore's overlay over ``backing`` (a snapshot's frozen disk) now, while a
@@ -146,6 +185,7 @@ class Disks:
         try:
             seal = _stat_seal(backing.path)
             await create_overlay(backing, self.paths.overlay_ahead)
+            self._made(self.paths.overlay_ahead, chain_over(backing))
             own = _stat_seal(self.paths.overlay_ahead)
             if seal is not None and seal == _stat_seal(backing.path) and own is not None:
                 self._ahead = _Ahead(backing.path, backing.format, seal, own)
@@ -200,10 +240,15 @@ class Disks:
         """
         assert self.current is not None
         self._refuse_a_second_freeze()
-        top = self.paths.state / "overlay.next.qcow2"
+        top = self._freeze_top
         await create_overlay(DiskImage(self.paths.overlay_base, "qcow2", self.current.digest, self.current.source),
                              top, size=size)
+        self._made(top, (self.paths.overlay_base, *self.chain(self.paths.overlay)))
         return top
+
+    @property
+    def _freeze_top(self) -> Path:
+        return self.paths.state / "overlay.next.qcow2"
 
     async def freeze_live(self, top: Path, switch: Callable[[Path], Awaitable[None]]) -> Path:
         """The running guest's overlay becomes ``overlay_base``, frozen, under ``top``
@@ -281,16 +326,19 @@ class Disks:
         """
         if self.paths.overlay.exists():
             source, source_format = self.paths.overlay, "qcow2"  # create_overlay made it, naming its base's format
+            chain = (source, *self.chain(source))
         else:
             assert self.current is not None
             source, source_format = self.current.path, self.current.format
+            chain = chain_over(self.current)
         fd, name = tempfile.mkstemp(prefix="dump-", suffix=f".{fmt}", dir=self.paths.state)
         out = Path(name)
         os.close(fd)
         # -f: never let qemu-img probe a disk the lease holder chose (a raw disk that looks like a
         # qcow2 or vmdk would make it read the host files that image names)
         try:
-            rc, _, err = await run_tool("qemu-img", "convert", "-f", source_format, "-O", fmt, str(source), str(out))
+            rc, _, err = await run_tool("qemu-img", "convert", "-f", source_format, "-O", fmt, str(source), str(out),
+                                        read=chain, write=(out,))
         except BaseException:  # given up (the lease ended): qemu-img is killed; its part of a disk goes
             out.unlink(missing_ok=True)
             raise
@@ -299,11 +347,12 @@ class Disks:
             raise HostError(f"cannot write the disk dump ({err.strip()}); free space in {out.parent}")
         return out
 
-    def adopt_spare(self) -> None:
-        """A spare restore becomes the lease's guest (``standby.py``): its overlay and UEFI vars move
-        into the lease's places (its QEMU holds them open; nothing reopens them by name), where the
-        next recycle discards them like any lease's."""
+    def adopt_spare(self, chain: tuple[Path, ...]) -> None:
+        """A spare restore becomes the lease's guest (``standby.py``): its overlay (standing on
+        ``chain``) and UEFI vars move into the lease's places (its QEMU holds them open; nothing
+        reopens them by name), where the next recycle discards them like any lease's."""
         os.rename(self.paths.spare / self.paths.overlay.name, self.paths.overlay)
+        self._made(self.paths.overlay, chain)
         vars_dir = self.paths.spare / self.paths.firmware.name
         if vars_dir.exists():
             shutil.rmtree(self.paths.firmware, ignore_errors=True)

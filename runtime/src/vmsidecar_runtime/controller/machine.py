@@ -137,14 +137,16 @@ class Machine:
         self.boot_count = 0
 
     # ---- the backend ---------------------------------------------------------------------
-    async def launch(self, spec: VmSpec, overlay: Path, incoming: Path | None = None,
+    async def launch(self, spec: VmSpec, overlay: Path, chain: tuple[Path, ...], incoming: Path | None = None,
                      ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None) -> None:
-        """Start the backend paused, attach every stream, then let the guest run.
+        """Start the backend paused on ``overlay`` (standing on ``chain``), attach every stream,
+        then let the guest run.
 
         :raise HostError: the backend cannot start.
         """
         plan, backend = await self._launch_paused(
-            lambda: self.new_plan(spec, overlay, self._paths.run, self._paths.state, incoming, ram, incoming_check),
+            lambda: self.new_plan(spec, overlay, chain, self._paths.run, self._paths.state, incoming, ram,
+                                  incoming_check),
             self._on_event, current=True)
         await self._streams.attach(plan, backend)
         await backend.resume()
@@ -214,16 +216,16 @@ class Machine:
         self.plan = dataclasses.replace(plan, ports=bound)
         await self._streams.attach(plan, backend)
 
-    def new_plan(self, spec: VmSpec, overlay: Path, run_dir: Path, state_dir: Path, incoming: Path | None = None,
-                 ram: RamFile | None = None, incoming_check: asyncio.Future[str | None] | None = None, *,
-                 spare: bool = False) -> BootPlan:
-        """A boot's plan: its sockets in ``run_dir``, its UEFI vars (if any) in ``state_dir``. A
-        ``spare`` binds no forward: ``adopt`` binds them."""
+    def new_plan(self, spec: VmSpec, overlay: Path, chain: tuple[Path, ...], run_dir: Path, state_dir: Path,
+                 incoming: Path | None = None, ram: RamFile | None = None,
+                 incoming_check: asyncio.Future[str | None] | None = None, *, spare: bool = False) -> BootPlan:
+        """A boot's plan: on ``overlay`` standing on ``chain``, its sockets in ``run_dir``, its UEFI
+        vars (if any) in ``state_dir``. A ``spare`` binds no forward: ``adopt`` binds them."""
         assert self.accel is not None
         return BootPlan(spec=spec, accel=self.accel.accel, disk=overlay, disk_format="qcow2",
                         run_dir=run_dir, ports={} if spare else ports.allocate(spec.network.forwards),
                         firmware=prepare_firmware(spec, state_dir), incoming=incoming, ram=ram,
-                        incoming_check=incoming_check)
+                        incoming_check=incoming_check, disk_chain=chain)
 
     async def reset(self) -> None:
         """Hard reset, like the reset button."""

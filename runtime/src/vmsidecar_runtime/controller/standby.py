@@ -46,7 +46,7 @@ from vmsidecar_contract.spec import VmSpec
 
 from ..backend import Backend, BackendEvent, EventSink
 from ..backend.factory import supports_snapshots
-from ..disk import create_overlay
+from ..disk import chain_over, create_overlay
 from ..plan import BootPlan, shared_with_another_qemu
 from ..snapshots import Snapshot
 from .guest_clock import correct_clock
@@ -157,8 +157,9 @@ class Standby:
             relay = _Relay(lambda event, data: None)
             load = spec.standby is True  # else parked: nothing loaded until the recycle
             plan, backend = await self._machine.launch_spare(
-                lambda: self._machine.new_plan(spec, overlay, run_dir, spare_dir, parts.snap.memory, parts.ram,
-                                               parts.check, spare=True), relay, load=load)
+                lambda: self._machine.new_plan(spec, overlay, chain_over(parts.backing), run_dir, spare_dir,
+                                               parts.snap.memory, parts.ram, parts.check, spare=True),
+                relay, load=load)
             clock: str | None = None
             if load:
                 try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vmsidecar_contract.errors import HostError, ImageError
-from vmsidecar_runtime import procs
+from vmsidecar_runtime import confinement, procs
 
 from .limits import DEFAULT_LIMITS, KIB, MIB, Limits, Origin, human_size
 from .sniff import QCOW2_MAGIC, SNIFF_BYTES, DiskFormat, refuse_disguised_raw
@@ -212,7 +212,7 @@ def check_image(path: Path, fmt: DiskFormat | str, origin: Origin, limits: Limit
     if isinstance(virtual_size, int):
         check_virtual_size(virtual_size, origin, limits)
         check_bitmap_memory(specific_data, virtual_size, origin)
-    rc, out, err = run_qemu_img("check", "-f", "qcow2", "--output=json", str(path), origin=origin)
+    rc, out, err = run_qemu_img("check", "-f", "qcow2", "--output=json", str(path), origin=origin, read=(path,))
     # rc 3 = only leaked clusters: wasted space, harmless for a read-only base
     if rc not in (0, 3):
         raise _corrupt(origin, _check_detail(rc, out, err))
@@ -249,7 +249,7 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
     :raise ImageError: (code ``bad_disk``) when qemu-img cannot read it.
     :raise HostError: when qemu-img is not installed.
     """
-    rc, out, err = run_qemu_img("info", "-f", "qcow2", "--output=json", str(path), origin=origin)
+    rc, out, err = run_qemu_img("info", "-f", "qcow2", "--output=json", str(path), origin=origin, read=(path,))
     if rc != 0:
         raise _corrupt(origin, _last_line(err or out) or f"qemu-img info rc {rc}")
     try:
@@ -261,9 +261,39 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
     return info
 
 
-def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None) -> tuple[int, str, str]:
+#: a backing chain longer than this is not one the runtime made (base, frozen overlay, overlay)
+MAX_CHAIN = 8
+
+
+def backing_chain(disk: Path) -> list[Path]:
+    """The backing files the qcow2 headers under ``disk`` name, in order. Only for a disk whose
+    header no QEMU writes (a cache image, a frozen overlay): a lease's overlay is its QEMU's to
+    write, header included, so what it stands on is the runtime's record (``Disks.chain``). A header
+    that cannot be read ends the chain (QEMU then fails to open the next file, naming it)."""
+    chain: list[Path] = []
+    current = disk
+    for _ in range(MAX_CHAIN):
+        try:
+            with open(current, "rb") as f:
+                head = f.read(_QCOW2_HEAD)
+            if not head.startswith(QCOW2_MAGIC):
+                break
+            name = parse_qcow2_header(head, Origin("a disk of this boot", "")).backing_file
+        except (OSError, ImageError):
+            break
+        if not name:
+            break
+        current = current.parent / name  # (an absolute name replaces the directory, as in QEMU)
+        chain.append(current)
+    return chain
+
+
+def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None, read: tuple[Path, ...] = (),
+                 write: tuple[Path, ...] = ()) -> tuple[int, str, str]:
     """Run qemu-img (blocking) on an image the runtime did not make, held to :data:`QEMU_IMG_MEMORY`,
-    ``timeout`` (default :data:`QEMU_IMG_TIMEOUT`) and :func:`procs.run`'s bound on what it prints.
+    ``timeout`` (default :data:`QEMU_IMG_TIMEOUT`), :func:`procs.run`'s bound on what it prints and
+    a Landlock domain that opens only the files ``read`` (read-only) and ``write`` (a qemu-img that
+    a crafted image took over reads no other file: not the registry auth file, not another image).
 
     :raise ImageError: (code ``unsafe_disk``) when qemu-img ran out of any of them.
     :raise HostError: when qemu-img or prlimit is not installed.
@@ -272,12 +302,16 @@ def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None) -> tu
     if qemu_img is None:
         raise HostError("qemu-img is not installed; install qemu-utils")
     tool, timeout = f"qemu-img {args[0]}", QEMU_IMG_TIMEOUT if timeout is None else timeout
+    ruleset = confinement.ruleset_for(confinement.tool_rules(read=read, write=write))
     try:
-        rc, out, err = procs.run(qemu_img, *args, timeout=timeout, max_memory=QEMU_IMG_MEMORY)
+        rc, out, err = procs.run(qemu_img, *args, timeout=timeout, max_memory=QEMU_IMG_MEMORY, confine=ruleset)
     except subprocess.TimeoutExpired:
         raise _exhausting(origin, f"{tool} did not finish within {timeout:g} s") from None
     except procs.OutputTooLarge as e:  # a snapshot or bitmap table of tens of thousands of entries
         raise _exhausting(origin, f"{tool} printed more than {human_size(e.limit)} about it") from None
+    finally:
+        if ruleset is not None:
+            ruleset.close()
     if rc != 0 and any(m in err for m in _OUT_OF_MEMORY):
         raise _exhausting(origin, f"{tool} needed more than {human_size(QEMU_IMG_MEMORY)} of memory "
                                   f"({_last_line(err)})")

@@ -499,7 +499,7 @@ def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits
     # -u: only the header's backing name changes; the image is never opened through the old name
     try:
         rc, _, err = run_qemu_img("rebase", "-u", "-f", "qcow2", "-b", str(base.path), "-F", base.format,
-                                  str(staged.disk), origin=origin, timeout=60)
+                                  str(staged.disk), origin=origin, timeout=60, read=(base.path,), write=(staged.disk,))
     except ImageError as e:  # it took qemu-img past a bound
         raise SourceRefused("bad_artifact", e.message) from None
     except HostError as e:
