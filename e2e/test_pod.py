@@ -45,8 +45,9 @@ j vm power read
 
 
 def _check_least_privilege(pod: Pod) -> None:
-    """pod.yaml's securityContext holds for every process, QEMU adds its own seccomp filter, the
-    root filesystem is read-only, and the sockets are the runtime user's 0660 (docs/security.md)."""
+    """pod.yaml's securityContext holds for every process, QEMU adds its own seccomp filter and runs
+    in its Landlock domain, the root filesystem is read-only, and the sockets are the runtime user's
+    0660 (docs/security.md)."""
     least = {"Uid": "\t".join(["65532"] * 4), "Gid": "\t".join(["65532"] * 4), "CapEff": "0" * 16,
              "NoNewPrivs": "1", "Seccomp": "2"}
     for container in ("runtime", "exporter"):
@@ -56,6 +57,10 @@ def _check_least_privilege(pod: Pod) -> None:
     [qemu] = [p for p in runtime if p["argv0"].startswith("qemu-system")]
     container_filters = min(int(p["Seccomp_filters"]) for p in runtime if p is not qemu)  # the runtime's own
     assert int(qemu["Seccomp_filters"]) > container_filters, runtime  # QEMU's -sandbox on top of the pod's
+    # and QEMU is in its Landlock domain: the pod's seccomp profile let the runtime make the ruleset
+    log = subprocess.run(["podman", "logs", f"{pod.name}-runtime"], env=ENV, capture_output=True, text=True)
+    assert "starting qemu-system" in log.stdout + log.stderr  # (the whole log, from its start)
+    assert "without a Landlock domain" not in log.stdout + log.stderr, log.stderr[-3000:]
     for container in ("runtime", "exporter"):
         touched = subprocess.run(["podman", "exec", f"{pod.name}-{container}", "touch", "/probe"], env=ENV,
                                  capture_output=True, text=True)

@@ -156,6 +156,12 @@ def _hanging(tmp_path: Path, command: str, *, once: bool = False) -> Iterator[tu
                 os.kill(pid, signal.SIGKILL)
 
 
+def _shim_env(shim_dir: Path) -> dict[str, str]:
+    """The environment that runs the shim for qemu-img: first on ``PATH``, and unconfined (it writes
+    its pid in the test's directory, which qemu-img's Landlock domain refuses)."""
+    return {"PATH": f"{shim_dir}:{os.environ['PATH']}", "VMSIDECAR_QEMU_CONFINEMENT": "off"}
+
+
 @pytest.fixture
 def hanging_qemu_img(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """A qemu-img whose ``check`` hangs (:func:`_hanging`)."""
@@ -196,7 +202,7 @@ async def test_a_cancelled_pull_kills_the_qemu_img_checking_its_disk(
     reference = f"{registry.host}/attack/check-cancel:1"
     await asyncio.to_thread(push_artifact, oci_qcow2, reference, compression=None)
     rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache",
-                             env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
+                             env=_shim_env(shim_dir))
     async with collecting(rt.client(), ["transfer_cancelled"]) as events:
         gone = rt.client()
         pull = asyncio.create_task(gone.flash_reference(reference))
@@ -216,7 +222,8 @@ async def test_a_cancelled_image_check_kills_its_qemu_img(
     from vmsidecar_runtime.disk import check_image
 
     shim_dir, pids = hanging_qemu_img
-    monkeypatch.setenv("PATH", f"{shim_dir}:{os.environ['PATH']}")
+    for name, value in _shim_env(shim_dir).items():
+        monkeypatch.setenv(name, value)
     task = asyncio.create_task(check_image(oci_qcow2, "qcow2"))
     await wait_until_async(lambda: _pids(pids) or task.done(), 30, "qemu-img check to start")
     assert not task.done(), f"the check ended by itself: {task.exception()!r}"
@@ -241,7 +248,7 @@ async def test_a_pull_lease_n_starts_while_the_next_claim_waits_is_cancelled_by_
     lease N's reference)."""
     shim_dir, pids = first_check_hangs
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
-                             cache=tmp_path / "cache", env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
+                             cache=tmp_path / "cache", env=_shim_env(shim_dir))
     with Trickle("manifest") as registry:
         lease_n, exporter, lease_n1 = rt.client(), rt.client(), rt.client()
         await wait_until_async(lambda: _pids(pids), 60, "the first boot's image check to start")
@@ -339,7 +346,7 @@ async def test_a_dump_under_way_when_its_lease_ends_is_cut_and_the_next_claim_do
     ``transfer_cancelled``, and lease N+1 has the VM within the bound."""
     shim_dir, pids = hanging_convert
     rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "snapshot": "off"},
-                             cache=tmp_path / "cache", env={"PATH": f"{shim_dir}:{os.environ['PATH']}"})
+                             cache=tmp_path / "cache", env=_shim_env(shim_dir))
     exporter, lease_n = rt.client(), rt.client()
     await exporter.recycle(boot=False)  # the guest off: a dump needs it so, and no boot is waited for
     lease_n.generation = (await exporter.claim(token="lease-n-token")).generation

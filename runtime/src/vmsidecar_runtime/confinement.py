@@ -1,14 +1,16 @@
-"""QEMU in a Landlock domain of its own: the files a guest that escapes into QEMU can open.
+"""QEMU and qemu-img in Landlock domains of their own: the files a guest that escapes into QEMU,
+or an image that takes qemu-img over, can open.
 
 QEMU runs as the runtime's UID (a UID of its own would need CAP_SETUID: no privilege beyond
 /dev/kvm), so without more it could open whatever that UID can: the registry auth file, every
 image and snapshot in the cache, the state directory's next overlay, a standby spare's disk. The
 runtime builds a Landlock ruleset for each QEMU from its boot plan (:func:`qemu_rules`) and QEMU
-enters it before it runs a line (``landlock_exec.py``, started by setpriv with no_new_privs):
+enters it before it runs a line (``landlock_exec.py``, between setpriv and QEMU):
 
 - read and execute: the system's program and library directories, QEMU's own prefix;
 - read: the few files under /etc the C library and slirp read, /proc and /sys, the disk's backing
-  chain, the firmware code, the spec's kernel and initrd;
+  chain as the runtime made it (``BootPlan.disk_chain``: never what the overlay's header, which
+  QEMU writes, names), the firmware code, the spec's kernel and initrd;
 - read and write: its own disk (the overlay), its UEFI vars, a templated restore's RAM file (QEMU
   7.2 opens it read-write to map it privately: docs/security.md row 15), /dev/kvm and the
   character devices every program writes (/dev/null ...);
@@ -20,10 +22,14 @@ abstract Unix socket outside its domain, and Landlock keeps any process in the d
 ptracing one outside it. Files QEMU is given later (a capture's new overlay, the migration stream)
 come as descriptors over QMP, never as paths.
 
+qemu-img (:func:`tool_rules`) opens only the disks its call names: a check of an image only that
+image, an overlay's creation the overlay and what it stands on, a dump the lease's disk chain and
+the dump's file.
+
 A kernel without Landlock (Linux < 5.13, or not in the LSM list, or a seccomp profile that refuses
-its syscalls) runs QEMU unconfined, said once in the log; rights a kernel's ABI lacks are left out
+its syscalls) runs them unconfined, said once in the log; rights a kernel's ABI lacks are left out
 (landlockpy's best effort: with ABI < 3 truncation is not confined). ``VMSIDECAR_QEMU_CONFINEMENT=off``
-runs QEMU unconfined on purpose: for an administrator's ``extra_args`` that name host files.
+runs them unconfined on purpose: for an administrator's ``extra_args`` that name host files.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,9 +94,7 @@ def system_rules() -> list[Rule]:
 
 def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
     """Everything the QEMU of ``plan`` may open (the module's docstring), existing paths only."""
-    rules = system_rules()
-    prefix = Path(emulator).resolve().parent.parent  # a QEMU built into /opt/qemu: bin/.. holds its share/
-    rules.append(Rule(prefix, RUN))
+    rules = [*system_rules(), program_rule(emulator)]
     if plan.accel == "kvm":
         rules.append(Rule(Path("/dev/kvm"), READ_WRITE))
     rules.append(Rule(plan.disk, READ_WRITE))
@@ -103,11 +108,19 @@ def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
     return [rule for rule in rules if rule.path.exists()]
 
 
-def tool_rules(*, read: Iterable[Path] = (), write: Iterable[Path] = ()) -> list[Rule]:
-    """What a qemu-img run may open: the files ``read``, read-only, and ``write``, read-write (each
-    existing; a backing file it needs is one of ``read``)."""
-    rules = system_rules() + [Rule(p, READ) for p in read] + [Rule(p, READ_WRITE) for p in write]
+def tool_rules(program: str, *, read: Iterable[Path] = (), write: Iterable[Path] = ()) -> list[Rule]:
+    """What ``program`` (qemu-img) may open: the files ``read``, read-only, and ``write``,
+    read-write (each existing; a backing file it needs is one of ``read``)."""
+    rules = [*system_rules(), program_rule(program), *(Rule(p, READ) for p in read),
+             *(Rule(p, READ_WRITE) for p in write)]
     return [rule for rule in rules if rule.path.exists()]
+
+
+def program_rule(program: str) -> Rule:
+    """``program``'s own prefix, to run it and read what it ships: a QEMU built into /opt/qemu has
+    its ROMs in /opt/qemu/share (bin/..); one on ``PATH`` by its name is looked up there."""
+    path = shutil.which(program) or program
+    return Rule(Path(path).resolve().parent.parent, RUN)
 
 
 #: ``off``: QEMU runs without the domain (an administrator's ``extra_args`` that open host files)

@@ -67,7 +67,7 @@ async def run_tool(*argv: str, read: tuple[Path, ...] = (), write: tuple[Path, .
 
     :raise HostError: when the program is not installed.
     """
-    ruleset = confinement.ruleset_for(confinement.tool_rules(read=read, write=write))
+    ruleset = confinement.ruleset_for(confinement.tool_rules(argv[0], read=read, write=write))
     try:
         proc = await spawn(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

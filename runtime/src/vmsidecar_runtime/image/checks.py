@@ -302,7 +302,7 @@ def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None, read:
     if qemu_img is None:
         raise HostError("qemu-img is not installed; install qemu-utils")
     tool, timeout = f"qemu-img {args[0]}", QEMU_IMG_TIMEOUT if timeout is None else timeout
-    ruleset = confinement.ruleset_for(confinement.tool_rules(read=read, write=write))
+    ruleset = confinement.ruleset_for(confinement.tool_rules(qemu_img, read=read, write=write))
     try:
         rc, out, err = procs.run(qemu_img, *args, timeout=timeout, max_memory=QEMU_IMG_MEMORY, confine=ruleset)
     except subprocess.TimeoutExpired:
