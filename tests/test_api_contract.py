@@ -102,3 +102,19 @@ async def test_live_answers_match_and_errors_are_json(api: Any) -> None:
 
 def stat_mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
+
+
+async def test_a_dump_whose_image_fails_its_check_answers_the_documented_image_error(
+        start_runtime: Any, tmp_path: Path) -> None:
+    """The dump checks (and pulls) the spec's image first, as a power on does: its errors are the
+    dump's too (they were undocumented for ``GET /v1/vm/disk``)."""
+    from fixtures.faults import wait_phase
+    from vmsidecar_contract.errors import ImageError
+
+    corrupt = tmp_path / "corrupt.qcow2"
+    corrupt.write_bytes(b"QFI\xfb" + bytes(60) + b"\xff" * 4096)  # qcow2's magic, then no valid header
+    rt = await start_runtime({"image": f"file:{corrupt}", "memory": "128M"})
+    client = rt.client()
+    await wait_phase(client, "Error", timeout=60)  # its boot refused the image
+    with pytest.raises(ImageError):
+        await client.dump(tmp_path / "dump.qcow2")

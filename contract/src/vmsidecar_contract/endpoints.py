@@ -209,9 +209,11 @@ PUT_DISK = Endpoint(
 GET_DISK = Endpoint(
     "GET", "/v1/vm/disk", "Dump the disk (base + changes) as one image. Stopped|Crashed|Error. One disk "
     "transfer at a time, a flash or a dump (409 transfer_in_progress); cancelled by a recycle or the next "
-    "claim (409 transfer_cancelled, or the stream cut short).",
+    "claim (409 transfer_cancelled, or the stream cut short). The spec's image is pulled and checked "
+    "first when it is not yet (the errors of a power on).",
     (Answer(200, "image", "binary"),),
-    ("bad_request", "no_spec", "wrong_phase", "transfer_in_progress", "transfer_cancelled", "host_error"),
+    ("bad_request", "no_spec", "bad_reference", "wrong_phase", "transfer_in_progress", "transfer_cancelled",
+     "image_error", "digest_mismatch", "wrong_platform", "host_error", "registry_error", "pull_timeout"),
     query=(Query("format", {"type": "string", "enum": ["qcow2", "raw"], "default": "qcow2"}),))
 POST_PULL = Endpoint(
     "POST", "/v1/vm/disk/pull",
