@@ -53,6 +53,10 @@ class _Ahead:
     own: dict
 
 
+#: the waits between attempts to make a file on a volume the last boot filled (``Disks._with_room``)
+ROOM_WAITS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
 def _inode(path: Path) -> tuple[int, int] | None:
     try:
         st = path.stat()
@@ -150,13 +154,24 @@ class Disks:
         backing = backing or self.current
         assert backing is not None
         if not self.paths.overlay.exists() and not await self._take_ahead(backing):
-            try:
-                await create_overlay(backing, self.paths.overlay)
-            except NoSpace:  # the last boot's overlay, unlinked, is freed once its QEMU's exit closes it
-                await exits_done()
-                await create_overlay(backing, self.paths.overlay)
+            await self._with_room(lambda: create_overlay(backing, self.paths.overlay))
             self._made(self.paths.overlay, chain_over(backing))
         return self.paths.overlay
+
+    @staticmethod
+    async def _with_room(make: Callable[[], Awaitable[None]]) -> None:
+        """``make`` a file, again while the volume has no room yet for it: the last boot's overlay,
+        unlinked, is freed only once its QEMU's exit has closed it and the kernel has let go of the
+        Landlock domains that named it (after an RCU grace period: 47 ms measured on an idle host,
+        longer under load; a 16 MiB state volume filled by the guest met it in a CI run)."""
+        for wait in ROOM_WAITS:
+            try:
+                await make()
+                return
+            except NoSpace:
+                await exits_done()
+                await asyncio.sleep(wait)
+        await make()
 
     def chain(self, overlay: Path) -> tuple[Path, ...]:
         """The files ``overlay`` stands on (its backing chain) as this runtime made it; none for a
