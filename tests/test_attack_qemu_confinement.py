@@ -129,7 +129,7 @@ def test_a_kernel_without_landlock_runs_qemu_unconfined_and_says_so(monkeypatch:
     monkeypatch.setattr(confinement, "Ruleset", refused)
     confinement._warn_unconfined.cache_clear()
     assert confinement.ruleset_for([]) is None
-    assert "QEMU runs without a Landlock domain (Function not implemented)" in caplog.text
+    assert "QEMU and qemu-img run without a Landlock domain (Function not implemented)" in caplog.text
     assert "landlock_* syscalls" in caplog.text
 
 

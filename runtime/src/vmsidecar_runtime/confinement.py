@@ -123,12 +123,13 @@ def program_rule(program: str) -> Rule:
     return Rule(Path(path).resolve().parent.parent, RUN)
 
 
-#: ``off``: QEMU runs without the domain (an administrator's ``extra_args`` that open host files)
+#: ``off``: QEMU and qemu-img run without their domains (an administrator's ``extra_args`` that
+#: open host files)
 ENV = "VMSIDECAR_QEMU_CONFINEMENT"
 
 
 def wanted() -> bool:
-    """Whether QEMU is to be confined (the default), or the administrator turned it off (``ENV``)."""
+    """Whether QEMU and qemu-img are confined (the default), or the administrator turned it off (``ENV``)."""
     if os.environ.get(ENV, "landlock") == "off":
         _warn_unconfined(f"{ENV}=off")
         return False
@@ -137,8 +138,9 @@ def wanted() -> bool:
 
 @functools.cache
 def _warn_unconfined(why: str) -> None:
-    log.warning("QEMU runs without a Landlock domain (%s): a guest that escapes into QEMU can open any "
-                "file the runtime's user can, the registry auth file included; run on a kernel with "
+    log.warning("QEMU and qemu-img run without a Landlock domain (%s): a guest that escapes into QEMU, "
+                "or an image that takes qemu-img over, can open any file the runtime's user can, the "
+                "registry auth file included; run on a kernel with "
                 "Landlock (Linux >= 5.13 with landlock in its LSM list) and let the pod's seccomp "
                 "profile allow the landlock_* syscalls", why)
 
@@ -161,4 +163,3 @@ def ruleset_for(rules: list[Rule]) -> Ruleset | None:
         ruleset.close()
         raise
     return ruleset
-

@@ -227,6 +227,9 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
     Run for work that may be given up (:func:`.threads.current_abort`), the program is killed when
     it is: nothing keeps reading an image the runtime abandoned until its own deadline.
 
+    ``confine``: the program runs in that Landlock domain (:func:`confined_argv`; the caller closes
+    the ruleset).
+
     :raise FileNotFoundError: when the program is not installed.
     :raise HostError: ``max_memory`` asked for and prlimit is not installed.
     :raise subprocess.TimeoutExpired: past ``timeout`` (the program killed and reaped).
