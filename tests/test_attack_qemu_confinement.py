@@ -12,6 +12,8 @@ QEMU needs (its own disk, the backing image read-only) still opens.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -22,6 +24,7 @@ from typing import Any
 import pytest
 from qemu.qmp.error import QMPError
 
+from fixtures.runtime import qemu_pids
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime import confinement
@@ -200,3 +203,40 @@ async def test_a_dump_of_an_overlay_naming_another_backing_file_copies_no_host_f
     except HostError as e:
         assert "Permission denied" in e.message, e.message
     assert not dest.exists() or SECRET.encode() not in dest.read_bytes()
+
+
+@pytest.mark.timeout(240)
+async def test_a_spares_serial_socket_taken_during_the_lease_gives_nothing_of_the_next_leases_console(
+        start_runtime: Any, tiny_image: Any) -> None:
+    """A connect to a Unix socket by path is not confined (Landlock ABI 11's ``RESOLVE_UNIX``): an
+    escaped QEMU of lease N (the runtime's UID) connects to the standby spare's serial socket, which
+    QEMU serves to one client; the spare becomes lease N+1's guest at the recycle, and its console
+    was the attacker's. The runtime now holds every console socket of a QEMU from its launch."""
+    from vmsidecar_images.console import Console
+
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M", "standby": True})
+    client = rt.client()
+    await client.wait_ready(180)
+    await client.wait_spare()
+    [spare] = qemu_pids(str(rt.state / "spare"))
+    argv = Path(f"/proc/{spare}/cmdline").read_bytes().decode().split("\0")
+    serial = next(a.split("path=")[1].split(",")[0] for a in argv if a.startswith("socket,id=ser0,"))
+    reader, writer = await asyncio.open_unix_connection(serial)  # (what the escaped QEMU does)
+    try:
+        await client.recycle()
+        await client.wait_ready(60)
+        con = await Console.open(rt.shared / "console.sock")
+        try:
+            await con.wake(60)
+            await con.run("echo next-lease-$((6*7))")
+            stolen = b""
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    stolen += await asyncio.wait_for(reader.read(4096), 2)
+                    if not stolen or reader.at_eof():
+                        break
+            assert b"next-lease-42" not in stolen, stolen[-500:]
+        finally:
+            await con.close()
+    finally:
+        writer.close()

@@ -314,15 +314,18 @@ class ConsoleHub:
                 await loop.sock_sendall(queue.conn, chunk)
 
     # ---- the guest side ------------------------------------------------------------------
-    async def attach(self, upstream: Path | StreamPipe, *, timeout: float = 10.0) -> None:
+    async def attach(self, upstream: Path | StreamPipe | socket.socket, *, timeout: float = 10.0) -> None:
         """Start draining the backend's end of this stream: its socket (connected, retried until
-        ``timeout``), or the runtime's ends of its pipes (closed by this hub from now on).
+        ``timeout``), a connection to it (held since the backend started), or the runtime's ends
+        of its pipes (those two closed by this hub from now on).
 
         :raise TimeoutError: when the socket does not accept within ``timeout``.
         """
         await self.detach()
         if isinstance(upstream, StreamPipe):
             reader, writer, self._upstream_output = await _open_pipes(upstream)
+        elif isinstance(upstream, socket.socket):
+            reader, writer = await asyncio.open_unix_connection(sock=upstream)
         else:
             reader, writer = await _connect(upstream, timeout)
         self._upstream = writer

@@ -12,6 +12,7 @@ themselves are imported by ``create_backend`` when a boot needs one.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
@@ -95,9 +96,10 @@ class Backend(Protocol):
         :raise HostError: when the snapshot's seal check failed or the hypervisor refuses it.
         """
 
-    def upstream(self, name: str) -> Path | StreamPipe:
+    def upstream(self, name: str) -> Path | StreamPipe | socket.socket:
         """Where the runtime reads and writes the guest's stream ``name`` (after ``launch``): the
-        backend's private socket, or the runtime's ends of pipes, which the caller then owns."""
+        backend's private socket, a connection to it, or the runtime's ends of pipes (the caller
+        then owns those two)."""
         ...
 
     async def resume(self) -> None:

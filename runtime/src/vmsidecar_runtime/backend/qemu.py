@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -165,6 +166,8 @@ class QemuBackend:
         self.guest_agent: GuestAgent | None = None
         #: this process's virtio console pipes, until the hubs take the runtime's ends
         self._pipes: StreamPipes | None = None
+        #: the runtime's connections to this process's console sockets, until the hubs take them
+        self._held: dict[str, socket.socket] = {}
         #: the process's end is reported (EXITED); not once ``quit`` left it exiting on its own
         self._reports_exit = True
 
@@ -177,9 +180,9 @@ class QemuBackend:
         emulator = emulator_path(self.plan.spec.arch)  # fail early, naming the package, when QEMU is missing
         argv = build_argv(self.plan)
         log.info("starting %s", " ".join(argv))
-        for socket in listening_sockets(argv):  # a confined QEMU cannot remove its predecessor's
-            if socket.is_socket():
-                socket.unlink(missing_ok=True)
+        for left in listening_sockets(argv):  # a confined QEMU cannot remove its predecessor's
+            if left.is_socket():
+                left.unlink(missing_ok=True)
         self._pipes = StreamPipes(self.plan.stream_pipe, piped_streams(self.plan.spec))
         ram_fd = (self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else ()
         ruleset = confinement.ruleset_for(confinement.qemu_rules(self.plan, emulator))
@@ -207,6 +210,7 @@ class QemuBackend:
         self._watcher = asyncio.create_task(self._watch_exit(), name="qemu-wait")
         await self._connect_qmp(qmp_timeout)
         self._pipes.remove_links()  # QEMU has opened its chardevs
+        await self._hold_sockets()
         # held before a restore's load, so QEMU accepts it while the load's commands run and the
         # restored guest never hears the host side close (guest_agent's docstring)
         self.guest_agent = await hold(self.plan.guest_agent_socket)
@@ -220,11 +224,30 @@ class QemuBackend:
         assert self.plan.incoming is not None, "load() is for a QEMU started with an incoming snapshot"
         await self._restore(self.plan.incoming)
 
-    def upstream(self, name: str) -> Path | StreamPipe:
-        """Where the runtime reads and writes stream ``name``: the runtime's ends of its pipes (the
-        caller owns them from now on), or QEMU's socket."""
+    def upstream(self, name: str) -> Path | StreamPipe | socket.socket:
+        """Where the runtime reads and writes stream ``name``: the runtime's ends of its pipes, or
+        its connection to QEMU's socket, held since the launch (the caller owns either from now
+        on); QEMU's socket once they were taken."""
         pipe = self._pipes.take(name) if self._pipes is not None else None
-        return pipe if pipe is not None else self.plan.console_socket(name)
+        held = self._held.pop(name, None)
+        return pipe or held or self.plan.console_socket(name)
+
+    async def _hold_sockets(self) -> None:
+        # QEMU serves each console socket to one client: whoever connects first has the guest's
+        # console (a same-UID process, a QEMU a guest escaped into: a connect by path is not
+        # confined), until the runtime attaches, which for a standby spare is at the next recycle
+        loop = asyncio.get_running_loop()
+        piped = piped_streams(self.plan.spec)
+        for name in (name for name in self.plan.stream_names if name not in piped):
+            held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.setblocking(False)
+            try:
+                await loop.sock_connect(held, str(self.plan.console_socket(name)))
+            except OSError as e:  # (the hub connects by path at its attach, as it would have)
+                log.warning("QEMU's socket for %s could not be held from its start (%s)", name, e)
+                held.close()
+                continue
+            self._held[name] = held
 
     async def _collect(self, stream: asyncio.StreamReader | None) -> None:
         assert stream is not None
@@ -556,6 +579,9 @@ class QemuBackend:
         if self._pipes is not None:
             self._pipes.close()
             self._pipes = None
+        for held in self._held.values():
+            held.close()
+        self._held.clear()
         if self.guest_agent is not None:
             await self.guest_agent.close()
             self.guest_agent = None
