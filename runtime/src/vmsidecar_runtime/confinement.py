@@ -34,11 +34,12 @@ runs them unconfined on purpose: for an administrator's ``extra_args`` that name
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,3 +164,15 @@ def ruleset_for(rules: list[Rule]) -> Ruleset | None:
         ruleset.close()
         raise
     return ruleset
+
+
+@contextlib.contextmanager
+def domain(rules: list[Rule]) -> Iterator[Ruleset | None]:
+    """:func:`ruleset_for` ``rules``, for a child started within (``procs``'s ``confine``); closed
+    at the end, once the child holds its own copy."""
+    ruleset = ruleset_for(rules)
+    try:
+        yield ruleset
+    finally:
+        if ruleset is not None:
+            ruleset.close()

@@ -67,17 +67,12 @@ async def run_tool(*argv: str, read: tuple[Path, ...] = (), write: tuple[Path, .
 
     :raise HostError: when the program is not installed.
     """
-    ruleset = confinement.ruleset_for(confinement.tool_rules(argv[0], read=read, write=write))
     try:
-        proc = await spawn(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            confine=ruleset,
-        )
+        with confinement.domain(confinement.tool_rules(argv[0], read=read, write=write)) as ruleset:
+            proc = await spawn(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                               stderr=asyncio.subprocess.PIPE, confine=ruleset)
     except FileNotFoundError:
         raise HostError(f"{argv[0]} is not installed; install qemu-utils") from None
-    finally:
-        if ruleset is not None:
-            ruleset.close()
     try:
         out, err = await proc.communicate()
     except asyncio.CancelledError:

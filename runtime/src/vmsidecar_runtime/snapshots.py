@@ -55,9 +55,8 @@ from vmsidecar_contract.state import FORM_REASON_GPIO, FORM_REASON_RUNTIME
 from . import procs
 from .backend.common import qemu_binary
 from .disk import DiskImage
-from .image.checks import parse_qcow2_header
+from .image.checks import read_qcow2_header
 from .image.limits import Origin
-from .image.sniff import QCOW2_MAGIC
 from .oci.cache import IN_USE, DiskCache, hash_file, remove_tree, stat_seal
 
 log = logging.getLogger(__name__)
@@ -682,15 +681,13 @@ def _frozen_overlay_problem(snap: Snapshot, base: DiskImage) -> str | None:
     backing file is ``base`` (as captured), with no external data file."""
     origin = Origin("the snapshot's frozen overlay", "capture a new snapshot")
     try:
-        with open(snap.disk, "rb") as f:
-            head = f.read(64 << 10)
-        if not head.startswith(QCOW2_MAGIC):
-            return "its frozen overlay is not a qcow2 image"
-        header = parse_qcow2_header(head, origin)
+        header = read_qcow2_header(snap.disk, origin)
     except OSError as e:
         return f"its frozen overlay cannot be read ({e.strerror})"
     except ImageError as e:
         return e.message
+    if header is None:
+        return "its frozen overlay is not a qcow2 image"
     if header.backing_file != str(base.path):
         return (f"its frozen overlay's backing file is {header.backing_file or 'missing'}, not the base image "
                 f"{base.path}")

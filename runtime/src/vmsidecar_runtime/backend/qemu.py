@@ -185,25 +185,22 @@ class QemuBackend:
                 left.unlink(missing_ok=True)
         self._pipes = StreamPipes(self.plan.stream_pipe, piped_streams(self.plan.spec))
         ram_fd = (self.plan.ram.fd,) if self.plan.ram is not None and self.plan.ram.fd is not None else ()
-        ruleset = confinement.ruleset_for(confinement.qemu_rules(self.plan, emulator))
         try:
-            self._proc = await spawn(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
-                die_with_parent=True,
-                no_capabilities=True,
-                confine=ruleset,
-                pass_fds=(*ram_fd, *self._pipes.qemu_fds),
-            )
+            with confinement.domain(confinement.qemu_rules(self.plan, emulator)) as ruleset:
+                self._proc = await spawn(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,  # a Ctrl-C on the runtime's terminal must not kill QEMU behind its back
+                    die_with_parent=True,
+                    no_capabilities=True,
+                    confine=ruleset,
+                    pass_fds=(*ram_fd, *self._pipes.qemu_fds),
+                )
         except BaseException:
             self._pipes.close()
             raise
-        finally:
-            if ruleset is not None:
-                ruleset.close()
         self._pipes.close_qemu_ends()
         self._readers = [asyncio.create_task(self._collect(self._proc.stdout), name="qemu-stdout"),
                          asyncio.create_task(self._collect(self._proc.stderr), name="qemu-stderr")]

@@ -265,6 +265,16 @@ def _qemu_img_info(path: Path, origin: Origin) -> dict:
 MAX_CHAIN = 8
 
 
+def read_qcow2_header(path: Path, origin: Origin) -> Qcow2Header | None:
+    """The qcow2 header of the file ``path``, or None when it is no qcow2 image.
+
+    :raise OSError: it cannot be read. :raise ImageError: its header is too short or of no known version.
+    """
+    with open(path, "rb") as f:
+        head = f.read(_QCOW2_HEAD)
+    return parse_qcow2_header(head, origin) if head.startswith(QCOW2_MAGIC) else None
+
+
 def backing_chain(disk: Path) -> list[Path]:
     """The backing files the qcow2 headers under ``disk`` name, in order. Only for a disk whose
     header no QEMU writes (a cache image, a frozen overlay): a lease's overlay is its QEMU's to
@@ -274,13 +284,10 @@ def backing_chain(disk: Path) -> list[Path]:
     current = disk
     for _ in range(MAX_CHAIN):
         try:
-            with open(current, "rb") as f:
-                head = f.read(_QCOW2_HEAD)
-            if not head.startswith(QCOW2_MAGIC):
-                break
-            name = parse_qcow2_header(head, Origin("a disk of this boot", "")).backing_file
+            header = read_qcow2_header(current, Origin("a disk of this boot", ""))
         except (OSError, ImageError):
             break
+        name = header.backing_file if header is not None else None
         if not name:
             break
         current = current.parent / name  # (an absolute name replaces the directory, as in QEMU)
@@ -302,16 +309,13 @@ def run_qemu_img(*args: str, origin: Origin, timeout: float | None = None, read:
     if qemu_img is None:
         raise HostError("qemu-img is not installed; install qemu-utils")
     tool, timeout = f"qemu-img {args[0]}", QEMU_IMG_TIMEOUT if timeout is None else timeout
-    ruleset = confinement.ruleset_for(confinement.tool_rules(qemu_img, read=read, write=write))
     try:
-        rc, out, err = procs.run(qemu_img, *args, timeout=timeout, max_memory=QEMU_IMG_MEMORY, confine=ruleset)
+        with confinement.domain(confinement.tool_rules(qemu_img, read=read, write=write)) as ruleset:
+            rc, out, err = procs.run(qemu_img, *args, timeout=timeout, max_memory=QEMU_IMG_MEMORY, confine=ruleset)
     except subprocess.TimeoutExpired:
         raise _exhausting(origin, f"{tool} did not finish within {timeout:g} s") from None
     except procs.OutputTooLarge as e:  # a snapshot or bitmap table of tens of thousands of entries
         raise _exhausting(origin, f"{tool} printed more than {human_size(e.limit)} about it") from None
-    finally:
-        if ruleset is not None:
-            ruleset.close()
     if rc != 0 and any(m in err for m in _OUT_OF_MEMORY):
         raise _exhausting(origin, f"{tool} needed more than {human_size(QEMU_IMG_MEMORY)} of memory "
                                   f"({_last_line(err)})")

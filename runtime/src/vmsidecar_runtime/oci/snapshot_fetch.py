@@ -40,10 +40,10 @@ from vmsidecar_contract.errors import (
 
 from ..console import SCROLLBACK
 from ..disk import DiskImage
-from ..image.checks import check_virtual_size, parse_qcow2_header, run_qemu_img
+from ..image.checks import check_virtual_size, read_qcow2_header, run_qemu_img
 from ..image.decompress import open_decompressed
 from ..image.limits import DEFAULT_LIMITS, Limits, Origin, human_size
-from ..image.sniff import QCOW2_MAGIC, Compression
+from ..image.sniff import Compression
 from ..snapshot_identity import IMAGE_FIELDS, SnapshotIdentity
 from ..snapshots import CONSOLE_SUFFIX, Snapshot, SnapshotMeta, SnapshotStore, seal_digest, seal_hash
 from ..threads import Abort, in_daemon_thread
@@ -480,15 +480,13 @@ def _rebase_frozen_overlay(staged: Snapshot, base: DiskImage, where: str, limits
     virtual size within the image limit."""
     origin = Origin(f"the frozen overlay of {where}", RESEND)
     try:
-        with open(staged.disk, "rb") as f:
-            head = f.read(64 << 10)
-        if not head.startswith(QCOW2_MAGIC):
-            raise SourceRefused("bad_artifact", f"{origin.what} is not a qcow2 image; {RESEND}")
-        header = parse_qcow2_header(head, origin)
+        header = read_qcow2_header(staged.disk, origin)
     except OSError as e:
         raise SourceRefused("bad_artifact", f"{origin.what} cannot be read ({e.strerror}); {RESEND}") from None
     except ImageError as e:
         raise SourceRefused("bad_artifact", e.message) from None
+    if header is None:
+        raise SourceRefused("bad_artifact", f"{origin.what} is not a qcow2 image; {RESEND}")
     if header.data_file is not None or not header.backing_file:
         raise SourceRefused("bad_artifact", f"{origin.what} is not an overlay of the image (a data file, or no "
                             f"backing file); {RESEND}")
