@@ -333,3 +333,36 @@ async def test_a_capture_the_cache_cannot_store_leaves_the_guest_ready_and_no_sn
         await client.recycle()
         state = await client.wait_ready(240)
         assert state.snapshot.boot == "cold", state.snapshot
+
+
+async def test_a_capture_whose_state_file_cannot_be_made_leaves_the_guest_running(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path
+) -> None:
+    # the capture's staging directory goes while the guest boots (as a failing cache volume, or one
+    # out of inodes, would refuse the file): the device state's file cannot be made once the guest is
+    # paused for the capture; the guest must run on, Ready, uncaptured, and the next boot capture
+    cache = tmp_path / "cache"
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"},
+                             extra_args=["--cache-dir", str(cache)])
+    client = rt.client()
+    staging = await wait_until_async(lambda: list((cache / "snapshots").glob(".incoming-*")), timeout=120,
+                                     what="the capture's staging directory")
+    assert (await client.state()).phase.value in ("Pulling", "Starting", "Running")  # before the capture
+    for path in staging:
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    await client.wait_ready(240)
+    state = await client.wait_stored()
+    assert state.phase.value == "Ready" and not state.snapshot.available, state.snapshot
+    reason = state.snapshot.reason or ""
+    assert "could not be written" in reason and "No such file or directory" in reason, reason
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        assert "RUNS-42" in await con.run("echo RUNS-$((40+2))", timeout=30)  # not left paused
+    finally:
+        await con.close()
+    await client.recycle()  # the next boot captures
+    state = await client.wait_ready(240)
+    assert state.snapshot.boot == "cold", state.snapshot
+    state = await client.wait_stored()
+    assert state.snapshot.available, state.snapshot

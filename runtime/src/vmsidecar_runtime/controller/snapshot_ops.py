@@ -471,6 +471,14 @@ class SnapshotOps:
             if backend.alive:
                 await backend.resume()
             return None
+        except OSError as e:  # its file could not be made (a failing cache volume, out of inodes): not this guest's fault
+            if prepared is not None:
+                prepared.close()
+            if backend.alive:
+                await backend.resume()  # paused for the capture: it runs on, uncaptured; the next cold boot tries again
+            await self._not_stored(staged, f"the snapshot's state could not be written into {self._store.root} "
+                                           f"({e.strerror or e}); give the cache volume room for it, or set snapshot: off")
+            return None
         if prepared is None:
             return Capture(key, staged, agent, started)
         return Capture(key, staged, agent, started, prepared.ram, prepared.frozen)
