@@ -366,3 +366,33 @@ async def test_a_capture_whose_state_file_cannot_be_made_leaves_the_guest_runnin
     assert state.snapshot.boot == "cold", state.snapshot
     state = await client.wait_stored()
     assert state.snapshot.available, state.snapshot
+
+
+@pytest.mark.parametrize("form", ["templated", "stream"])
+async def test_a_cache_where_no_snapshot_can_be_staged_boots_cold_and_says_why(
+    start_runtime: Any, tiny_image: Any, tmp_path: Path, form: str
+) -> None:
+    # the cache's snapshots/ cannot be a directory (a file holds its name: as a cache volume out of
+    # inodes, read-only, or another UID's would refuse it): no capture can be staged, the boot must
+    # not depend on one
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "snapshots").write_text("not a directory\n")
+    rt = await start_runtime({"image": f"file:{tiny_image.disk}", "memory": "256M"},
+                             extra_args=["--cache-dir", str(cache)], env={"VMSIDECAR_SNAPSHOT_FORM": form})
+    client = rt.client()
+    state = await client.wait_ready(240)
+    state = await client.wait_stored()
+    assert state.phase.value == "Ready" and not state.snapshot.available, state.snapshot
+    reason = state.snapshot.reason or ""
+    assert "could not be staged" in reason and str(cache / "snapshots") in reason and "File exists" in reason, reason
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        assert "COLD-42" in await con.run("echo COLD-$((40+2))", timeout=30)
+    finally:
+        await con.close()
+    await client.recycle()  # and every boot after it, cold
+    await client.wait_ready(240)
+    state = await client.wait_stored()
+    assert state.snapshot.boot == "cold" and "could not be staged" in (state.snapshot.reason or ""), state.snapshot

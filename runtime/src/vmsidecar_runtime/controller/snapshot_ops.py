@@ -219,7 +219,12 @@ class SnapshotOps:
         await self.drop_staging()
         if self._capture_key is None or self._form != TEMPLATED:
             return None
-        snap = await asyncio.to_thread(self._store.staging, self._capture_key)
+        try:
+            snap = await asyncio.to_thread(self._store.staging, self._capture_key)
+        except OSError as e:  # the boot goes on without a capture: the next one tries again
+            self._capture_key = None
+            self._not_staged(e)
+            return None
         ram = CaptureRam(f"vmsidecar-ram-{self._capture_key}")
         self._staged = Staging(snap, ram, FrozenRam(f"vmsidecar-frozen-{self._capture_key}", ram))
         self._mirroring = asyncio.create_task(self._mirror(self._staged.frozen))
@@ -458,7 +463,11 @@ class SnapshotOps:
         agent = backend.guest_agent_open
         log.info("guest agent at capture: %s", "port open" if agent else "none")
         prepared, self._staged = self._staged, None
-        staged = prepared.snap if prepared else self._store.staging(key)  # a full stream's is made now
+        try:
+            staged = prepared.snap if prepared else self._store.staging(key)  # a full stream's is made now
+        except OSError as e:  # before the pause: the guest runs on, uncaptured
+            self._not_staged(e)
+            return None
         try:
             await backend.save_state(staged.memory)
         except HostError as e:
@@ -587,6 +596,12 @@ class SnapshotOps:
         """The staged files, complete, made the store's snapshot (templated when ``hashed`` has its RAM)."""
         meta = SnapshotMeta(guest_agent=capture.guest_agent, form=TEMPLATED if "ram" in hashed else STREAM)
         return await asyncio.to_thread(self._store.commit, capture.staged, capture.key, consoles, meta, hashed)
+
+    def _not_staged(self, error: OSError) -> None:
+        """No capture this boot: its staging directory could not be made (recorded, logged)."""
+        self._why(f"no snapshot this boot: it could not be staged in {self._store.root} ({error.strerror or error}); "
+                  "make it a directory this user can write on a cache volume with room, or set snapshot: off")
+        log.warning("no memory snapshot: %s", self.info.reason)
 
     async def _not_stored(self, staged: Snapshot, why: str) -> None:
         """A capture that cannot be stored: what it staged goes, the reason is recorded."""
