@@ -525,3 +525,24 @@ async def test_a_libvirt_uri_that_runs_a_program_or_names_a_file_is_the_administ
     for plain in ("qemu:///system", "qemu:///session", "qemu+ssh://user@host.example/system",
                   "qemu+tls://host.example/system", "qemu+unix:///system"):
         assert await fvm.vm.set_spec(fake_spec(image, backend="libvirt", libvirt_uri=plain))
+
+
+async def test_a_boot_failing_on_a_bugs_exception_is_error_naming_it_and_power_on_recovers(
+        fake_vm: Build, fake_images: Images, fake_pull: Any) -> None:
+    """An exception no input raises on purpose (a bug; injected here into the pull, the one way to
+    produce it) ends the boot in Error naming it, not in the phase it raised in: a runtime whose cold
+    boot raised so once stayed in Starting for good, its log the only trace (reliability.md)."""
+    failures = [RuntimeError("injected: a bug")]
+
+    def pull_with_a_bug(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return fake_pull(*args, **kwargs)
+
+    fvm = await fake_vm(fake_spec(fake_images.base), pull_fn=pull_with_a_bug)
+    async with watch(fvm.vm) as seen:
+        await refused(fvm.vm.power_on(), "internal_error", "RuntimeError", "injected: a bug", "report it")
+    assert seen.phases == [P, E] and not fvm.hv.backends
+    assert fvm.vm.state().last_error["error"] == "internal_error"
+    await fvm.vm.power_on()
+    assert (await until(fvm.vm, RD)).boot == 1

@@ -34,8 +34,11 @@ class VmsidecarError(Exception):
 
     code: str = "error"
     http_status: int = 500
-    #: more precise codes this class may carry instead of ``code``, with what each means
-    codes: ClassVar[dict[str, str]] = {}
+    #: more precise codes this class may carry instead of ``code``, with what each means (a subclass
+    #: without its own inherits these; the registry keeps each code for the first class listing it)
+    codes: ClassVar[dict[str, str]] = {
+        "internal_error": "a bug in the runtime (500); the message names the exception: please report it",
+    }
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
@@ -231,7 +234,6 @@ class GuestError(VmsidecarError):
 
 #: codes the API server sends for failures no exception of ours describes
 PROTOCOL_CODES = {
-    "internal_error": "a bug in the runtime (500); the message names the exception: please report it",
     "http_error": "an HTTP-level refusal (e.g. 413 body too large, 415 media type)",
 }
 

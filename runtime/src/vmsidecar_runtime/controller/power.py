@@ -10,6 +10,7 @@ capture at Ready) takes the lock here. How the guest boots is ``Boot``'s; the ba
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from .snapshot_ops import SnapshotOps
 from .standby import Standby
 from .streams import GuestStreams
 from .transfers import Transfer, Transfers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,15 @@ class Power:
             await self.stop(graceful=False)
             self._phases.fail(Phase.ERROR, e)
             raise
+        except Exception as e:  # a bug's: Error naming it, never the phase it raised in for good (Starting, Pulling)
+            log.exception("the boot failed on an unexpected error")
+            error = VmsidecarError(f"the boot failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, "
+                                   "please report it with the runtime's log (it has the traceback); power on again to "
+                                   "retry", code="internal_error")
+            self._until_ready = None
+            await self.stop(graceful=False)
+            self._phases.fail(Phase.ERROR, error)
+            raise error from e
 
     async def stop(self, *, graceful: bool, timeout: float = 60.0) -> None:
         """End the backend, if any: ACPI first when ``graceful`` and the guest is Ready (bounded by
