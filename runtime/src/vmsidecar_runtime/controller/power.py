@@ -42,6 +42,14 @@ from .transfers import Transfer, Transfers
 log = logging.getLogger(__name__)
 
 
+def _unexpected(e: Exception) -> VmsidecarError:
+    """The boot's error for an exception nobody raised on purpose (a bug), its traceback logged."""
+    log.error("the boot failed on an unexpected error", exc_info=e)
+    return VmsidecarError(f"the boot failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, please "
+                          "report it with the runtime's log (it has the traceback); power on again to retry",
+                          code="internal_error")
+
+
 @dataclass(frozen=True)
 class _UntilReady:
     """A boot under way, timed to its Ready (``boot_to_ready_seconds``, ``recycle_to_ready_seconds``)."""
@@ -153,19 +161,13 @@ class Power:
                 self._set_ready()
             else:
                 self._readiness.arm(spec, self._streams.hubs, self._disks.current)
-        except VmsidecarError as e:
-            self._until_ready = None
-            await self.stop(graceful=False)
-            self._phases.fail(Phase.ERROR, e)
-            raise
-        except Exception as e:  # a bug's: Error naming it, never the phase it raised in for good (Starting, Pulling)
-            log.exception("the boot failed on an unexpected error")
-            error = VmsidecarError(f"the boot failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, "
-                                   "please report it with the runtime's log (it has the traceback); power on again to "
-                                   "retry", code="internal_error")
+        except Exception as e:
+            error = e if isinstance(e, VmsidecarError) else _unexpected(e)  # a bug's: named, never the phase it raised in
             self._until_ready = None
             await self.stop(graceful=False)
             self._phases.fail(Phase.ERROR, error)
+            if error is e:
+                raise
             raise error from e
 
     async def stop(self, *, graceful: bool, timeout: float = 60.0) -> None:

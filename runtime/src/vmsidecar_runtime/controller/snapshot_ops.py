@@ -470,23 +470,17 @@ class SnapshotOps:
             return None
         try:
             await backend.save_state(staged.memory)
-        except HostError as e:
+        except (HostError, OSError) as e:  # paused for the capture: it runs on, uncaptured
             if prepared is not None:
                 prepared.close()
-            await self._store.discard(staged)
-            self._uncapturable[key] = f"QEMU cannot snapshot this guest: {e.message}"
-            self._why(self._uncapturable[key])
-            log.warning("no memory snapshot: %s", e.message)
+            if isinstance(e, HostError):  # QEMU's refusal: never retried for this key
+                self._uncapturable[key] = why = f"QEMU cannot snapshot this guest: {e.message}"
+            else:  # its file could not be made (a failing cache volume, out of inodes): the next cold boot tries
+                why = (f"the snapshot's state could not be written into {self._store.root} ({e.strerror or e}); "
+                       "give the cache volume room for it, or set snapshot: off")
+            await self._not_stored(staged, why)
             if backend.alive:
                 await backend.resume()
-            return None
-        except OSError as e:  # its file could not be made (a failing cache volume, out of inodes): not this guest's fault
-            if prepared is not None:
-                prepared.close()
-            if backend.alive:
-                await backend.resume()  # paused for the capture: it runs on, uncaptured; the next cold boot tries again
-            await self._not_stored(staged, f"the snapshot's state could not be written into {self._store.root} "
-                                           f"({e.strerror or e}); give the cache volume room for it, or set snapshot: off")
             return None
         if prepared is None:
             return Capture(key, staged, agent, started)
