@@ -30,6 +30,16 @@ pytestmark = pytest.mark.timeout(600)
 MiB = 1 << 20
 
 
+async def _answers(rt: Any, tag: str) -> bool:
+    """Whether the runtime's guest runs (not paused, not gone): its shell answers a sum it computes."""
+    con = await Console.open(rt.shared / "console.sock")
+    try:
+        await con.wake()
+        return f"{tag}-42" in await con.run(f"echo {tag}-$((40+2))", timeout=30)
+    finally:
+        await con.close()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -323,12 +333,7 @@ async def test_a_capture_the_cache_cannot_store_leaves_the_guest_ready_and_no_sn
         reason = state.snapshot.reason or ""
         assert "could not be written" in reason and "give the cache volume room" in reason, reason
         assert list((cache / "snapshots").glob("*")) == [], "a half-stored snapshot was kept"
-        con = await Console.open(rt.shared / "console.sock")
-        try:
-            await con.wake()
-            assert "STILL-42" in await con.run("echo STILL-$((40+2))")  # the lease's guest runs on
-        finally:
-            await con.close()
+        assert await _answers(rt, "STILL")  # the lease's guest runs on
         # the next boot finds no snapshot: cold, and Ready again
         await client.recycle()
         state = await client.wait_ready(240)
@@ -355,12 +360,7 @@ async def test_a_capture_whose_state_file_cannot_be_made_leaves_the_guest_runnin
     assert state.phase.value == "Ready" and not state.snapshot.available, state.snapshot
     reason = state.snapshot.reason or ""
     assert "could not be written" in reason and "No such file or directory" in reason, reason
-    con = await Console.open(rt.shared / "console.sock")
-    try:
-        await con.wake()
-        assert "RUNS-42" in await con.run("echo RUNS-$((40+2))", timeout=30)  # not left paused
-    finally:
-        await con.close()
+    assert await _answers(rt, "RUNS")  # not left paused
     await client.recycle()  # the next boot captures
     state = await client.wait_ready(240)
     assert state.snapshot.boot == "cold", state.snapshot
@@ -386,12 +386,7 @@ async def test_a_cache_where_no_snapshot_can_be_staged_boots_cold_and_says_why(
     assert state.phase.value == "Ready" and not state.snapshot.available, state.snapshot
     reason = state.snapshot.reason or ""
     assert "could not be staged" in reason and str(cache / "snapshots") in reason and "File exists" in reason, reason
-    con = await Console.open(rt.shared / "console.sock")
-    try:
-        await con.wake()
-        assert "COLD-42" in await con.run("echo COLD-$((40+2))", timeout=30)
-    finally:
-        await con.close()
+    assert await _answers(rt, "COLD")
     await client.recycle()  # and every boot after it, cold
     await client.wait_ready(240)
     state = await client.wait_stored()
