@@ -19,6 +19,7 @@ from aiohttp import web
 from fixtures.fake_backend import Build, FakeHypervisor, FakeVm, Images, fake_spec, served_on_a_thread, until
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
+from vmsidecar_contract.errors import VmsidecarError
 from vmsidecar_contract.state import Phase
 from vmsidecar_runtime.api.server import make_app
 from vmsidecar_runtime.hostpaths import HostPathPolicy
@@ -154,3 +155,74 @@ def test_a_spec_lease_n_sets_is_gone_at_the_next_claim_and_never_wedges_it(
             assert vm.spec == pool, f"lease N+{lease} runs lease N's spec (memory {vm.spec and vm.spec.memory})"
             served.run(until(vm, Phase.READY))
             tree.close()
+
+
+def test_a_spec_lease_n_sets_is_gone_for_an_exporter_that_names_none(fake_images: Images, tmp_path: Path) -> None:
+    """Row 50's exporter with no spec of its own (the runtime's ``--spec`` is the pool's): lease N
+    set its own spec over the API and booted it; its recycle and the next tree's claim kept it, so
+    lease N+1 was served lease N's spec (here its memory; any field the API admits, the image too).
+    The runtime's own spec must be back for the next lease, as an exporter's spec is."""
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    own = fake_spec(fake_images.base)
+    with served_on_a_thread(tmp_path / "vm", own, FakeHypervisor()) as served:
+        vm = served.fvm.vm
+        tree_n = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
+        tree_n.reset()
+        assert tree_n.link.claimed_generation == vm.generation, "lease N was not claimed"
+
+        async def lease_n_sets_its_own_spec() -> None:
+            async with RuntimeClient(served.socket) as client:
+                client.generation = tree_n.link.claimed_generation
+                await client.power("off", graceful=False)
+                await client.put_spec(own.model_copy(update={"memory": 512}))
+                await client.power("on")
+                await client.wait_ready(10)
+        served.run(lease_n_sets_its_own_spec())
+        assert vm.spec is not None and vm.spec.memory == 512
+        tree_n.close()  # its recycle boots the runtime's spec, not lease N's
+        assert vm.spec == own, f"lease N's recycle kept its spec (memory {vm.spec and vm.spec.memory})"
+        tree = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
+        tree.reset()
+        assert tree.link.claimed_generation == vm.generation, "lease N+1 was not claimed"
+        assert vm.spec == own, f"lease N+1 runs lease N's spec (memory {vm.spec and vm.spec.memory})"
+        served.run(until(vm, Phase.READY))
+        tree.close()
+
+
+def test_a_spec_lease_n_sets_is_dropped_when_neither_the_runtime_nor_the_exporter_names_one(
+        fake_images: Images, tmp_path: Path) -> None:
+    """A pool whose runtime and exporter name no spec (each lease sets its own): lease N's spec, its
+    image and the disk it pulled were lease N+1's VM, which lease N+1 boots with ``power on``
+    unless it sets another. The next lease must find no spec (nothing to boot, the phase Stopped)."""
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    allowed = HostPathPolicy((fake_images.base.parent,))  # the lease's image, as an administrator may allow
+    with served_on_a_thread(tmp_path / "vm", None, FakeHypervisor(), host_paths=allowed) as served:
+        vm = served.fvm.vm
+        tree_n = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
+        tree_n.reset()
+        assert tree_n.link.claimed_generation == vm.generation, "lease N was not claimed"
+
+        async def lease_n_sets_a_spec() -> None:
+            async with RuntimeClient(served.socket) as client:
+                client.generation = tree_n.link.claimed_generation
+                await client.put_spec(fake_spec(fake_images.base))
+                await client.wait_ready(10)  # a spec with an image boots at once in a pod without one
+        served.run(lease_n_sets_a_spec())
+        tree_n.close()
+        tree = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
+        tree.reset()
+        assert tree.link.claimed_generation == vm.generation, "lease N+1 was not claimed"
+        state = vm.state()
+        assert vm.spec is None and state.image is None and state.image_digest is None, (vm.spec, state)
+        assert state.phase == Phase.STOPPED, state.phase
+
+        async def lease_n1_powers_on() -> str:
+            async with RuntimeClient(served.socket) as client:
+                client.generation = tree.link.claimed_generation
+                with pytest.raises(VmsidecarError) as refused:
+                    await client.power("on")
+                return refused.value.message
+        assert "no VM spec" in served.run(lease_n1_powers_on())
+        tree.close()

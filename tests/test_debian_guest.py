@@ -24,6 +24,7 @@ import pytest
 
 from fixtures.events import collecting
 from fixtures.runtime import recycle_until_ready
+from vmsidecar_contract.spec import load_spec
 from vmsidecar_images import disk, rootfs
 from vmsidecar_images.build import BuiltImage, build_image
 from vmsidecar_images.console import Console
@@ -290,10 +291,10 @@ async def test_debian_guest_boots_to_marker_is_restored_and_switched_to_a_spare_
     _agent_blocks_on_its_port(await _agent_waits(rt.shared / "console.sock"))  # as the snapshot holds it
 
     # a spare restore (standby: the same snapshot, whose clock is over BEHIND_S behind): made after
-    # a Ready, its clock set then, running on until the recycle switches to it, which sets nothing
-    await client.recycle(boot=False)
-    await client.put_spec({**spec, "standby": True})
-    await client.power("on")
+    # a Ready, its clock set then, running on until the recycle switches to it, which sets nothing.
+    # The next lease's claim serves the spec (as an exporter's config would): a spec a lease PUT
+    # would end with it, at the recycle
+    await client.claim(token="lease-with-a-spare", spec=load_spec({**spec, "standby": True}))
     await client.wait_ready(120)
     assert (await client.wait_spare(120)).snapshot.standby == "ready"
     state, seconds = await recycle_until_ready(client)

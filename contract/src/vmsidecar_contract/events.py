@@ -47,9 +47,10 @@ class PhaseData(EventData):
 
 
 class SpecData(EventData):
-    """``spec``: the spec was replaced (as ``GET /v1/vm/spec`` would answer it)."""
+    """``spec``: the spec was replaced (as ``GET /v1/vm/spec`` would answer it); null: dropped (a
+    lease's spec, at the next claim of a runtime with no spec of its own)."""
 
-    spec: dict[str, Any]
+    spec: dict[str, Any] | None
 
 
 class PulledData(EventData):

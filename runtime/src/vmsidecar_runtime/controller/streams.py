@@ -35,9 +35,9 @@ class GuestStreams:
         #: the vhost-user virtio-gpio backend + <shared>/gpio.sock, when the spec has GPIO lines
         self.gpio: GpioDevice | None = None
 
-    async def open_for(self, spec: VmSpec) -> None:
-        """Serve exactly the spec's streams and GPIO lines (kept when unchanged)."""
-        wanted = stream_names(spec)
+    async def open_for(self, spec: VmSpec | None) -> None:
+        """Serve exactly the spec's streams and GPIO lines (kept when unchanged); None: none."""
+        wanted = stream_names(spec) if spec is not None else []
         for name in list(self.hubs):
             if name not in wanted:
                 await self.hubs.pop(name).close()
@@ -51,13 +51,14 @@ class GuestStreams:
                 self.hubs[name] = hub
         await self._open_gpio(spec)
 
-    async def _open_gpio(self, spec: VmSpec) -> None:
-        lines = [(x.name, x.direction, x.initial) for x in spec.gpio]
+    async def _open_gpio(self, spec: VmSpec | None) -> None:
+        gpio = spec.gpio if spec is not None else []
+        lines = [(x.name, x.direction, x.initial) for x in gpio]
         if self.gpio is not None and [(x.name, x.direction, x.initial) for x in self.gpio.lines] != lines:
             await self.gpio.close()
             self.gpio = None
-        if spec.gpio and self.gpio is None:
-            self.gpio = GpioDevice(spec.gpio, self._require_generation)
+        if gpio and self.gpio is None:
+            self.gpio = GpioDevice(gpio, self._require_generation)
             await self.gpio.listen_control(self.paths.shared / "gpio.sock")
 
     async def before_launch(self, plan: BootPlan) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import AsyncIterable, Callable
@@ -45,6 +46,15 @@ from .transfers import DEFAULT_PULL_TIMEOUT_S, Transfer, Transfers
 log = logging.getLogger(__name__)
 
 
+class _Unclaimed(enum.Enum):
+    """What a VM no lease has claimed yet serves (None is a spec too: none)."""
+
+    UNCLAIMED = "unclaimed"
+
+
+UNCLAIMED = _Unclaimed.UNCLAIMED
+
+
 class VmController:
     """Owns one VM: its spec, phase, power lock and generation."""
 
@@ -72,9 +82,12 @@ class VmController:
                                  self.host_paths, lambda: self._lease.ledger)
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
-        #: the spec the last claim named (the exporter's; None when it named none): what a lease
-        #: changed over the API is undone by the recycles that end it
-        self._served_spec: VmSpec | None = None
+        #: the runtime's own spec: its ``--spec`` (None without), or one set over the API before any
+        #: lease claimed the VM; what a claim naming none serves (docs/security.md row 50)
+        self._own_spec = spec
+        #: the spec the last claim served (the exporter's, else the runtime's own); ``UNCLAIMED``
+        #: before the first claim. What a lease changed over the API is undone by the recycles that end it
+        self._served_spec: VmSpec | _Unclaimed | None = UNCLAIMED
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- state ---------------------------------------------------------------------------
@@ -180,19 +193,24 @@ class VmController:
                 return False
             self._phases.require(BOOTABLE, "replace the spec")
             await self._apply_spec(spec)
+            if from_api and self._served_spec is UNCLAIMED:  # no lease yet: the runtime's administrator's
+                self._own_spec = spec
             if self._boot_on_spec and spec.image:
                 self._boot_on_spec = False
                 self._spawn(self._autostart())
             return True
 
-    async def _apply_spec(self, spec: VmSpec) -> None:
-        """Make ``spec`` the VM's (under the lock, the guest not running)."""
-        if self.spec is None or spec.image != self.spec.image or spec.arch != self.spec.arch:
+    async def _apply_spec(self, spec: VmSpec | None) -> None:
+        """Make ``spec`` the VM's (under the lock, the guest not running); None (a lease's spec the
+        claim after it drops, the runtime having none of its own): no spec, no image, no stream."""
+        if spec is None or self.spec is None or spec.image != self.spec.image or spec.arch != self.spec.arch:
             self.disks.forget_image()
         self.spec = spec
         await self._power.standby.drop("the spec changed; the next Ready makes a spare of the new one")
         await self.streams.open_for(spec)
-        self.events.publish("spec", spec=spec.model_dump(mode="json"))
+        if spec is None:
+            self._boot_on_spec = True  # as a pod started without one: the next spec with an image boots
+        self.events.publish("spec", spec=spec.model_dump(mode="json") if spec else None)
 
     # ---- power ---------------------------------------------------------------------------
     async def power_on(self) -> VmState:
@@ -274,7 +292,9 @@ class VmController:
         ``spec``: the spec the lease is served (the exporter's): a VM with another (an earlier
         lease set one over the API) is recycled onto it, and the recycles that end this lease
         return to it; a runtime with none yet takes it and boots it in the background, as a ``PUT``.
-        A claim without one leaves the VM's spec as it is (an exporter with no spec of its own).
+        A claim without one (an exporter with no spec of its own) is served the runtime's own spec
+        the same way, or no spec when the runtime has none: a spec a lease set is never the next
+        lease's (docs/security.md row 50).
 
         The answer waits until a restored guest's clock is set (a new boot's restore is Ready
         before its clock: ``Boot.clock_settled``), so nothing of the lease reaches it earlier.
@@ -305,8 +325,9 @@ class VmController:
             self._lease.end()
         if spec is not None and self.spec is None:  # a pool pod's first claim: no boot to wait for
             await self.set_spec(spec, from_api=False)
-        if (spec is None or spec == self.spec) and self._lease.claim_unclaimed(token):
-            self._served_spec = spec
+        served = spec if spec is not None else self._own_spec
+        if served == self.spec and self._lease.claim_unclaimed(token):
+            self._served_spec = served
             await self._snapshots.capture_finished()
             self._claimed()
             return
@@ -317,9 +338,8 @@ class VmController:
                 log.warning("a claim whose caller left while it waited for the VM was dropped (generation %d "
                             "stays as it is)", self.generation)
                 return
-            self._served_spec = spec
-            foreign = spec is not None and self.spec != spec
-            if foreign or not self._lease.claim_unclaimed(token):
+            self._served_spec = served
+            if self.spec != served or not self._lease.claim_unclaimed(token):
                 await self._recycle_locked(boot=True, claim=True, token=token)
             self._claimed()
 
@@ -350,7 +370,7 @@ class VmController:
             self.events.generation += 1
             self._phases.set(Phase.STOPPED, reason="recycled")
             self.events.publish("recycled", generation=self.generation)
-            if self._served_spec is not None and self.spec != self._served_spec:  # a lease set its own
+            if self._served_spec is not UNCLAIMED and self.spec != self._served_spec:  # a lease set its own
                 await self._apply_spec(self._served_spec)
             if boot and self.spec is not None and self.spec.image:
                 self._boot_on_spec = False
