@@ -298,6 +298,26 @@ async def test_a_guest_the_hypervisor_cannot_snapshot_runs_on_and_is_not_asked_a
     assert state.snapshot.boot == "cold" and state.snapshot.reason == reason and len(hv.backends) == 2
 
 
+async def test_a_capture_failing_on_a_bugs_exception_is_error_naming_it_and_power_on_recovers(
+        fake_vm: Build, fake_images: Images) -> None:
+    """An exception nobody raises on purpose (a bug; injected into the hypervisor's save, the one
+    way to produce it) while the guest is paused for its capture: the capture's task died with it,
+    the guest stayed paused for good and the phase where it was (reliability.md). It must end in
+    Error naming it, the guest stopped, and a power on must boot and capture again."""
+    hv = FakeHypervisor(save_bugs=[RuntimeError("injected: a bug in the capture")])
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"), hv=hv)
+    await fvm.vm.power_on()
+    state = await until(fvm.vm, E)
+    assert state.last_error is not None and state.last_error["error"] == "internal_error", state.last_error
+    assert "RuntimeError" in state.last_error["message"] and "injected: a bug" in state.last_error["message"]
+    assert len(hv.backends) == 1 and not hv.backends[0].alive, "the paused guest was left running"
+    assert not list((fvm.paths.cache / "snapshots").glob(".incoming-*")), "the capture's staging was left"
+    await fvm.vm.power_on()
+    await until(fvm.vm, RD)  # the same disk: a power cycle, not captured
+    assert (await recycled(fvm)).snapshot.available  # a fresh disk, captured this time
+    assert (await recycled(fvm)).snapshot.boot == "restored"
+
+
 async def test_a_snapshot_the_hypervisor_refuses_to_load_is_discarded_and_taken_again(
         fake_vm: Build, fake_images: Images) -> None:
     hv = FakeHypervisor()

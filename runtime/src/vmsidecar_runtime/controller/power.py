@@ -42,10 +42,11 @@ from .transfers import Transfer, Transfers
 log = logging.getLogger(__name__)
 
 
-def _unexpected(e: Exception) -> VmsidecarError:
-    """The boot's error for an exception nobody raised on purpose (a bug), its traceback logged."""
-    log.error("the boot failed on an unexpected error", exc_info=e)
-    return VmsidecarError(f"the boot failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, please "
+def _unexpected(e: Exception, what: str = "boot") -> VmsidecarError:
+    """The error of a boot or a capture for an exception nobody raised on purpose (a bug), its
+    traceback logged."""
+    log.error("the %s failed on an unexpected error", what, exc_info=e)
+    return VmsidecarError(f"the {what} failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, please "
                           "report it with the runtime's log (it has the traceback); power on again to retry",
                           code="internal_error")
 
@@ -249,10 +250,11 @@ class Power:
                     return
                 try:
                     went_on = await self._boot.capture(self._spec, key, backend)
-                except VmsidecarError as e:  # the guest went on nowhere (no room for its overlay): say so
+                except Exception as e:  # the guest went on nowhere (no room for its overlay), or a bug
+                    # left it where nobody knows (paused?): stopped, and the phase says why
                     self._until_ready = None
                     await self.stop(graceful=False)
-                    self._phases.fail(Phase.ERROR, e)
+                    self._phases.fail(Phase.ERROR, e if isinstance(e, VmsidecarError) else _unexpected(e, "capture"))
                     return
                 if went_on:
                     self._set_ready()

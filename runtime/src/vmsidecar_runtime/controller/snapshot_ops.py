@@ -482,6 +482,11 @@ class SnapshotOps:
             if backend.alive:
                 await backend.resume()
             return None
+        except Exception:  # a bug's: the caller stops the guest (Power._capture); nothing staged stays
+            if prepared is not None:
+                prepared.close()
+            await self._store.discard(staged)
+            raise
         if prepared is None:
             return Capture(key, staged, agent, started)
         return Capture(key, staged, agent, started, prepared.ram, prepared.frozen)
