@@ -7,6 +7,7 @@ hypervisor (tests/fixtures/fake_backend.py) behind the real API server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -27,19 +28,26 @@ from vmsidecar_runtime.hostpaths import HostPathPolicy
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-async def served(fake_vm: Build, fake_images: Images) -> AsyncIterator[tuple[FakeVm, Path]]:
-    """A Ready VM on the fake hypervisor, its API on a socket; flashes of ``fake_images.other`` allowed."""
-    fvm = await fake_vm(fake_spec(fake_images.base), host_paths=HostPathPolicy((fake_images.other.parent,)))
+@contextlib.asynccontextmanager
+async def api_of(fvm: FakeVm) -> AsyncIterator[Path]:
+    """The controller's API on a socket of its own, while the block runs."""
     runner = web.AppRunner(make_app(fvm.vm))
     await runner.setup()
     sock = Path(f"/tmp/vms-{os.getpid()}-{id(fvm)}.sock")
     await web.UnixSite(runner, str(sock)).start()
     try:
-        yield fvm, sock
+        yield sock
     finally:
         await runner.cleanup()
         sock.unlink(missing_ok=True)
+
+
+@pytest.fixture
+async def served(fake_vm: Build, fake_images: Images) -> AsyncIterator[tuple[FakeVm, Path]]:
+    """A Ready VM on the fake hypervisor, its API on a socket; flashes of ``fake_images.other`` allowed."""
+    fvm = await fake_vm(fake_spec(fake_images.base), host_paths=HostPathPolicy((fake_images.other.parent,)))
+    async with api_of(fvm) as sock:
+        yield fvm, sock
 
 
 async def test_an_event_stream_of_lease_n_ends_when_the_next_lease_claims(
@@ -226,3 +234,33 @@ def test_a_spec_lease_n_sets_is_dropped_when_neither_the_runtime_nor_the_exporte
                 return refused.value.message
         assert "no VM spec" in served.run(lease_n1_powers_on())
         tree.close()
+
+
+async def test_a_lease_never_brings_a_snapshot_source_of_its_own(fake_vm: Build) -> None:
+    """Row 40: with the API socket (a lease holder's), ``PUT`` a spec whose ``snapshot_source`` is a
+    repository of one's own (or claim with one) before a boot on a key the cache has no snapshot of:
+    the runtime restored what that repository publishes under the pool's key and stored it in the
+    cache, the next leases' guest (and every pod's on that cache). Only the source the pool's
+    configuration names is read: the runtime's own spec, or the spec it was given before any lease."""
+    pool = fake_spec(None, snapshot="auto", snapshot_source="registry.pool.example/snapshots")  # (no image: no boot)
+    evil = "registry.evil.example/snapshots"
+    fvm = await fake_vm(None)
+    vm = fvm.vm
+    async with api_of(fvm) as socket:
+        async with RuntimeClient(socket) as exporter:
+            await exporter.put_spec(pool)  # the exporter's start-up tree: before any lease, the pool's
+            lease_n = RuntimeClient(socket)
+            lease_n.generation = (await exporter.claim(token="lease-n-token", spec=pool)).generation
+            async with lease_n:
+                await lease_n.power("off", graceful=False)
+                with pytest.raises(VmsidecarError) as put:
+                    await lease_n.put_spec(pool.model_copy(update={"snapshot_source": evil}))
+                with pytest.raises(VmsidecarError) as claimed:
+                    await lease_n.claim(token="lease-n-again", spec=pool.model_copy(update={"snapshot_source": evil}))
+                # the pool's own source, or none, a lease's spec may keep
+                await lease_n.put_spec(pool.model_copy(update={"memory": 512}))
+                await lease_n.put_spec(pool.model_copy(update={"snapshot_source": None}))
+        for refused_ in (put.value, claimed.value):
+            assert refused_.code == "invalid_spec" and evil in refused_.message, refused_
+            assert "registry.pool.example/snapshots" in refused_.message and "--spec" in refused_.message
+        assert vm.spec is not None and vm.spec.snapshot_source is None

@@ -310,22 +310,23 @@ async def test_the_boot_of_an_image_of_lease_ns_own_is_cut_by_the_next_claim(
 
 async def test_the_snapshot_fetch_of_a_boot_of_lease_ns_own_is_cut_by_the_next_claim(
         start_runtime: Any, registry: Any, oci_qcow2: Path, tmp_path: Path) -> None:
-    """Lease N sets a spec whose ``snapshot_source`` is a registry of its own that never answers,
-    over an image from a registry, and boots it: on the cache miss the boot asks the source for a
-    snapshot under the power lock, up to the fetch's bound (120 s, then 5 s of grace), past the
-    next claim's own bound (120 s). The next lease's claim must cut it, not wait for it."""
-    served = VmSpec.model_validate({"memory": "256M"})
+    """Lease N sets a spec of an image of its own from a registry, and boots it, while the pool's
+    ``snapshot_source`` (which a lease's spec may keep, never replace: row 40) does not answer: on
+    the cache miss the boot asks the source for a snapshot under the power lock, up to the fetch's
+    bound (120 s, then 5 s of grace), past the next claim's own bound (120 s). The next lease's
+    claim must cut it, not wait for it."""
     image = f"{registry.host}/attack/fetch-held:1"
     await asyncio.to_thread(push_artifact, oci_qcow2, image, compression=None)
-    rt = await start_runtime({"memory": "256M"}, cache=tmp_path / "cache")
     with Trickle("manifest") as source:
-        source.held["evil/snaps"] = threading.Event()  # never set: the answer never comes
+        source.held["pool/snaps"] = threading.Event()  # never set: the answer never comes
+        served = VmSpec.model_validate({"memory": "256M", "snapshot_source": f"{source.host}/pool/snaps"})
+        rt = await start_runtime(served.to_json(), cache=tmp_path / "cache")
         exporter, lease_n = rt.client(), rt.client()
         lease_n.generation = (await exporter.claim(token="lease-n-token", spec=served)).generation
-        await lease_n.put_spec({"memory": "256M", "image": image, "snapshot_source": f"{source.host}/evil/snaps"})
+        await lease_n.put_spec({"memory": "256M", "image": image, "snapshot_source": served.snapshot_source})
 
         async def fetching() -> bool:
-            return "evil/snaps" in source.started and (await exporter.state()).phase.value == "Starting"
+            return "pool/snaps" in source.started and (await exporter.state()).phase.value == "Starting"
 
         await wait_until_async(fetching, 60, "the boot to ask the snapshot_source",
                                detail=lambda: rt.log_text()[-2000:])

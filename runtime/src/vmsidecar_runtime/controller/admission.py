@@ -2,7 +2,8 @@
 
 An API caller is a lease holder (docs/security.md): it may not add QEMU arguments, name a libvirt
 URI that runs a program or names a host file, or name host paths the administrator did not allow.
-The runtime's own ``--spec`` file may do all three.
+The runtime's own ``--spec`` file may do all three. Once a lease has claimed the VM, a spec may not
+name a ``snapshot_source`` other than the pool's (:func:`admit_snapshot_source`).
 """
 
 from __future__ import annotations
@@ -48,3 +49,18 @@ def plain_libvirt_uri(uri: str) -> bool:
         return False
     return bool(_PLAIN_SCHEME.fullmatch(parts.scheme)) and not parts.query and not parts.fragment \
         and "?" not in uri
+
+
+def admit_snapshot_source(spec: VmSpec, pools: str | None) -> None:
+    """A spec sent once a lease has claimed the VM may keep the pool's snapshot source (``pools``: the
+    runtime's own spec's) or name none, never bring one: what a source publishes under the pool's
+    key is restored and cached for the next leases (docs/security.md row 40).
+
+    :raise SpecError: another source.
+    """
+    if spec.snapshot_source is not None and spec.snapshot_source != pools:
+        theirs = f"the pool's is {pools!r}" if pools else "the pool names none"
+        raise SpecError(f"snapshot_source {spec.snapshot_source[:200]!r} is not the pool's ({theirs}): a snapshot is "
+                        "read only from the source the pool's configuration names, never one a lease's spec "
+                        "brings (it would be the next leases' guest); set it in the runtime's own --spec or "
+                        "the exporter's config")

@@ -31,7 +31,7 @@ from ..disk import DiskImage
 from ..events import EventBus
 from ..hostpaths import HostPathPolicy
 from ..readiness_rules import readiness_state
-from .admission import admit_api_spec
+from .admission import admit_api_spec, admit_snapshot_source
 from .disk_ops import DiskOps
 from .disks import Disks, Progress
 from .lease import Lease, bound_call
@@ -83,7 +83,8 @@ class VmController:
         #: started without an image (a pool pod): boot as soon as a spec with an image arrives
         self._boot_on_spec = spec is None or not spec.image
         #: the runtime's own spec: its ``--spec`` (None without), or one set over the API before any
-        #: lease claimed the VM; what a claim naming none serves (docs/security.md row 50)
+        #: lease claimed the VM, or the first claim's: what a claim naming none serves (docs/security.md
+        #: row 50), and the one snapshot source a lease's spec may name (row 40)
         self._own_spec = spec
         #: the spec the last claim served (the exporter's, else the runtime's own); ``UNCLAIMED``
         #: before the first claim. What a lease changed over the API is undone by the recycles that end it
@@ -184,7 +185,7 @@ class VmController:
         :raise StateError: while the VM runs with a different spec.
         """
         if from_api:
-            admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
+            self._admit(spec)
         if spec == self.spec:  # the exporter's claim sends it first: it must not wait for a first boot's pull
             return False
         check_native_can(spec)
@@ -316,10 +317,12 @@ class VmController:
 
     async def _claim(self, token: str | None, spec: VmSpec | None, still_asked: Callable[[], bool] | None) -> None:
         if spec is not None:
-            admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
+            self._admit(spec)
             check_native_can(spec)
         if self._lease.claimed_by(token):  # asked again: its first answer was lost
             return
+        if spec is not None and self._served_spec is UNCLAIMED:  # the first claim: the pool's exporter's
+            self._own_spec = spec
         self.transfers.cancel("the next lease claimed the VM")
         if self._lease.claimed:  # another lease's: it ends (what it holds the lock with stops waiting)
             self._lease.end()
@@ -342,6 +345,15 @@ class VmController:
             if self.spec != served or not self._lease.claim_unclaimed(token):
                 await self._recycle_locked(boot=True, claim=True, token=token)
             self._claimed()
+
+    def _admit(self, spec: VmSpec) -> None:
+        """What a spec sent over the API may not do (``admission.py``); once a lease has claimed the
+        VM, that includes bringing a snapshot source the runtime's own spec does not name.
+
+        :raise SpecError, HostPathError: it does."""
+        admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
+        if self._served_spec is not UNCLAIMED:
+            admit_snapshot_source(spec, self._own_spec.snapshot_source if self._own_spec else None)
 
     def _claimed(self) -> None:
         self._lease.ledger.claimed()
