@@ -8,24 +8,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
 
-from fixtures.fake_backend import Build, FakeHypervisor, FakeVm, Images, fake_spec, served_on_a_thread, until
+from fixtures.fake_backend import (
+    Build,
+    FakeHypervisor,
+    FakeVm,
+    Images,
+    ThreadServed,
+    fake_spec,
+    served_on_a_thread,
+    until,
+)
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_contract.spec import VmSpec
 from vmsidecar_contract.state import Phase
 from vmsidecar_runtime.api.server import make_app
 from vmsidecar_runtime.hostpaths import HostPathPolicy
 
 pytestmark = pytest.mark.timeout(60)
+T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
@@ -129,6 +142,33 @@ async def test_a_dump_read_to_its_last_chunk_holds_the_transfer_until_the_lease_
             reader.close()
 
 
+def _leased_tree(served: ThreadServed, spec: VmSpec | None = None, lease: str = "lease N") -> Any:
+    """A driver tree (InPlaceReuse) the exporter hands a lease, its claim made; ``spec``: its config's."""
+    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
+
+    tree = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse",
+                          **({"spec": spec.to_json()} if spec is not None else {}))
+    tree.reset()
+    assert tree.link.claimed_generation == served.fvm.vm.generation, f"{lease} was not claimed"
+    return tree
+
+
+def _as_lease(served: ThreadServed, tree: Any, act: Callable[[RuntimeClient], Awaitable[T]]) -> T:
+    """``act`` with an API client bound to ``tree``'s lease (a lease holder with the API socket)."""
+    async def acting() -> T:
+        async with RuntimeClient(served.socket) as client:
+            client.generation = tree.link.claimed_generation
+            return await act(client)
+    return served.run(acting())
+
+
+async def _boot_a_spec_of_its_own(spec: VmSpec, client: RuntimeClient) -> None:
+    await client.power("off", graceful=False)
+    await client.put_spec(spec)
+    await client.power("on")
+    await client.wait_ready(10)
+
+
 def test_a_spec_lease_n_sets_is_gone_at_the_next_claim_and_never_wedges_it(
         fake_images: Images, tmp_path: Path) -> None:
     """Lease N powered off, set a spec of its own (any field its admission allows: here the memory)
@@ -136,30 +176,15 @@ def test_a_spec_lease_n_sets_is_gone_at_the_next_claim_and_never_wedges_it(
     which the runtime refused while the guest ran (409 wrong_phase): that lease and every later one
     was served unclaimed (every call: "cannot replace the spec while the VM is Ready"), never
     recycled, on lease N's spec. The pool's spec must be back for the next lease, claimed."""
-    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
-
     pool = fake_spec(fake_images.base)
     with served_on_a_thread(tmp_path / "vm", pool, FakeHypervisor()) as served:
         vm = served.fvm.vm
-        tree_n = VirtualMachine(socket=str(served.socket), spec=pool.to_json(),
-                                recycle="InPlaceReuse")
-        tree_n.reset()
-
-        async def lease_n_sets_its_own_spec() -> None:
-            async with RuntimeClient(served.socket) as client:
-                client.generation = tree_n.link.claimed_generation
-                await client.power("off", graceful=False)
-                await client.put_spec(pool.model_copy(update={"memory": 512}))
-                await client.power("on")
-                await client.wait_ready(10)
-        served.run(lease_n_sets_its_own_spec())
+        tree_n = _leased_tree(served, pool)
+        _as_lease(served, tree_n, functools.partial(_boot_a_spec_of_its_own, pool.model_copy(update={"memory": 512})))
         tree_n.close()  # its recycle boots the pool's spec, not lease N's
         assert vm.spec == pool and not vm.state().claimed, vm.spec
         for lease in (1, 2):
-            tree = VirtualMachine(socket=str(served.socket), spec=pool.to_json(),
-                                  recycle="InPlaceReuse")
-            tree.reset()
-            assert tree.link.claimed_generation == vm.generation, f"lease N+{lease} was not claimed"
+            tree = _leased_tree(served, pool, f"lease N+{lease}")
             assert vm.spec == pool, f"lease N+{lease} runs lease N's spec (memory {vm.spec and vm.spec.memory})"
             served.run(until(vm, Phase.READY))
             tree.close()
@@ -170,29 +195,15 @@ def test_a_spec_lease_n_sets_is_gone_for_an_exporter_that_names_none(fake_images
     set its own spec over the API and booted it; its recycle and the next tree's claim kept it, so
     lease N+1 was served lease N's spec (here its memory; any field the API admits, the image too).
     The runtime's own spec must be back for the next lease, as an exporter's spec is."""
-    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
-
     own = fake_spec(fake_images.base)
     with served_on_a_thread(tmp_path / "vm", own, FakeHypervisor()) as served:
         vm = served.fvm.vm
-        tree_n = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
-        tree_n.reset()
-        assert tree_n.link.claimed_generation == vm.generation, "lease N was not claimed"
-
-        async def lease_n_sets_its_own_spec() -> None:
-            async with RuntimeClient(served.socket) as client:
-                client.generation = tree_n.link.claimed_generation
-                await client.power("off", graceful=False)
-                await client.put_spec(own.model_copy(update={"memory": 512}))
-                await client.power("on")
-                await client.wait_ready(10)
-        served.run(lease_n_sets_its_own_spec())
+        tree_n = _leased_tree(served)
+        _as_lease(served, tree_n, functools.partial(_boot_a_spec_of_its_own, own.model_copy(update={"memory": 512})))
         assert vm.spec is not None and vm.spec.memory == 512
         tree_n.close()  # its recycle boots the runtime's spec, not lease N's
         assert vm.spec == own, f"lease N's recycle kept its spec (memory {vm.spec and vm.spec.memory})"
-        tree = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
-        tree.reset()
-        assert tree.link.claimed_generation == vm.generation, "lease N+1 was not claimed"
+        tree = _leased_tree(served, lease="lease N+1")
         assert vm.spec == own, f"lease N+1 runs lease N's spec (memory {vm.spec and vm.spec.memory})"
         served.run(until(vm, Phase.READY))
         tree.close()
@@ -203,36 +214,26 @@ def test_a_spec_lease_n_sets_is_dropped_when_neither_the_runtime_nor_the_exporte
     """A pool whose runtime and exporter name no spec (each lease sets its own): lease N's spec, its
     image and the disk it pulled were lease N+1's VM, which lease N+1 boots with ``power on``
     unless it sets another. The next lease must find no spec (nothing to boot, the phase Stopped)."""
-    from jumpstarter_driver_vmsidecar.driver import VirtualMachine
-
     allowed = HostPathPolicy((fake_images.base.parent,))  # the lease's image, as an administrator may allow
     with served_on_a_thread(tmp_path / "vm", None, FakeHypervisor(), host_paths=allowed) as served:
         vm = served.fvm.vm
-        tree_n = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
-        tree_n.reset()
-        assert tree_n.link.claimed_generation == vm.generation, "lease N was not claimed"
+        tree_n = _leased_tree(served)
 
-        async def lease_n_sets_a_spec() -> None:
-            async with RuntimeClient(served.socket) as client:
-                client.generation = tree_n.link.claimed_generation
-                await client.put_spec(fake_spec(fake_images.base))
-                await client.wait_ready(10)  # a spec with an image boots at once in a pod without one
-        served.run(lease_n_sets_a_spec())
+        async def lease_n_sets_a_spec(client: RuntimeClient) -> None:
+            await client.put_spec(fake_spec(fake_images.base))
+            await client.wait_ready(10)  # a spec with an image boots at once in a pod without one
+        _as_lease(served, tree_n, lease_n_sets_a_spec)
         tree_n.close()
-        tree = VirtualMachine(socket=str(served.socket), recycle="InPlaceReuse")
-        tree.reset()
-        assert tree.link.claimed_generation == vm.generation, "lease N+1 was not claimed"
+        tree = _leased_tree(served, lease="lease N+1")
         state = vm.state()
         assert vm.spec is None and state.image is None and state.image_digest is None, (vm.spec, state)
         assert state.phase == Phase.STOPPED, state.phase
 
-        async def lease_n1_powers_on() -> str:
-            async with RuntimeClient(served.socket) as client:
-                client.generation = tree.link.claimed_generation
-                with pytest.raises(VmsidecarError) as refused:
-                    await client.power("on")
-                return refused.value.message
-        assert "no VM spec" in served.run(lease_n1_powers_on())
+        async def lease_n1_powers_on(client: RuntimeClient) -> str:
+            with pytest.raises(VmsidecarError) as refused:
+                await client.power("on")
+            return refused.value.message
+        assert "no VM spec" in _as_lease(served, tree, lease_n1_powers_on)
         tree.close()
 
 
