@@ -42,7 +42,7 @@ from .transfers import Transfer, Transfers
 log = logging.getLogger(__name__)
 
 
-def _unexpected(e: Exception, what: str = "boot") -> VmsidecarError:
+def _unexpected(e: Exception, what: str) -> VmsidecarError:
     """The error of a boot or a capture for an exception nobody raised on purpose (a bug), its
     traceback logged."""
     log.error("the %s failed on an unexpected error", what, exc_info=e)
@@ -163,13 +163,19 @@ class Power:
             else:
                 self._readiness.arm(spec, self._streams.hubs, self._disks.current)
         except Exception as e:
-            error = e if isinstance(e, VmsidecarError) else _unexpected(e)  # a bug's: named, never the phase it raised in
-            self._until_ready = None
-            await self.stop(graceful=False)
-            self._phases.fail(Phase.ERROR, error)
+            error = await self._failed(e, "boot")
             if error is e:
                 raise
             raise error from e
+
+    async def _failed(self, e: Exception, what: str) -> VmsidecarError:
+        """A boot or a capture (``what``) failed: the backend is stopped and the phase is Error, with
+        ``e`` or, for a bug's exception, ``internal_error`` naming it (never the phase it raised in)."""
+        error = e if isinstance(e, VmsidecarError) else _unexpected(e, what)
+        self._until_ready = None
+        await self.stop(graceful=False)
+        self._phases.fail(Phase.ERROR, error)
+        return error
 
     async def stop(self, *, graceful: bool, timeout: float = 60.0) -> None:
         """End the backend, if any: ACPI first when ``graceful`` and the guest is Ready (bounded by
@@ -251,10 +257,7 @@ class Power:
                 try:
                     went_on = await self._boot.capture(self._spec, key, backend)
                 except Exception as e:  # the guest went on nowhere (no room for its overlay), or a bug
-                    # left it where nobody knows (paused?): stopped, and the phase says why
-                    self._until_ready = None
-                    await self.stop(graceful=False)
-                    self._phases.fail(Phase.ERROR, e if isinstance(e, VmsidecarError) else _unexpected(e, "capture"))
+                    await self._failed(e, "capture")  # left it where nobody knows (paused?)
                     return
                 if went_on:
                     self._set_ready()

@@ -470,23 +470,21 @@ class SnapshotOps:
             return None
         try:
             await backend.save_state(staged.memory)
-        except (HostError, OSError) as e:  # paused for the capture: it runs on, uncaptured
+        except Exception as e:  # paused for the capture
             if prepared is not None:
                 prepared.close()
+            if not isinstance(e, (HostError, OSError)):  # a bug's: the caller stops the guest (Power._capture)
+                await self._store.discard(staged)
+                raise
             if isinstance(e, HostError):  # QEMU's refusal: never retried for this key
                 self._uncapturable[key] = why = f"QEMU cannot snapshot this guest: {e.message}"
             else:  # its file could not be made (a failing cache volume, out of inodes): the next cold boot tries
                 why = (f"the snapshot's state could not be written into {self._store.root} ({e.strerror or e}); "
                        "give the cache volume room for it, or set snapshot: off")
-            await self._not_stored(staged, why)
+            await self._not_stored(staged, why)  # it runs on, uncaptured
             if backend.alive:
                 await backend.resume()
             return None
-        except Exception:  # a bug's: the caller stops the guest (Power._capture); nothing staged stays
-            if prepared is not None:
-                prepared.close()
-            await self._store.discard(staged)
-            raise
         if prepared is None:
             return Capture(key, staged, agent, started)
         return Capture(key, staged, agent, started, prepared.ram, prepared.frozen)
