@@ -10,7 +10,6 @@ why in ``GET /v1/vm`` → ``snapshot.reason``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from fixtures.attack import copy_snapshot_entry
-from fixtures.waiting import wait_until_async
+from fixtures.waiting import file_made, wait_until_async
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime.backend import create_backend
@@ -201,23 +200,6 @@ async def test_a_spare_over_a_ram_file_changed_during_the_lease_is_never_adopted
     assert "ram" in reason and "BLAKE3" in reason and "removed" in reason, reason
 
 
-async def _made(path: Path, settle: float = 1.0) -> None:
-    """Until ``path`` exists and has not changed for ``settle`` seconds: ``qemu-img create`` is over
-    and the runtime has taken the file as made (a write before that would be the runtime's own)."""
-    async def stable() -> bool:
-        try:
-            first = path.stat()
-        except FileNotFoundError:
-            return False
-        await asyncio.sleep(settle)
-        with contextlib.suppress(FileNotFoundError):
-            last = path.stat()
-            return (first.st_ino, first.st_ctime_ns, first.st_size) == (last.st_ino, last.st_ctime_ns, last.st_size)
-        return False
-
-    await wait_until_async(stable, 60, f"{path.name} to be made")
-
-
 async def test_an_overlay_made_ahead_and_rewritten_during_the_lease_is_never_booted(
         start_runtime: Any, tiny_image: Any, tmp_path: Path) -> None:
     """The next restore's overlay is made while a lease runs (``overlay-ahead.qcow2`` in the state
@@ -232,7 +214,7 @@ async def test_an_overlay_made_ahead_and_rewritten_during_the_lease_is_never_boo
     await client.recycle()  # a restore: the next one's overlay is made ahead during this lease
     await client.wait_ready(120)
     ahead = rt.state / "overlay-ahead.qcow2"
-    await _made(ahead)
+    await file_made(ahead)
     planted = tmp_path / "planted.qcow2"  # the same overlay, with a cluster of the attacker's
     backing = json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", str(ahead)], check=True,
                                         capture_output=True, timeout=30).stdout)["full-backing-filename"]
