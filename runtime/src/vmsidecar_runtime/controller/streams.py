@@ -4,7 +4,8 @@ virtio-serial channels, SLCAN buses) and the GPIO device, opened to match the sp
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from vmsidecar_contract.spec import VmSpec
 
@@ -53,8 +54,7 @@ class GuestStreams:
 
     async def _open_gpio(self, spec: VmSpec | None) -> None:
         gpio = spec.gpio if spec is not None else []
-        lines = [(x.name, x.direction, x.initial) for x in gpio]
-        if self.gpio is not None and [(x.name, x.direction, x.initial) for x in self.gpio.lines] != lines:
+        if self.gpio is not None and _wiring(self.gpio.lines) != _wiring(gpio):
             await self.gpio.close()
             self.gpio = None
         if gpio and self.gpio is None:
@@ -161,3 +161,9 @@ class GuestStreams:
         if self.gpio is not None:
             await self.gpio.close()
             self.gpio = None
+
+
+def _wiring(lines: Iterable[Any]) -> list[tuple[str, str, int]]:
+    """What a GPIO device is made of (a spec's lines, or a device's): each line's name, direction and
+    initial level, in order; a device is kept while its spec's wiring is the same."""
+    return [(x.name, x.direction, x.initial) for x in lines]
