@@ -39,8 +39,10 @@ async def test_a_guest_busy_then_idle_settles_after_its_quiet_windows() -> None:
     started = time.monotonic()
     assert await until_settled(VcpuClock(0.3), 10, []) == SETTLED
     waited = time.monotonic() - started
-    # busy 0.3 s, then QUIET_WINDOWS windows of 0.05 s; a window that saw the end of the busy part is not quiet
-    assert 0.3 + settle.QUIET_WINDOWS * 0.05 <= waited < 3, waited
+    # busy 0.3 s, then QUIET_WINDOWS quiet windows of 0.05 s; the first of them may hold the busy part's
+    # last moments (less than QUIET_SHARE of a window is quiet): measured 0.698 s against 0.7 once
+    earliest = 0.3 + settle.QUIET_WINDOWS * 0.05 - settle.QUIET_SHARE * 0.05
+    assert earliest <= waited < 3, waited
 
 
 async def test_a_guest_that_never_idles_is_captured_at_the_limit() -> None:
