@@ -318,6 +318,34 @@ async def test_a_capture_failing_on_a_bugs_exception_is_error_naming_it_and_powe
     assert (await recycled(fvm)).snapshot.boot == "restored"
 
 
+async def test_a_capture_failing_on_a_bugs_exception_after_its_pause_leaves_no_staging(
+        fake_vm: Build, fake_images: Images, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same net after the pause: a bug's exception as the capture is committed into the store
+    (injected there: no real input raises one) left the staging directory, a guest's worth of
+    files, in the cache until the runtime exited (reliability.md). It must go with the error."""
+    from vmsidecar_runtime.snapshots import SnapshotStore
+
+    real_commit = SnapshotStore.commit
+    bugs = [RuntimeError("injected: a bug in the store")]
+
+    def commit(self: SnapshotStore, *args: Any, **kwargs: Any) -> Any:
+        if bugs:
+            raise bugs.pop()
+        return real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "commit", commit)
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"))
+    await fvm.vm.power_on()
+    state = await until(fvm.vm, E)
+    assert state.last_error is not None and state.last_error["error"] == "internal_error", state.last_error
+    assert "injected: a bug in the store" in state.last_error["message"], state.last_error
+    assert not list((fvm.paths.cache / "snapshots").glob(".incoming-*")), "the capture's staging was left"
+    await fvm.vm.power_on()
+    await until(fvm.vm, RD)
+    assert (await recycled(fvm)).snapshot.available
+    assert (await recycled(fvm)).snapshot.boot == "restored"
+
+
 async def test_a_snapshot_the_hypervisor_refuses_to_load_is_discarded_and_taken_again(
         fake_vm: Build, fake_images: Images) -> None:
     hv = FakeHypervisor()

@@ -275,13 +275,17 @@ class Boot:
             capture = await self._snapshots.save(key, backend)
             if capture is None:  # the backend cannot snapshot this guest: it runs on
                 return True
-            if top is not None:
-                went_on = await self._continue_in_place(spec, capture, backend, top)
-                if went_on is not None:
-                    return went_on
-            await self._machine.stop()  # its last output is read first: it belongs in the snapshot
-            consoles = self._streams.boot_outputs()
-            snap = await self._snapshots.commit(capture, consoles)
+            try:
+                if top is not None:
+                    went_on = await self._continue_in_place(spec, capture, backend, top)
+                    if went_on is not None:
+                        return went_on
+                await self._machine.stop()  # its last output is read first: it belongs in the snapshot
+                consoles = self._streams.boot_outputs()
+                snap = await self._snapshots.commit(capture, consoles)
+            except Exception:  # a bug's (the caller's net stops the guest): nothing staged stays
+                await self._snapshots.drop_unfinished(capture)
+                raise
             if snap is not None and await self._restore(spec, snap, new_boot=False):
                 self._snapshots.captured(capture, snap)
                 return True
@@ -319,6 +323,9 @@ class Boot:
             _cannot_go_on(e)
             await self._snapshots.abandon_ram_copy(ram_copy)
             return None
+        except Exception:  # a bug's: the RAM's copy ends before the capture is dropped (``capture``)
+            await self._snapshots.abandon_ram_copy(ram_copy)
+            raise
         await self._streams.output_read()  # what the guest wrote before it paused belongs in the snapshot
         consoles = self._streams.boot_outputs()
         copied = await self._snapshots.freeze(capture, frozen, ram_copy)

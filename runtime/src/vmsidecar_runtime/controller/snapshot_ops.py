@@ -510,6 +510,15 @@ class SnapshotOps:
         log.info("memory snapshot %s captured in %.2f s (%d MB)", capture.key, capture.seconds, snap.size >> 20)
         return snap
 
+    async def drop_unfinished(self, capture: Capture) -> None:
+        """Remove what ``capture`` staged after a bug's exception broke it past its pause, unless it
+        was committed or is being stored (what the store's own failures discard)."""
+        if self._storing is not None or not capture.staged.path.exists():
+            return
+        if capture.frozen is not None:  # (waits for a copy of the RAM still under way in its thread)
+            await asyncio.to_thread(capture.frozen.close)
+        await self._store.discard(capture.staged)
+
     def copy_ram_out(self, capture: Capture) -> asyncio.Future[None] | None:
         """Begin copying the paused guest's RAM out of its reach (``FrozenRam.freeze``, in a thread)
         as soon as its state is written, beside the disk's switch to a new overlay; :meth:`freeze`
