@@ -346,6 +346,43 @@ async def test_a_capture_failing_on_a_bugs_exception_after_its_pause_leaves_no_s
     assert (await recycled(fvm)).snapshot.boot == "restored"
 
 
+@pytest.mark.parametrize("bug", [False, True], ids=["stored", "bug-in-the-store"])
+async def test_a_captured_guest_that_went_on_is_stored_beside_it_and_a_bug_in_that_store_leaves_no_staging(
+        fake_vm: Build, fake_images: Images, monkeypatch: pytest.MonkeyPatch, bug: bool) -> None:
+    """A guest that goes on in its process after its capture (as under QEMU) has its snapshot written
+    into the store beside it, in a task of its own. A bug's exception there (injected into the
+    store's commit) killed the task: no reason said, the staging directory left in the cache until
+    the runtime exited (reliability.md). The guest runs on, Ready; the reason names the bug; the
+    next cold boot captures again."""
+    from vmsidecar_runtime.snapshots import SnapshotStore
+
+    real_commit = SnapshotStore.commit
+    bugs = [RuntimeError("injected: a bug in the background store")] if bug else []
+
+    def commit(self: SnapshotStore, *args: Any, **kwargs: Any) -> Any:
+        if bugs:
+            raise bugs.pop()
+        return real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "commit", commit)
+    hv = FakeHypervisor(switches_disks=True)
+    fvm = await fake_vm(fake_spec(fake_images.base, snapshot="auto"), hv=hv)
+    await fvm.vm.power_on()
+    await until(fvm.vm, RD)
+    async with asyncio.timeout(10):  # the snapshot is written beside the guest that went on
+        while (state := fvm.vm.state()).snapshot.storing:
+            await asyncio.sleep(0.01)
+    assert len(hv.backends) == 1 and hv.current.alive and not hv.current.paused, "the guest did not go on"
+    assert state.phase == RD and state.snapshot.available is not bug, state.snapshot
+    assert not list((fvm.paths.cache / "snapshots").glob(".incoming-*")), "the capture's staging was left"
+    if bug:
+        reason = state.snapshot.reason or ""
+        assert "RuntimeError" in reason and "injected: a bug in the background store" in reason, reason
+    state = await recycled(fvm)
+    assert state.snapshot.boot == ("cold" if bug else "restored"), state.snapshot
+    assert (await recycled(fvm)).snapshot.boot == "restored"
+
+
 async def test_a_snapshot_the_hypervisor_refuses_to_load_is_discarded_and_taken_again(
         fake_vm: Build, fake_images: Images) -> None:
     hv = FakeHypervisor()

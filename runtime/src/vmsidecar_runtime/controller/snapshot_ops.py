@@ -585,9 +585,8 @@ class SnapshotOps:
                     raise HostError("the copy of the snapshot's RAM is not sealed read-only; no snapshot is stored")
                 hashed["ram"] = await asyncio.to_thread(copy_ram, frozen.ram.ram, staged.ram)
             snap = await self._commit(capture, consoles, hashed)
-        except (HostError, OSError) as e:  # nothing else reaches the runtime: the lease's guest runs on
-            await self._not_stored(staged, e.message if isinstance(e, HostError) else f"the snapshot could not be "
-                                   f"stored ({e})")
+        except Exception as e:  # nothing of it reaches the lease's guest, which runs on
+            await self._not_stored(staged, _why_not_stored(e))
             return
         finally:
             if frozen.ram is not None:
@@ -645,3 +644,15 @@ async def _copy_disk(frozen: Path, dest: Path) -> None:
     except OSError as e:
         raise HostError(f"the snapshot's disk could not be written into {dest.parent.parent} ({e.strerror or e}); "
                         "give the cache volume room for it, or set snapshot: off") from e
+
+
+def _why_not_stored(error: Exception) -> str:
+    """The reason a capture written beside its running guest is not in the store; a bug's exception
+    (none raised on purpose) is named as one, its traceback logged."""
+    if isinstance(error, HostError):
+        return error.message
+    if isinstance(error, OSError):
+        return f"the snapshot could not be stored ({error})"
+    log.error("storing the snapshot failed on an unexpected error", exc_info=error)
+    return (f"the snapshot could not be stored: an unexpected {type(error).__name__} ({error}), a bug in vmsidecar; "
+            "please report it with the runtime's log (it has the traceback); the next cold boot captures again")
