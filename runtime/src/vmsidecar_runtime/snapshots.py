@@ -564,8 +564,7 @@ def hash_ram_chunks(fd: int, copy_to: int | None = None) -> str:
 
     :raise OSError: ``fd`` cannot be read, or ``copy_to`` cannot be written.
     """
-    digests = _ram_pass(fd, copy_to, hashed=True)
-    return RAM_DIGEST + blake3(b"".join(digests)).hexdigest()
+    return RAM_DIGEST + blake3(b"".join(_ram_pass(fd, copy_to))).hexdigest()
 
 
 def copy_ram_chunks(fd: int, copy_to: int, runs: list[tuple[int, int]]) -> None:
@@ -591,31 +590,29 @@ def copy_ram_chunks(fd: int, copy_to: int, runs: list[tuple[int, int]]) -> None:
         list(pool.map(copy, runs))
 
 
-def _ram_pass(fd: int, copy_to: int | None, *, hashed: bool,
-              parts: dict[int, list[tuple[int, int]]] | None = None) -> list[bytes]:
-    """One pass over the chunks of ``fd`` on every core: the BLAKE3 of each (``hashed``), its data
-    written to ``copy_to`` at the same offset.
+def _ram_pass(fd: int, copy_to: int | None) -> list[bytes]:
+    """One pass over the chunks of ``fd`` on every core: the BLAKE3 of each, its data written to
+    ``copy_to`` at the same offset.
 
     A chunk with data is read whole, in one call, into a buffer of the thread's own (a call per
     extent of a guest's scattered RAM cost 0.3 s, a new 4 MiB object per chunk more than the hash);
     reading a hole gives zeros without allocating it, even in the memfd a guest runs on.
     """
     size = os.fstat(fd).st_size
-    if parts is None:
-        parts = _chunk_parts(_data_extents(fd, size), size)
+    parts = _chunk_parts(_data_extents(fd, size), size)
     buffers = threading.local()
 
     def chunk_digest(start: int) -> bytes:
         end = min(start + RAM_CHUNK, size)
         if not parts.get(start):
-            return _zero_digest(end - start) if hashed else b""
+            return _zero_digest(end - start)
         if not hasattr(buffers, "view"):
             buffers.view = memoryview(bytearray(RAM_CHUNK))
         data = _read_exactly(fd, buffers.view[: end - start], start)
         if copy_to is not None:
             for a, b in parts[start]:
                 _write_all(copy_to, data[a - start:b - start], a)
-        return blake3(data).digest() if hashed else b""
+        return blake3(data).digest()
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         return list(pool.map(chunk_digest, range(0, size, RAM_CHUNK)))

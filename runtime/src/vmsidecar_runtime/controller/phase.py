@@ -22,6 +22,15 @@ from ..events import EventBus
 log = logging.getLogger(__name__)
 
 
+
+def unexpected(e: Exception, what: str) -> str:
+    """How ``what`` failing on an exception nobody raised on purpose (a bug) is told: the exception,
+    where its traceback is (logged here), and that it is to be reported."""
+    log.error("the %s failed on an unexpected error", what, exc_info=e)
+    return (f"the {what} failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, please report it "
+            "with the runtime's log (it has the traceback)")
+
+
 class PowerLock:
     """The power lock (an ``asyncio.Lock``) that tells its holder when another operation waits for
     it: a capture waiting for its guest to settle (``Power._capture``) then captures at once."""

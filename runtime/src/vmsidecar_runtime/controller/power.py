@@ -31,7 +31,7 @@ from .disks import Disks, Progress
 from .lease import Lease, LeaseEnded, unless_ended
 from .machine import Machine, disk_io_error
 from .paths import RuntimePaths
-from .phase import PhaseMachine, require_spec
+from .phase import PhaseMachine, require_spec, unexpected
 from .readiness import ReadinessWatch
 from .settle import settle_limit, until_settled
 from .snapshot_ops import SnapshotOps
@@ -43,12 +43,8 @@ log = logging.getLogger(__name__)
 
 
 def _unexpected(e: Exception, what: str) -> VmsidecarError:
-    """The error of a boot or a capture for an exception nobody raised on purpose (a bug), its
-    traceback logged."""
-    log.error("the %s failed on an unexpected error", what, exc_info=e)
-    return VmsidecarError(f"the {what} failed on an unexpected {type(e).__name__} ({e}): a bug in vmsidecar, please "
-                          "report it with the runtime's log (it has the traceback); power on again to retry",
-                          code="internal_error")
+    """The error of a boot or a capture for an exception nobody raised on purpose (a bug)."""
+    return VmsidecarError(f"{unexpected(e, what)}; power on again to retry", code="internal_error")
 
 
 @dataclass(frozen=True)

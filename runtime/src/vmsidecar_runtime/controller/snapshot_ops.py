@@ -50,6 +50,7 @@ from .disks import Disks
 from .guest_clock import CLOCK_NO_AGENT, CLOCK_SETTING, correct_clock, has_guest_agent
 from .lease import LeaseEnded, unless_ended
 from .paths import RuntimePaths
+from .phase import unexpected
 from .snapshot_rules import LEASE_BOUND, no_snapshot
 from .source_fetch import SourceFetch
 
@@ -653,6 +654,4 @@ def _why_not_stored(error: Exception) -> str:
         return error.message
     if isinstance(error, OSError):
         return f"the snapshot could not be stored ({error})"
-    log.error("storing the snapshot failed on an unexpected error", exc_info=error)
-    return (f"the snapshot could not be stored: an unexpected {type(error).__name__} ({error}), a bug in vmsidecar; "
-            "please report it with the runtime's log (it has the traceback); the next cold boot captures again")
+    return f"{unexpected(error, 'store of the snapshot')}; the next cold boot captures again"
