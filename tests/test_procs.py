@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,10 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from landlockpy import Ruleset
 
 from fixtures.source import parse_python
 from fixtures.waiting import wait_until, wait_until_async
-from vmsidecar_runtime import procs
+from vmsidecar_runtime import confinement, procs
 from vmsidecar_runtime.disk import run_tool
 
 ROOT = Path(__file__).parents[1]
@@ -187,3 +189,54 @@ def test_a_root_runtime_starts_qemu_without_capabilities_or_says_why_it_cannot()
                              capture_output=True, text=True, timeout=60)
     assert "without CAP_SETPCAP" in without.stderr and "give the runtime container CAP_SETPCAP" in without.stderr, (
         without.stderr)
+
+
+def _confined_to_system(program: str) -> Ruleset:
+    """A domain that opens the system's directories and ``program``'s prefix, nothing of tmp_path."""
+    ruleset = confinement.ruleset_for(confinement.tool_rules(program))
+    assert ruleset is not None, "this kernel has Landlock (Linux 6.x in CI)"
+    return ruleset
+
+
+async def test_a_confined_child_is_in_its_domain_and_the_runtime_is_not(tmp_path: Path) -> None:
+    """The domain is entered by the thread that forks the child (``procs._fork``), not by a program
+    between fork and exec: the child cannot open a file outside it, while the calling thread and the
+    others (the event loop's) still can, before and after."""
+    secret = tmp_path / "auth.json"
+    secret.write_text("s3cret")
+    with contextlib.closing(_confined_to_system("cat")) as ruleset:
+        rc, out, err = await asyncio.to_thread(procs.run, "cat", str(secret), confine=ruleset)
+    assert (rc, out) == (1, "") and "Permission denied" in err, (rc, out, err)
+    with contextlib.closing(_confined_to_system("cat")) as ruleset:
+        child = await procs.spawn("cat", str(secret), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  die_with_parent=True, confine=ruleset)
+    out_b, err_b = await child.communicate()
+    assert (child.returncode, out_b) == (1, b"") and b"Permission denied" in err_b, (child.returncode, err_b)
+    assert secret.read_text() == "s3cret"  # the loop's thread
+    assert await asyncio.to_thread(secret.read_text) == "s3cret"  # a worker thread, the one run() used among them
+    rc, out, _ = await asyncio.to_thread(procs.run, "cat", str(secret))
+    assert (rc, out) == (0, "s3cret")
+
+
+@pytest.mark.parametrize("confined", [False, True], ids=["unconfined", "confined"])
+async def test_a_child_that_dies_with_its_parent_outlives_the_call_that_started_it(confined: bool) -> None:
+    """PDEATHSIG follows the thread that forked: the thread that forks a child (to enter its domain)
+    must live as long as the child, or the kernel kills the child as that thread ends."""
+    with contextlib.closing(_confined_to_system("sleep")) if confined else contextlib.nullcontext() as ruleset:
+        child = await procs.spawn("sleep", "600", die_with_parent=True, confine=ruleset)
+    try:
+        await asyncio.sleep(0.5)  # survival is only shown by waiting
+        assert _alive(child.pid) and child.returncode is None
+    finally:
+        child.kill()
+    assert await asyncio.wait_for(child.wait(), 10) == -signal.SIGKILL
+    assert child.pid not in procs.OWN
+
+
+async def test_a_signal_to_a_child_that_ended_reaches_no_other_process() -> None:
+    """Signals go through the child's pidfd: once it ended (its pid free for another process) a
+    signal raises ProcessLookupError, as asyncio's Process does, instead of reaching whoever has the pid."""
+    child = await procs.spawn("true")
+    assert await asyncio.wait_for(child.wait(), 10) == 0
+    with pytest.raises(ProcessLookupError):
+        child.send_signal(signal.SIGTERM)

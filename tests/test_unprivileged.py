@@ -10,6 +10,7 @@ UID cannot write is refused at start with the directory and the fix.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import signal
@@ -99,8 +100,13 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def _qemu_children(pid: int) -> list[int]:
+    """QEMUs started by ``pid``: by any of its threads (each child's forking thread waits for it)."""
+    children: list[str] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            children += (task / "children").read_text().split()
     found = []
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+    for child in children:
         with_args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         if os.path.basename(with_args[0]).startswith(b"qemu-system"):
             found.append(int(child))

@@ -5,7 +5,8 @@ QEMU runs as the runtime's UID (a UID of its own would need CAP_SETUID: no privi
 /dev/kvm), so without more it could open whatever that UID can: the registry auth file, every
 image and snapshot in the cache, the state directory's next overlay, a standby spare's disk. The
 runtime builds a Landlock ruleset for each QEMU from its boot plan (:func:`qemu_rules`) and QEMU
-enters it before it runs a line (``landlock_exec.py``, between setpriv and QEMU):
+starts in it: the thread that forks it enters the domain first (``procs._fork``; a domain is the
+thread's, not the runtime's other threads'):
 
 - read and execute: the system's program and library directories, QEMU's own prefix;
 - read: the few files under /etc the C library and slirp read, /proc and /sys, the disk's backing

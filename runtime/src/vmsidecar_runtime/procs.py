@@ -9,17 +9,19 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from landlockpy import Ruleset
+from landlockpy import LandlockError, Ruleset
 
 from vmsidecar_contract.errors import HostError
 
@@ -115,71 +117,156 @@ def _can_drop_bounding_set() -> bool:
     return False
 
 
-#: the program that enters a Landlock ruleset and execs (``-I -S``: it imports nothing of ours)
-LANDLOCK_EXEC = Path(__file__).with_name("landlock_exec.py")
-
-
-def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False,
-                         confine: Ruleset | None = None) -> tuple[str, ...]:
+def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False) -> tuple[str, ...]:
     """``argv`` prefixed so that the kernel SIGKILLs the program when its parent *thread* dies;
     ``no_capabilities``: and so that, started by root, it holds none (said in the log once when the
-    runtime cannot: without CAP_SETPCAP, root's exec gets the bounding set back); ``confine``: and
-    so that it runs in that Landlock domain (:func:`confined_argv`)."""
+    runtime cannot: without CAP_SETPCAP, root's exec gets the bounding set back)."""
     why = "the runtime starts QEMU through `setpriv --pdeathsig KILL` so that no guest outlives it"
     drop: tuple[str, ...] = ()
     if no_capabilities and os.geteuid() == 0:
         drop = NO_CAPABILITIES
         if not _can_drop_bounding_set():
             _warn_capabilities_kept()
-    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *confined_argv(argv, confine))
+    return (_util_linux("setpriv", why), *DEATH_SIGNAL, *drop, "--", *argv)
 
 
-def confined_argv(argv: tuple[str, ...], confine: Ruleset | None) -> tuple[str, ...]:
-    """``argv`` run in the Landlock domain of ``confine`` (``landlock_exec.py`` enters it and execs;
-    the child must inherit its descriptor), or as it is (None)."""
-    if confine is None:
-        return argv
-    return (sys.executable, "-I", "-S", str(LANDLOCK_EXEC), str(confine.fileno()), *argv)
+def _fork(argv: tuple[str, ...], confine: Ruleset | None,
+          then: Callable[[subprocess.Popen[bytes]], None] | None = None,
+          **kwargs: Any) -> tuple[subprocess.Popen[bytes], int]:
+    """``subprocess.Popen(argv, **kwargs)``, its pid recorded, forked by a thread of its own which
+    first enters the Landlock domain of ``confine`` (when given) and runs ``then`` with the child
+    before it ends; the child and a pidfd of it, once it started.
+
+    A domain confines the thread that enters it and the children it forks from then on, never the
+    runtime's other threads, and the child starts in it with nothing of ours between fork and exec
+    (a ``python -I -S`` that entered it took 10 ms of each QEMU's and qemu-img's start). A thread of
+    its own also because PDEATHSIG follows the thread that forked: :func:`spawn`'s waits there for
+    its child's end.
+
+    :raise HostError: the domain could not be entered; nothing was started (never unconfined once
+        the runtime chose to confine it).
+    """
+    started: queue.SimpleQueue[tuple[subprocess.Popen[bytes], int] | BaseException] = queue.SimpleQueue()
+
+    def fork() -> None:
+        try:
+            if confine is not None:
+                try:
+                    confine.restrict()  # this thread only (no TSYNC), with no_new_privs
+                except (LandlockError, OSError) as e:
+                    raise HostError(f"cannot enter the Landlock domain made for {os.path.basename(argv[0])} "
+                                    f"({e}); it was not started") from None
+            with _starting_child():
+                proc = subprocess.Popen(argv, **kwargs)
+                OWN.add(proc.pid)
+            pidfd = os.pidfd_open(proc.pid)  # before it can be reaped: only this thread waits for it
+        except BaseException as e:
+            started.put(e)
+            return
+        started.put((proc, pidfd))
+        if then is not None:
+            then(proc)
+
+    threading.Thread(target=fork, name=f"child-{os.path.basename(argv[0])}", daemon=True).start()
+    got = started.get()
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+class Child:
+    """A child started by :func:`spawn`: what the runtime uses of asyncio's ``Process`` (``pid``,
+    ``returncode``, the ``stdout`` and ``stderr`` readers, ``wait``, ``communicate``, the signals).
+
+    The thread that forked it waits for it and tells the loop (``exited``); signals go through a
+    pidfd, so none reaches a process that took the pid of a child reaped meanwhile."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], pidfd: int, exited: asyncio.Future[int]) -> None:
+        self.pid = proc.pid
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self._pidfd = pidfd
+        self._exited = exited
+        exited.add_done_callback(self._reaped)  # first: before any waiter resumes
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exited.result() if self._exited.done() else None
+
+    def _reaped(self, _: asyncio.Future[int]) -> None:
+        os.close(self._pidfd)
+        self._pidfd = -1
+
+    async def _connect(self, proc: subprocess.Popen[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        for name in ("stdout", "stderr"):
+            if (pipe := getattr(proc, name)) is not None:
+                reader = asyncio.StreamReader(loop=loop)
+                await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), pipe)
+                setattr(self, name, reader)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    async def communicate(self) -> tuple[bytes, bytes]:
+        """All of stdout and stderr (empty when not piped), then the child's end."""
+        async def read(reader: asyncio.StreamReader | None) -> bytes:
+            return await reader.read() if reader is not None else b""
+
+        out, err = await asyncio.gather(read(self.stdout), read(self.stderr))
+        await self.wait()
+        return out, err
+
+    def send_signal(self, sig: int) -> None:
+        """:raise ProcessLookupError: the child has ended."""
+        if self._pidfd < 0:
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool = False,
-                confine: Ruleset | None = None, **kwargs: Any) -> asyncio.subprocess.Process:
-    """``asyncio.create_subprocess_exec`` (list exec, never a shell) that records the pid.
+                confine: Ruleset | None = None, **kwargs: Any) -> Child:
+    """Start ``argv`` (list exec, never a shell), its pid recorded, forked by a thread of its own
+    that waits for it (:func:`_fork`); ``stdin``, ``stdout``, ``stderr`` and the rest as
+    ``asyncio.create_subprocess_exec`` takes them.
 
     ``die_with_parent`` makes the kernel kill the child when the runtime dies, however it dies;
     ``no_capabilities`` with it: a child of a root runtime runs with no capability (QEMU: it needs
     none; libvirt's helpers do); ``confine``: the child runs in that Landlock domain
     (``confinement.py``; the caller closes the ruleset once the child started).
     The child gets :func:`child_env` unless ``env`` is given.
-    PDEATHSIG follows the thread that forked, not the process: ``spawn`` is a coroutine, so the
-    fork happens on the event-loop thread, which lives as long as the runtime does. setpriv execs
-    the program in place, so ``proc.pid`` is the program's pid (QEMU's, libvirt's unshare's).
+    PDEATHSIG follows the thread that forked, not the process: that thread lives until the child
+    has ended. setpriv execs the program in place, so ``proc.pid`` is the program's pid (QEMU's,
+    libvirt's unshare's).
 
-    :raise HostError: when ``die_with_parent`` is asked for and setpriv is not installed.
+    :raise HostError: when ``die_with_parent`` is asked for and setpriv is not installed, or the
+        domain of ``confine`` could not be entered.
     :raise TypeError: on ``preexec_fn``, which this runtime never uses (see ``DEATH_SIGNAL``).
     """
     if "preexec_fn" in kwargs:
         raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
-    if confine is not None:
-        kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), confine.fileno())
     if die_with_parent and sys.platform == "linux":
-        argv = die_with_parent_argv(argv, no_capabilities=no_capabilities, confine=confine)
-    else:
-        argv = confined_argv(argv, confine)
+        argv = die_with_parent_argv(argv, no_capabilities=no_capabilities)
     kwargs.setdefault("env", child_env())
-    with _starting_child():
-        proc = await asyncio.create_subprocess_exec(*argv, **kwargs)
-        OWN.add(proc.pid)
-    wait = proc.wait
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[int] = loop.create_future()
 
-    async def tracked_wait() -> int:
-        try:
-            return await wait()
-        finally:
-            OWN.discard(proc.pid)
+    def wait_for(proc: subprocess.Popen[bytes]) -> None:
+        returncode = proc.wait()
+        OWN.discard(proc.pid)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(exited.set_result, returncode)
 
-    proc.wait = tracked_wait  # type: ignore[method-assign]
-    return proc
+    proc, pidfd = _fork(argv, confine, wait_for, **kwargs)
+    child = Child(proc, pidfd, exited)
+    await child._connect(proc)
+    return child
 
 
 def inherited_path(fd: int) -> Path:
@@ -227,25 +314,24 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
     Run for work that may be given up (:func:`.threads.current_abort`), the program is killed when
     it is: nothing keeps reading an image the runtime abandoned until its own deadline.
 
-    ``confine``: the program runs in that Landlock domain (:func:`confined_argv`; the caller closes
-    the ruleset).
+    ``confine``: the program runs in that Landlock domain (:func:`_fork`; the caller closes the
+    ruleset).
 
     :raise FileNotFoundError: when the program is not installed.
-    :raise HostError: ``max_memory`` asked for and prlimit is not installed.
+    :raise HostError: ``max_memory`` asked for and prlimit is not installed, or the domain of
+        ``confine`` could not be entered.
     :raise subprocess.TimeoutExpired: past ``timeout`` (the program killed and reaped).
     :raise OutputTooLarge: past ``max_output`` bytes of stdout (the program killed and reaped).
     :raise threads.Abandoned: the work was given up (the program killed and reaped).
     """
     program = os.path.basename(argv[0])
-    argv = confined_argv(argv, confine)
     if max_memory is not None:
         why = "the runtime holds qemu-img to a memory bound through `prlimit --data` while it reads an image"
         prlimit = _util_linux("prlimit", why)
         argv = (prlimit, f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
-    with _starting_child():
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=child_env(), pass_fds=() if confine is None else (confine.fileno(),))
-        OWN.add(proc.pid)
+    proc, pidfd = _fork(argv, confine, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=child_env())
+    os.close(pidfd)  # this thread waits for it: Popen's own kill is safe here
     abort = current_abort()
     # the hook runs on the thread that gives the work up; Popen.kill polls first and does not signal
     # a child already reaped (bpo-38630), whose pid another process may have by then

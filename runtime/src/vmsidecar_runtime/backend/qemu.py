@@ -29,7 +29,7 @@ from vmsidecar_contract.state import ExitInfo
 
 from .. import confinement
 from ..plan import BootPlan, shared_with_another_qemu
-from ..procs import exiting_or_gone, spawn, threads_cpu_seconds
+from ..procs import Child, exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink, register_shared
 from .common import emulator_path, hostfwd_rule, qemu_binary
@@ -147,7 +147,7 @@ class QemuBackend:
     def __init__(self, plan: BootPlan, on_event: EventSink) -> None:
         self.plan = plan
         self._on_event = on_event
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Child | None = None
         self._qmp: QMPClient | None = None
         self._stderr: deque[str] = deque(maxlen=20)
         self._tasks: list[asyncio.Task[None]] = []

@@ -29,7 +29,7 @@ from typing import Any
 
 from vmsidecar_contract.errors import HostError
 
-from ...procs import spawn
+from ...procs import Child, spawn
 from . import nsinit
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,8 @@ class PrivateDaemon:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.proc: asyncio.subprocess.Process | None = None
-        self._virtlogd: asyncio.subprocess.Process | None = None
+        self.proc: Child | None = None
+        self._virtlogd: Child | None = None
         self._stderr: list[str] = []
         #: False when mount/PID namespaces are unavailable (no CAP_SYS_ADMIN): libvirtd then uses
         #: the system's /etc/libvirt, /run/libvirt … (fine in a container that is ours alone)
