@@ -12,6 +12,8 @@ in the same alternation; the process's start (its imports, the pull) is paid onc
 ``--spawn-only`` times the runtime's fixed cost alone, free of the guest's boot: ``serve`` on a
 fresh cache until its API answers (it binds after QEMU is spawned), then QEMU's start from
 ``/proc``; no boot is awaited. Its median moves with the code, not with the guest's kernel under TCG.
+With it, the steps of the runtime's JSON log from its event loop's start (after the interpreter and
+its imports) to the guest running: to the pull, the pull, the overlay, QEMU's launch to ``cont``.
 
 Each run boots the guest bare (as ``bench/snapshot.py``'s first leg) and with ``serve`` on a
 fresh cache (its second leg), in turn first, and prints for the latter: when its QEMU was spawned (from
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import re
 import statistics
@@ -215,30 +218,61 @@ async def main_running(runs: int, name: str) -> None:
           f"{med[2]:.2f} s after that (timings.ready)")
 
 
-async def spawn_only(guest: Guest, work: Path) -> float:
-    """Seconds from ``serve``'s start to its QEMU's spawn (the runtime's fixed cost before the boot)."""
+#: the runtime's log lines (``--log-format json --log-level debug``) that mark ``--spawn-only``'s steps
+STEPS = (("loop", "Using selector"), ("pull", "phase Stopped -> Pulling"), ("pulled", "phase Pulling -> Stopped"),
+         ("launch", "starting qemu"), ("running", "phase Starting -> Running"))
+
+
+def _steps(log: str) -> dict[str, float]:
+    """When each of :data:`STEPS` was logged (the epoch), the first time."""
+    found: dict[str, float] = {}
+    for line in log.splitlines():
+        if not line.startswith("{"):
+            continue
+        entry = json.loads(line)
+        for key, start in STEPS:
+            if key not in found and entry["message"].startswith(start):
+                found[key] = entry["time"]
+    return found
+
+
+async def spawn_only(guest: Guest, work: Path) -> dict[str, float]:
+    """Seconds from ``serve``'s start to its QEMU's spawn (the runtime's fixed cost before the boot),
+    and the steps of its log from its event loop's start: to the pull, the pull, to QEMU's launch
+    (the overlay), the launch to the guest running (QEMU's start, QMP, ``cont``)."""
     spec = _cold_spec(guest)
     since_boot = _uptime()
-    with RuntimeProcess.start(work, spec=spec, cache=work / "cache", args=["--grace", "1"]) as rt:
+    args = ["--grace", "1", "--log-format", "json", "--log-level", "debug"]
+    with RuntimeProcess.start(work, spec=spec, cache=work / "cache", args=args) as rt:
         await rt.wait_serving(guest.timeout, poll=0.02)
         spawned = _child_qemu_start(rt.proc.pid)
-    if spawned is None:
-        raise RuntimeError(f"no QEMU child once the API answered; {rt.log_text()[-2000:]}")
-    return spawned - since_boot
+        steps = _steps(rt.log_text())
+    if spawned is None or len(steps) != len(STEPS):
+        raise RuntimeError(f"no QEMU child or not every step logged once the API answered; {rt.log_text()[-2000:]}")
+    return {"spawn": spawned - since_boot, "to_pull": steps["pull"] - steps["loop"],
+            "pull": steps["pulled"] - steps["pull"], "overlay": steps["launch"] - steps["pulled"],
+            "launch": steps["running"] - steps["launch"], "loop_to_running": steps["running"] - steps["loop"]}
 
 
 async def main_spawn_only(runs: int, name: str) -> None:
     compile_sources()
     guest = resolve_guest(name)
     assert guest is not None
-    seconds = []
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-spawn-") as tmp:
         for i in range(runs):
             os.sync()
-            seconds.append(await spawn_only(guest, Path(tmp) / f"run-{i}"))
-            print(f"run {i + 1}: QEMU spawned {seconds[-1]:.3f} s after the start", flush=True)
-    print(f"\nmedian of {runs}: QEMU spawned {statistics.median(seconds):.3f} s after the start "
-          f"(min {min(seconds):.3f}, max {max(seconds):.3f}; /proc's clock has {1 / CLOCK_TICKS:.2f} s ticks)")
+            rows.append(await spawn_only(guest, Path(tmp) / f"run-{i}"))
+            r = rows[-1]
+            print(f"run {i + 1}: QEMU spawned {r['spawn']:.3f} s after the start; from the event loop's start: "
+                  f"the pull begun {r['to_pull']:.3f} s, the pull {r['pull']:.3f}, to QEMU's launch {r['overlay']:.3f}, "
+                  f"launch → guest running {r['launch']:.3f}: {r['loop_to_running']:.3f} s", flush=True)
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    spawns = [r["spawn"] for r in rows]
+    print(f"\nmedians of {runs}: QEMU spawned {med['spawn']:.3f} s after the start (min {min(spawns):.3f}, max "
+          f"{max(spawns):.3f}; /proc's clock has {1 / CLOCK_TICKS:.2f} s ticks); the event loop's start → the guest "
+          f"running {med['loop_to_running']:.3f} s (to the pull {med['to_pull']:.3f}, the pull {med['pull']:.3f}, "
+          f"the overlay {med['overlay']:.3f}, QEMU's launch to running {med['launch']:.3f})")
 
 
 async def main(runs: int, name: str) -> None:
