@@ -132,10 +132,11 @@ def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False
 
 def _fork(argv: tuple[str, ...], confine: Ruleset | None,
           then: Callable[[subprocess.Popen[bytes]], None] | None = None,
-          **kwargs: Any) -> tuple[subprocess.Popen[bytes], int]:
+          **kwargs: Any) -> tuple[subprocess.Popen[bytes], int | None]:
     """``subprocess.Popen(argv, **kwargs)``, its pid recorded, forked by a thread of its own which
     first enters the Landlock domain of ``confine`` (when given) and runs ``then`` with the child
-    before it ends; the child and a pidfd of it, once it started.
+    before it ends; the child and a pidfd of it (None on a kernel without pidfds, < 5.3), once it
+    started.
 
     A domain confines the thread that enters it and the children it forks from then on, never the
     runtime's other threads, and the child starts in it with nothing of ours between fork and exec
@@ -146,7 +147,7 @@ def _fork(argv: tuple[str, ...], confine: Ruleset | None,
     :raise HostError: the domain could not be entered; nothing was started (never unconfined once
         the runtime chose to confine it).
     """
-    started: queue.SimpleQueue[tuple[subprocess.Popen[bytes], int] | BaseException] = queue.SimpleQueue()
+    started: queue.SimpleQueue[tuple[subprocess.Popen[bytes], int | None] | BaseException] = queue.SimpleQueue()
 
     def fork() -> None:
         try:
@@ -159,10 +160,13 @@ def _fork(argv: tuple[str, ...], confine: Ruleset | None,
             with _starting_child():
                 proc = subprocess.Popen(argv, **kwargs)
                 OWN.add(proc.pid)
-            pidfd = os.pidfd_open(proc.pid)  # before it can be reaped: only this thread waits for it
         except BaseException as e:
             started.put(e)
             return
+        try:
+            pidfd: int | None = os.pidfd_open(proc.pid)  # before it can be reaped: only this thread waits for it
+        except OSError:
+            pidfd = None
         started.put((proc, pidfd))
         if then is not None:
             then(proc)
@@ -179,9 +183,10 @@ class Child:
     ``returncode``, the ``stdout`` and ``stderr`` readers, ``wait``, ``communicate``, the signals).
 
     The thread that forked it waits for it and tells the loop (``exited``); signals go through a
-    pidfd, so none reaches a process that took the pid of a child reaped meanwhile."""
+    pidfd, so none reaches a process that took the pid of a child reaped meanwhile (by pid, as
+    asyncio does, on a kernel without pidfds)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], pidfd: int, exited: asyncio.Future[int]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], pidfd: int | None, exited: asyncio.Future[int]) -> None:
         self.pid = proc.pid
         self.stdout: asyncio.StreamReader | None = None
         self.stderr: asyncio.StreamReader | None = None
@@ -194,8 +199,9 @@ class Child:
         return self._exited.result() if self._exited.done() else None
 
     def _reaped(self, _: asyncio.Future[int]) -> None:
-        os.close(self._pidfd)
-        self._pidfd = -1
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     async def _connect(self, proc: subprocess.Popen[bytes]) -> None:
         loop = asyncio.get_running_loop()
@@ -219,9 +225,12 @@ class Child:
 
     def send_signal(self, sig: int) -> None:
         """:raise ProcessLookupError: the child has ended."""
-        if self._pidfd < 0:
+        if self._exited.done():
             raise ProcessLookupError(self.pid)
-        signal.pidfd_send_signal(self._pidfd, sig)
+        if self._pidfd is None:
+            os.kill(self.pid, sig)
+        else:
+            signal.pidfd_send_signal(self._pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -331,7 +340,8 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
         argv = (prlimit, f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
     proc, pidfd = _fork(argv, confine, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         env=child_env())
-    os.close(pidfd)  # this thread waits for it: Popen's own kill is safe here
+    if pidfd is not None:
+        os.close(pidfd)  # this thread waits for it: Popen's own kill is safe here
     abort = current_abort()
     # the hook runs on the thread that gives the work up; Popen.kill polls first and does not signal
     # a child already reaped (bpo-38630), whose pid another process may have by then
