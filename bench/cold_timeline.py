@@ -4,6 +4,11 @@
     uv run python bench/cold_timeline.py --spawn-only [--runs 15]
 
     uv run python bench/cold_timeline.py --running [--runs 5] [--guest tiny|debian]
+    uv run python bench/cold_timeline.py --before /tmp/old-checkout [--runs 9]   # before/after, in turn
+
+``--before DIR`` runs the cold starts of another checkout's runtime (its ``runtime/src`` and
+``contract/src`` first on ``PYTHONPATH``, same venv) and of this one beside bare boots, which goes
+first rotating, and prints each's median to Ready and this ÷ before.
 
 ``--running`` times the cold boots a runtime already serving makes (``snapshot: off``, or a flashed
 disk, which is never captured): ``power on`` → Ready, the guest off before each, against a bare boot
@@ -44,10 +49,11 @@ from typing import Any, NamedTuple
 
 from bytecode import compile_sources  # bench/ is no package
 from snapshot import MARKER, Guest, bare_argv, cpu_seconds, minor_faults, resolve_guest
+from trees import tree_pythonpath, with_pythonpath
 
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.client import RuntimeClient
-from vmsidecar_contract.process import RuntimeProcess
+from vmsidecar_contract.process import RuntimeProcess, clean_environ
 from vmsidecar_runtime.accel import AccelChoice, choose_accel
 
 UPTIME = re.compile(rb"VMSIDECAR-READY image=\S+ uptime=([0-9.]+)")
@@ -138,11 +144,13 @@ def _cold_spec(guest: Guest) -> dict[str, object]:
     return {"image": f"file:{guest.disk}", "memory": guest.memory, "readiness": {"pattern": MARKER.decode()}}
 
 
-async def cold(guest: Guest, work: Path) -> dict[str, float]:
+async def cold(guest: Guest, work: Path, pythonpath: str | None = None) -> dict[str, float]:
+    """One cold start to Ready (``pythonpath``: another tree's runtime, ``trees.tree_pythonpath``)."""
     spec = _cold_spec(guest)
     cache = work / "cache"
+    env = with_pythonpath(clean_environ(), pythonpath) if pythonpath else None
     started, since_boot = time.monotonic(), _uptime()
-    with RuntimeProcess.start(work, spec=spec, cache=cache, args=["--grace", "5"]) as rt:
+    with RuntimeProcess.start(work, spec=spec, cache=cache, args=["--grace", "5"], env=env) as rt:
         await _ready_by_events(rt, guest.timeout)
         total = time.monotonic() - started
         # read once the guest is Ready, from its start time in /proc: a poll of /proc while the
@@ -275,6 +283,34 @@ async def main_spawn_only(runs: int, name: str) -> None:
           f"the overlay {med['overlay']:.3f}, QEMU's launch to running {med['launch']:.3f})")
 
 
+async def main_before(runs: int, name: str, before: Path) -> None:
+    """Bare boots and cold starts of another checkout's runtime and of this one, in turn (which goes
+    first rotating), to Ready: the change's effect on the cold start beside the guest's spread."""
+    compile_sources()
+    guest = resolve_guest(name)
+    assert guest is not None
+    accel = choose_accel("auto", host_arch())
+    old = tree_pythonpath(before.resolve())
+    legs = ("bare", "before", "this")
+    rows: dict[str, list[float]] = {leg: [] for leg in legs}
+    with tempfile.TemporaryDirectory(prefix="bench-cold-before-") as tmp:
+        for i in range(runs):
+            for leg in legs[i % 3:] + legs[:i % 3]:
+                os.sync()
+                work = Path(tmp) / f"{leg}-{i}"
+                if leg == "bare":
+                    rows[leg].append((await bare(guest, accel, work)).seconds)
+                else:
+                    rows[leg].append((await cold(guest, work, old if leg == "before" else None))["total"])
+            print(f"run {i + 1}: bare {rows['bare'][-1]:.2f} s, cold start → Ready before {rows['before'][-1]:.2f} s, "
+                  f"this {rows['this'][-1]:.2f} s", flush=True)
+    med = {leg: statistics.median(rows[leg]) for leg in legs}
+    paired = statistics.median(t / b for t, b in zip(rows["this"], rows["before"], strict=True))
+    print(f"\nmedians of {runs}: bare {med['bare']:.2f} s, cold start → Ready before {med['before']:.2f} s "
+          f"({med['before'] / med['bare']:.2f}x bare), this {med['this']:.2f} s ({med['this'] / med['bare']:.2f}x "
+          f"bare); this ÷ before {med['this'] / med['before']:.3f} (median of the runs' own {paired:.3f})")
+
+
 async def main(runs: int, name: str) -> None:
     compile_sources()
     guest = resolve_guest(name)
@@ -310,5 +346,9 @@ if __name__ == "__main__":
     p.add_argument("--guest", choices=["tiny", "debian"], default="tiny")
     p.add_argument("--spawn-only", action="store_true", help="time serve's start → its QEMU's spawn, no boot")
     p.add_argument("--running", action="store_true", help="time a serving runtime's cold boots (power on → Ready)")
+    p.add_argument("--before", type=Path, help="a checkout of another revision: its cold starts beside this one's")
     args = p.parse_args()
+    if args.before:
+        asyncio.run(main_before(args.runs, args.guest, args.before))
+        raise SystemExit
     asyncio.run((main_spawn_only if args.spawn_only else main_running if args.running else main)(args.runs, args.guest))
