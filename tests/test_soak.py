@@ -15,6 +15,7 @@ import pytest
 from fixtures.faults import Sample, own_temp_files, run_dir_of, sample
 from fixtures.runtime import qemu_pids
 from fixtures.waiting import wait_until_async
+from vmsidecar_contract.process import child_pids
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -25,18 +26,13 @@ EVERY = 20
 def _tools_running(pid: int) -> list[str]:
     """The children of ``pid`` that are no QEMU (a ``qemu-img`` it runs)."""
     names = []
-    for task in os.listdir(f"/proc/{pid}/task"):
+    for child in child_pids(pid):
         try:
-            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+            name = os.path.basename(Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0", 1)[0]).decode()
         except OSError:
             continue
-        for child in children:
-            try:
-                name = os.path.basename(Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0", 1)[0]).decode()
-            except OSError:
-                continue
-            if not name.startswith("qemu-system"):
-                names.append(name)
+        if not name.startswith("qemu-system"):
+            names.append(name)
     return names
 
 

@@ -10,7 +10,6 @@ UID cannot write is refused at start with the directory and the fix.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import shutil
 import signal
@@ -26,7 +25,7 @@ import pytest
 
 from fixtures.source import parse_python
 from fixtures.waiting import wait_until_async
-from vmsidecar_contract.process import RuntimeProcess
+from vmsidecar_contract.process import RuntimeProcess, child_pids
 from vmsidecar_contract.state import Phase
 
 ROOT = Path(__file__).parents[1]
@@ -100,16 +99,12 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def _qemu_children(pid: int) -> list[int]:
-    """QEMUs started by ``pid``: by any of its threads (each child's forking thread waits for it)."""
-    children: list[str] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            children += (task / "children").read_text().split()
+    """QEMUs started by ``pid`` (by any of its threads: each child's forking thread waits for it)."""
     found = []
-    for child in children:
+    for child in child_pids(pid):
         with_args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         if os.path.basename(with_args[0]).startswith(b"qemu-system"):
-            found.append(int(child))
+            found.append(child)
     return found
 
 
