@@ -240,3 +240,20 @@ async def test_a_signal_to_a_child_that_ended_reaches_no_other_process() -> None
     assert await asyncio.wait_for(child.wait(), 10) == 0
     with pytest.raises(ProcessLookupError):
         child.send_signal(signal.SIGTERM)
+
+
+async def test_a_spawn_cancelled_before_it_returns_leaves_no_process_behind() -> None:
+    """The child is started (its pid recorded) before ``spawn`` has connected its pipes and returned
+    it: a caller cancelled in between (a boot given up as QEMU starts) never holds the child to kill
+    it, so ``spawn`` kills and reaps it itself."""
+    before = set(procs.OWN)
+    task = asyncio.create_task(procs.spawn("sleep", "30", stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    while not (started := procs.OWN - before):
+        await asyncio.sleep(0)  # the first step of the loop once the child is recorded: spawn is connecting its pipes
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [pid] = started
+    assert not Path(f"/proc/{pid}").exists(), Path(f"/proc/{pid}/stat").read_text()
+    assert pid not in procs.OWN

@@ -274,7 +274,13 @@ async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool
 
     proc, pidfd = _fork(argv, confine, wait_for, **kwargs)
     child = Child(proc, pidfd, exited)
-    await child._connect(proc)
+    try:
+        await child._connect(proc)
+    except BaseException:  # cancelled before the caller holds the child: nobody else could stop it
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        await child.wait()
+        raise
     return child
 
 
