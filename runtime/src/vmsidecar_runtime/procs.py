@@ -133,10 +133,11 @@ def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False
 def _fork(argv: tuple[str, ...], confine: Ruleset | None,
           then: Callable[[subprocess.Popen[bytes]], None] | None = None,
           **kwargs: Any) -> tuple[subprocess.Popen[bytes], int | None]:
-    """``subprocess.Popen(argv, **kwargs)``, its pid recorded, forked by a thread of its own which
-    first enters the Landlock domain of ``confine`` (when given) and runs ``then`` with the child
-    before it ends; the child and a pidfd of it (None on a kernel without pidfds, < 5.3), once it
-    started.
+    """``subprocess.Popen(argv, **kwargs)`` (the environment :func:`child_env` unless ``env`` is
+    given), its pid recorded, forked by a thread of its own which first enters the Landlock domain
+    of ``confine`` (when given) and runs ``then`` with the child before it ends; the child, once it
+    started, and, when ``then`` takes it over (waits for it on that thread), a pidfd of it to signal
+    it by (None on a kernel without pidfds, < 5.3).
 
     A domain confines the thread that enters it and the children it forks from then on, never the
     runtime's other threads, and the child starts in it with nothing of ours between fork and exec
@@ -148,6 +149,7 @@ def _fork(argv: tuple[str, ...], confine: Ruleset | None,
         the runtime chose to confine it).
     """
     started: queue.SimpleQueue[tuple[subprocess.Popen[bytes], int | None] | BaseException] = queue.SimpleQueue()
+    kwargs.setdefault("env", child_env())
 
     def fork() -> None:
         try:
@@ -163,13 +165,15 @@ def _fork(argv: tuple[str, ...], confine: Ruleset | None,
         except BaseException as e:
             started.put(e)
             return
+        if then is None:
+            started.put((proc, None))
+            return
         try:
-            pidfd: int | None = os.pidfd_open(proc.pid)  # before it can be reaped: only this thread waits for it
+            pidfd: int | None = os.pidfd_open(proc.pid)  # before it can be reaped: only ``then`` waits for it
         except OSError:
             pidfd = None
         started.put((proc, pidfd))
-        if then is not None:
-            then(proc)
+        then(proc)
 
     threading.Thread(target=fork, name=f"child-{os.path.basename(argv[0])}", daemon=True).start()
     got = started.get()
@@ -249,7 +253,7 @@ async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool
     ``no_capabilities`` with it: a child of a root runtime runs with no capability (QEMU: it needs
     none; libvirt's helpers do); ``confine``: the child runs in that Landlock domain
     (``confinement.py``; the caller closes the ruleset once the child started).
-    The child gets :func:`child_env` unless ``env`` is given.
+    The child gets :func:`child_env` unless ``env`` is given (:func:`_fork`).
     PDEATHSIG follows the thread that forked, not the process: that thread lives until the child
     has ended. setpriv execs the program in place, so ``proc.pid`` is the program's pid (QEMU's,
     libvirt's unshare's).
@@ -262,7 +266,6 @@ async def spawn(*argv: str, die_with_parent: bool = False, no_capabilities: bool
         raise TypeError("spawn() takes no preexec_fn: Python code between fork and exec is unsafe with threads")
     if die_with_parent and sys.platform == "linux":
         argv = die_with_parent_argv(argv, no_capabilities=no_capabilities)
-    kwargs.setdefault("env", child_env())
     loop = asyncio.get_running_loop()
     exited: asyncio.Future[int] = loop.create_future()
 
@@ -344,10 +347,7 @@ def run(*argv: str, timeout: float | None = None, max_output: int = MAX_OUTPUT,
         why = "the runtime holds qemu-img to a memory bound through `prlimit --data` while it reads an image"
         prlimit = _util_linux("prlimit", why)
         argv = (prlimit, f"--data={max_memory}", f"--stack={THREAD_STACK}", "--", *argv)
-    proc, pidfd = _fork(argv, confine, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        env=child_env())
-    if pidfd is not None:
-        os.close(pidfd)  # this thread waits for it: Popen's own kill is safe here
+    proc, _ = _fork(argv, confine, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     abort = current_abort()
     # the hook runs on the thread that gives the work up; Popen.kill polls first and does not signal
     # a child already reaped (bpo-38630), whose pid another process may have by then

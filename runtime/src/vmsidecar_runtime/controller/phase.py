@@ -22,7 +22,6 @@ from ..events import EventBus
 log = logging.getLogger(__name__)
 
 
-
 def unexpected(e: Exception, what: str) -> str:
     """How ``what`` failing on an exception nobody raised on purpose (a bug) is told: the exception,
     where its traceback is (logged here), and that it is to be reported."""
