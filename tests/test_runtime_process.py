@@ -1,11 +1,14 @@
-"""The one runtime launcher (``vmsidecar_contract.process``) on real ``vmsidecar-runtime serve`` processes
-without a spec (no guest boots): it waits until the API answers, names why a runtime did not serve
-(with the runtime's own words from its log), and stops it cleanly."""
+"""The one runtime launcher (``vmsidecar_contract.process``) on real ``vmsidecar-runtime serve`` processes,
+most without a spec (no guest boots): it waits until the API answers, names why a runtime did not
+serve (with the runtime's own words from its log), and stops it cleanly; and the API answers while
+a boot is under way (a pull that hangs, a guest booting on a busy core)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from vmsidecar_contract.blocking import BlockingRuntimeClient
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, RuntimeStartError, clean_environ
 from vmsidecar_contract.state import Phase
+from vmsidecar_images.build import BuiltImage
 
 
 def test_waits_until_the_api_answers_then_stops_cleanly(tmp_path: Path) -> None:
@@ -63,6 +67,33 @@ async def test_the_api_answers_while_the_boot_pull_hangs(tmp_path: Path) -> None
             await rt.wait_serving(timeout=20)
             async with RuntimeClient(rt.socket) as client:
                 assert (await client.state()).phase == Phase.PULLING
+
+
+async def test_the_api_answers_while_a_cold_guest_boots_on_a_busy_core(tmp_path: Path, tiny_image: BuiltImage) -> None:
+    """The API, and with it the kubelet's probes, must answer while a guest boots however busy the
+    node is. The runtime, its QEMU and two busy loops share one core (each inherits the affinity of
+    the thread that starts it): the API's first answer comes while the guest still boots. Its
+    modules' import at nice 19 (session 54) answered only once the guest was Ready and idle: under
+    load a nice-19 thread gets ~1 % of a core."""
+    own = os.sched_getaffinity(0)
+    hogs: list[subprocess.Popen[bytes]] = []
+    os.sched_setaffinity(0, {max(own)})  # this thread's, inherited by what it starts
+    try:
+        hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2)]
+        rt = RuntimeProcess.start(tmp_path / "rt", spec={"image": f"file:{tiny_image.disk}", "memory": "256M"},
+                                  cache=tmp_path / "cache", env=clean_environ(), args=["--grace", "5"])
+    finally:
+        os.sched_setaffinity(0, own)
+    try:
+        with rt:
+            await rt.wait_serving(timeout=240)
+            async with RuntimeClient(rt.socket) as client:
+                state = await client.state()
+            assert state.phase in (Phase.PULLING, Phase.STARTING, Phase.RUNNING), state.phase
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def test_a_runtimes_private_run_dir_never_outlives_it(tmp_path: Path) -> None:

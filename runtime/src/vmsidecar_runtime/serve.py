@@ -41,7 +41,6 @@ from .oci.cache import DiskCache
 from .perms import forbid_inspection, restrict_umask, share_dir
 from .plan import stream_names
 from .snapshots import SnapshotStore, qemu_version
-from .threads import in_daemon_thread
 
 log = logging.getLogger("vmsidecar_runtime")
 
@@ -250,19 +249,8 @@ API_IMPORT_WAIT = 0.5
 _NOT_UNDER_WAY = frozenset({Phase.PULLING, Phase.STOPPED, Phase.STARTING})
 
 
-#: the niceness of the thread that imports the API's modules beside a cold boot (Linux's nice is a
-#: thread's): its 0.15-0.2 s of CPU go beside the guest's first second, when QEMU's threads want the
-#: host's cores; at 19 the tiny guest's cold start was 6-8 % shorter on two cores (performance.md).
-#: Not beside a restore: the API is what a warm start waits for last
-API_IMPORT_NICE = 19
-
-
-def _api_modules(nice: int) -> tuple[ModuleType, ModuleType]:
-    """The API's modules (``api.server``, ``api.health``): aiohttp and the request models, imported
-    at niceness ``nice`` (in a thread of its own: no pool thread keeps it)."""
-    if nice:
-        with contextlib.suppress(OSError):  # (raising one's own niceness needs no privilege)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+def _api_modules() -> tuple[ModuleType, ModuleType]:
+    """The API's modules (``api.server``, ``api.health``): aiohttp and the request models."""
     from .api import health, server
 
     return server, health
@@ -274,21 +262,17 @@ async def _api_modules_once_booting(vm: VmController) -> tuple[ModuleType, Modul
     restore), the boot failed, or ``API_IMPORT_WAIT`` passed (a long download must not keep the
     API down). Imported beside the work before it, on the same GIL, they made a cold start's pull
     of a ``file:`` disk twice as long (0.08 -> 0.17 s), and beside QEMU's start (the overlay, the
-    spawn, the QMP set-up before ``cont``) the guest ran 28 ms later (16 starts, medians). Beside a
-    cold guest they run at :data:`API_IMPORT_NICE`."""
+    spawn, the QMP set-up before ``cont``) the guest ran 28 ms later (16 starts, medians)."""
     booting = vm.spec is not None and bool(vm.spec.image)  # else nothing boots before the API asks
-    restoring = False
     with contextlib.suppress(TimeoutError):
         async with vm.events.listen({"phase", "boot"}) as events, asyncio.timeout(API_IMPORT_WAIT):
             while booting and vm.phase in _NOT_UNDER_WAY:
                 if vm.phase == Phase.STARTING and vm.snapshot_info.available:
-                    restoring = True  # (told by its boot event otherwise, once it is under way)
-                    break
+                    break  # a restore (told by its boot event otherwise, once it is under way)
                 event = await events.get()
                 if event.type == "boot" and event.data.get("reason") == "restore":
-                    restoring = True
                     break
-    return await in_daemon_thread(_api_modules, 0 if restoring else API_IMPORT_NICE, name="api-import")
+    return await asyncio.to_thread(_api_modules)
 
 
 async def serve(spec: VmSpec | None, paths: RuntimePaths, *, allow_extra_args: bool = False,
