@@ -1,7 +1,8 @@
 """Attack: valid API calls in hostile sequences (a seventh reading, 2026-11-29; docs/security.md
 rows 48-50). An API caller is a lease holder (controller/admission.py): each test is a lease that
 does only what it may, in an order that carried something of it past its end, on the in-memory
-hypervisor (tests/fixtures/fake_backend.py) behind the real API server.
+hypervisor (tests/fixtures/fake_backend.py) behind the real API server; a runtime restarted mid-lease
+on real runtime processes.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import re
+import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -32,9 +35,11 @@ from fixtures.fake_backend import (
 from fixtures.waiting import wait_until_async
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.errors import VmsidecarError
-from vmsidecar_contract.spec import VmSpec
+from vmsidecar_contract.process import RuntimeProcess, clean_environ
+from vmsidecar_contract.spec import VmSpec, load_spec
 from vmsidecar_contract.state import Phase
 from vmsidecar_runtime.api.server import make_app
+from vmsidecar_runtime.controller import pool_spec
 from vmsidecar_runtime.hostpaths import HostPathPolicy
 
 pytestmark = pytest.mark.timeout(60)
@@ -265,3 +270,65 @@ async def test_a_lease_never_brings_a_snapshot_source_of_its_own(fake_vm: Build)
             assert refused_.code == "invalid_spec" and evil in refused_.message, refused_
             assert "registry.pool.example/snapshots" in refused_.message and "--spec" in refused_.message
         assert vm.spec is not None and vm.spec.snapshot_source is None
+
+
+async def test_a_restarted_runtime_keeps_the_pools_snapshot_source(tmp_path: Path) -> None:
+    """Row 40, a runtime restarted mid-lease (real runtime processes; no image: nothing boots): the
+    runtime is killed while a lease holds its pod (an OOM, a crash) and its container starts it
+    again with no ``--spec`` of its own, as a pool pod's runtime is started. Before the exporter's
+    tree claims again, the lease holder with the API socket ``PUT``s (or claims with) a spec naming
+    a source of its own: the restarted runtime took it as the pool's. The runtime remembers the
+    pool's spec in its state directory."""
+    pool = load_spec({"memory": "256M", "snapshot": "auto", "snapshot_source": "registry.pool.example/snapshots"})
+    evil = pool.model_copy(update={"snapshot_source": "registry.evil.example/snapshots"})
+    start = functools.partial(RuntimeProcess.start, tmp_path / "rt", cache=tmp_path / "cache",
+                              env=clean_environ(), args=["--grace", "5"])
+    with start() as first:
+        await first.wait_serving()
+        async with RuntimeClient(first.socket) as exporter:
+            await exporter.put_spec(pool)  # the exporter's start-up tree: before any lease, the pool's
+            await exporter.claim(token="lease-n-token", spec=pool)
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    with start() as again:
+        await again.wait_serving()
+        async with RuntimeClient(again.socket) as lease_n:
+            with pytest.raises(VmsidecarError) as put:
+                await lease_n.put_spec(evil)
+            with pytest.raises(VmsidecarError) as claimed:
+                await lease_n.claim(token="lease-n-again", spec=evil)
+            # the exporter's tree claims again with the pool's spec; the pool's source, or none, a
+            # lease's spec may keep
+            await lease_n.claim(token="lease-n-tree", spec=pool)
+            await lease_n.put_spec(pool.model_copy(update={"snapshot_source": None}))
+        assert (again.state / pool_spec.FILE_NAME).is_file()
+        assert again.stop() == 0
+    for refused_ in (put.value, claimed.value):
+        assert refused_.code == "invalid_spec" and "registry.evil.example" in refused_.message, refused_
+        assert "registry.pool.example/snapshots" in refused_.message, refused_
+    # stopped cleanly, it is not mid-lease: the next runtime on the directory (a pool configured
+    # anew, a developer's next session) takes the spec it is given before any lease
+    assert not (again.state / pool_spec.FILE_NAME).exists()
+    with start() as third:
+        await third.wait_serving()
+        async with RuntimeClient(third.socket) as administrator:
+            await administrator.put_spec(evil)
+            await administrator.claim(token="next-pool", spec=evil)
+        assert third.stop() == 0
+
+
+@pytest.mark.parametrize("left", [b"not json", b"[]", b"null", b'{"memory": "lots"}', b" " * (2 << 20), None])
+def test_a_pool_spec_left_unreadable_is_not_held(tmp_path: Path, left: bytes | None) -> None:
+    """What a killed runtime left that is not a spec (a disk error, a full volume: the file is only
+    ever the runtime's own) is not held to, nor is a link; a spec is."""
+    path = tmp_path / pool_spec.FILE_NAME
+    if left is None:
+        (tmp_path / "elsewhere.json").write_text(json.dumps(fake_spec(None).to_json()))
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_bytes(left)
+    assert pool_spec.remembered(tmp_path) is None
+    path.unlink()
+    pool_spec.remember(tmp_path, fake_spec(None, snapshot_source="registry.pool.example/snapshots"))
+    held = pool_spec.remembered(tmp_path)
+    assert held is not None and held.snapshot_source == "registry.pool.example/snapshots"
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and not list(tmp_path.glob(".*")), list(tmp_path.iterdir())

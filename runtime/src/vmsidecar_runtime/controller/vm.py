@@ -31,6 +31,7 @@ from ..disk import DiskImage
 from ..events import EventBus
 from ..hostpaths import HostPathPolicy
 from ..readiness_rules import readiness_state
+from . import pool_spec
 from .admission import admit_api_spec, admit_snapshot_source
 from .disk_ops import DiskOps
 from .disks import Disks, Progress
@@ -84,8 +85,11 @@ class VmController:
         self._boot_on_spec = spec is None or not spec.image
         #: the runtime's own spec: its ``--spec`` (None without), or one set over the API before any
         #: lease claimed the VM, or the first claim's: what a claim naming none serves (docs/security.md
-        #: row 50), and the one snapshot source a lease's spec may name (row 40)
-        self._own_spec = spec
+        #: row 50), and the one snapshot source a lease's spec may name (row 40). Without ``--spec``,
+        #: the one a runtime killed on this state directory was claimed with (``pool_spec.py``),
+        #: which then holds as though a lease had claimed this runtime too
+        self._own_spec = spec if spec is not None else pool_spec.remembered(paths.state)
+        self._own_spec_held = spec is None and self._own_spec is not None
         #: the spec the last claim served (the exporter's, else the runtime's own); ``UNCLAIMED``
         #: before the first claim. What a lease changed over the API is undone by the recycles that end it
         self._served_spec: VmSpec | _Unclaimed | None = UNCLAIMED
@@ -155,6 +159,7 @@ class VmController:
 
     async def close(self) -> None:
         """Stop the guest (bounded) and close every socket."""
+        pool_spec.forget(self.paths.state)  # a clean stop: no runtime after this one is mid-lease
         async with self._phases.lock:
             await self._power.stop(graceful=True, timeout=20)
             await self._power.standby.drop("the runtime stops")
@@ -194,8 +199,8 @@ class VmController:
                 return False
             self._phases.require(BOOTABLE, "replace the spec")
             await self._apply_spec(spec)
-            if from_api and self._served_spec is UNCLAIMED:  # no lease yet: the runtime's administrator's
-                self._own_spec = spec
+            if from_api and self._served_spec is UNCLAIMED and not self._own_spec_held:
+                self._own_spec = spec  # no lease yet: the runtime's administrator's
             if self._boot_on_spec and spec.image:
                 self._boot_on_spec = False
                 self._spawn(self._autostart())
@@ -321,8 +326,11 @@ class VmController:
             check_native_can(spec)
         if self._lease.claimed_by(token):  # asked again: its first answer was lost
             return
-        if spec is not None and self._served_spec is UNCLAIMED:  # the first claim: the pool's exporter's
-            self._own_spec = spec
+        if self._served_spec is UNCLAIMED:  # the first claim: the pool's exporter's
+            if spec is not None and not self._own_spec_held:
+                self._own_spec = spec
+            if self._own_spec is not None:
+                pool_spec.remember(self.paths.state, self._own_spec)
         self.transfers.cancel("the next lease claimed the VM")
         if self._lease.claimed:  # another lease's: it ends (what it holds the lock with stops waiting)
             self._lease.end()
@@ -348,11 +356,12 @@ class VmController:
 
     def _admit(self, spec: VmSpec) -> None:
         """What a spec sent over the API may not do (``admission.py``); once a lease has claimed the
-        VM, that includes bringing a snapshot source the runtime's own spec does not name.
+        VM (or a killed runtime's, whose pool spec this one holds to), that includes bringing a
+        snapshot source the runtime's own spec does not name.
 
         :raise SpecError, HostPathError: it does."""
         admit_api_spec(spec, self.spec, host_paths=self.host_paths, allow_extra_args=self.allow_extra_args)
-        if self._served_spec is not UNCLAIMED:
+        if self._served_spec is not UNCLAIMED or self._own_spec_held:
             admit_snapshot_source(spec, self._own_spec.snapshot_source if self._own_spec else None)
 
     def _claimed(self) -> None:
