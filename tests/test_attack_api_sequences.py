@@ -296,10 +296,12 @@ async def test_a_restarted_runtime_keeps_the_pools_snapshot_source(tmp_path: Pat
                 await lease_n.put_spec(evil)
             with pytest.raises(VmsidecarError) as claimed:
                 await lease_n.claim(token="lease-n-again", spec=evil)
-            # the exporter's tree claims again with the pool's spec; the pool's source, or none, a
-            # lease's spec may keep
-            await lease_n.claim(token="lease-n-tree", spec=pool)
+            # the exporter's tree claims again (an exporter whose config names no spec: the runtime's
+            # own is served, the pool's); the pool's source, or none, a lease's spec may keep
+            await lease_n.claim(token="lease-n-tree")
+            assert await lease_n.get_spec() == pool
             await lease_n.put_spec(pool.model_copy(update={"snapshot_source": None}))
+            await lease_n.claim(token="lease-n-tree-again", spec=pool)
         assert (again.state / pool_spec.FILE_NAME).is_file()
         assert again.stop() == 0
     for refused_ in (put.value, claimed.value):
@@ -308,11 +310,12 @@ async def test_a_restarted_runtime_keeps_the_pools_snapshot_source(tmp_path: Pat
     # stopped cleanly, it is not mid-lease: the next runtime on the directory (a pool configured
     # anew, a developer's next session) takes the spec it is given before any lease
     assert not (again.state / pool_spec.FILE_NAME).exists()
+    next_pool = pool.model_copy(update={"snapshot_source": "registry.next-pool.example/snapshots"})
     with start() as third:
         await third.wait_serving()
         async with RuntimeClient(third.socket) as administrator:
-            await administrator.put_spec(evil)
-            await administrator.claim(token="next-pool", spec=evil)
+            await administrator.put_spec(next_pool)
+            await administrator.claim(token="next-pool", spec=next_pool)
         assert third.stop() == 0
 
 
