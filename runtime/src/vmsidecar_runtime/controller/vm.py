@@ -86,10 +86,10 @@ class VmController:
         #: the runtime's own spec: its ``--spec`` (None without), or one set over the API before any
         #: lease claimed the VM, or the first claim's: what a claim naming none serves (docs/security.md
         #: row 50), and the one snapshot source a lease's spec may name (row 40). Without ``--spec``,
-        #: the one a runtime killed on this state directory was claimed with (``pool_spec.py``),
-        #: which then holds as though a lease had claimed this runtime too
-        self._own_spec = spec if spec is not None else pool_spec.remembered(paths.state)
-        self._own_spec_held = spec is None and self._own_spec is not None
+        #: the one a runtime killed on this state directory was claimed with (``start``)
+        self._own_spec = spec
+        #: the own spec is that killed runtime's: it holds as though a lease had claimed this one too
+        self._own_spec_held = False
         #: the spec the last claim served (the exporter's, else the runtime's own); ``UNCLAIMED``
         #: before the first claim. What a lease changed over the API is undone by the recycles that end it
         self._served_spec: VmSpec | _Unclaimed | None = UNCLAIMED
@@ -139,10 +139,14 @@ class VmController:
 
     # ---- lifecycle of the controller -----------------------------------------------------
     async def start(self, *, boot: bool = True) -> None:
-        """Open the streams; with an image in the spec, pull and boot in the background."""
+        """Clear what an earlier runtime process left but its pool spec (``pool_spec.py``), open the
+        streams; with an image in the spec, pull and boot in the background."""
         for d in (self.paths.cache, self.paths.state, self.paths.run):
             d.mkdir(parents=True, exist_ok=True)
         await self.disks.discard_earlier_process()
+        if self._own_spec is None:  # no --spec: the pool's, if a runtime was killed here mid-lease
+            self._own_spec = pool_spec.remembered(self.paths.state)
+            self._own_spec_held = self._own_spec is not None
         if self.spec is not None:
             await self.streams.open_for(self.spec)
             if boot and self.spec.image:
