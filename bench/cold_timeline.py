@@ -350,5 +350,6 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.before:
         asyncio.run(main_before(args.runs, args.guest, args.before))
-        raise SystemExit
-    asyncio.run((main_spawn_only if args.spawn_only else main_running if args.running else main)(args.runs, args.guest))
+    else:
+        asyncio.run((main_spawn_only if args.spawn_only else main_running if args.running else main)(
+            args.runs, args.guest))

@@ -72,9 +72,9 @@ async def test_the_api_answers_while_the_boot_pull_hangs(tmp_path: Path) -> None
 async def test_the_api_answers_while_a_cold_guest_boots_on_a_busy_core(tmp_path: Path, tiny_image: BuiltImage) -> None:
     """The API, and with it the kubelet's probes, must answer while a guest boots however busy the
     node is. The runtime, its QEMU and two busy loops share one core (each inherits the affinity of
-    the thread that starts it): the API's first answer comes while the guest still boots. Its
-    modules' import at nice 19 (session 54) answered only once the guest was Ready and idle: under
-    load a nice-19 thread gets ~1 % of a core."""
+    the thread that starts it): the API's first answer comes while the guest still boots. With its
+    modules' import at nice 19 (withdrawn: decisions.md) it answered only once the guest was Ready
+    and idle: under load a nice-19 thread gets ~1 % of a core."""
     own = os.sched_getaffinity(0)
     hogs: list[subprocess.Popen[bytes]] = []
     os.sched_setaffinity(0, {max(own)})  # this thread's, inherited by what it starts

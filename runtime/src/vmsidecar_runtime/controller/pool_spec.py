@@ -73,9 +73,8 @@ def remembered(state: Path) -> VmSpec | None:
         log.warning("the pool's spec left in %s is not a spec (%s); this runtime takes the first spec it is "
                     "sent as the pool's", path, str(e)[:300])
         return None
-    log.info("holding to the pool's spec a runtime killed on this state directory was claimed with (%s; "
-             "snapshot_source %s): remove %s if the pool's configuration changed", path,
-             spec.snapshot_source or "none", path)
+    log.info("holding to the pool's spec left in %s by a runtime killed mid-lease (snapshot_source %s); remove "
+             "that file if the pool's configuration changed", path, spec.snapshot_source or "none")
     return spec
 
 
