@@ -194,12 +194,32 @@ async def _shell(console_sock: Path, command: str) -> tuple[float, str, float]:
     con = await Console.open(console_sock)
     try:
         await con.drain_replay()
-        await con.wake()
+        try:
+            await con.wake()
+        except TimeoutError as e:  # seen once in CI (ttyS0 silent after the capture): say what the guest saw
+            pytest.fail(f"{e}\nthe guest, asked over hvc0:\n{await _tty_diagnosis(console_sock.parent / 'hvc0.sock')}")
         before = time.time()
         out = await con.run(command)
         return before, out, time.time()
     finally:
         await con.close()
+
+
+async def _tty_diagnosis(hvc0_sock: Path) -> str:
+    """ttyS0's getty, the processes on it, its line settings and the UART's byte counts (rx: did input
+    reach the guest at all?), as the guest's other console sees them."""
+    try:
+        con = await Console.open(hvc0_sock)
+        try:
+            await con.wake(30)
+            return await con.run("SYSTEMD_COLORS=0 SYSTEMD_URLIFY=0 systemctl status --no-pager -l -n 20 "
+                                 "serial-getty@ttyS0; "
+                                 "ps -o pid,stat,wchan:24,args -t ttyS0; stty -a -F /dev/ttyS0; "
+                                 "cat /proc/tty/driver/serial", 30)
+        finally:
+            await con.close()
+    except (OSError, TimeoutError, EOFError) as e:
+        return f"(hvc0 did not answer either: {e})"
 
 
 async def _guest_clock(console_sock: Path) -> tuple[float, float, float, float]:
