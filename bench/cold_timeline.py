@@ -26,7 +26,8 @@ fresh cache (its second leg), in turn first, and prints for the latter: when its
 guest's own uptime in its marker line (``VMSIDECAR-READY … uptime=``, which both boots print:
 equal uptimes put a difference before the guest's kernel, or outside the guest), the capture's
 pause (``snapshot.capture_seconds``) and start → Ready; then the medians, their ratio and the median
-of each run's own ratio (its two boots back to back). The
+of each run's own ratio (its two boots back to back), then the ratio taken apart: the runtime's own
+time (start → QEMU spawned, plus the pause) ÷ the bare boot, and launch → marker ÷ bare. The
 capture comes after Ready once the guest settled (or at a claim: it then waits for the pause), so
 the ratio "capture included" adds the pause to start → Ready: what a claim at Ready waits for.
 """
