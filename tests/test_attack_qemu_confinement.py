@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 from qemu.qmp.error import QMPError
 
+from fixtures.attack import SECRET, Host
 from fixtures.runtime import qemu_pids
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
@@ -32,30 +32,6 @@ from vmsidecar_runtime.backend.qemu import QemuBackend
 from vmsidecar_runtime.image.checks import run_qemu_img
 from vmsidecar_runtime.image.limits import Origin
 from vmsidecar_runtime.plan import BootPlan
-
-SECRET = "pool-s3cret-5e1d"
-
-
-class Host:
-    """The files an escaped QEMU is after, beside those its boot is given."""
-
-    def __init__(self, root: Path, base: Path, base_format: str) -> None:
-        self.auth = root / "secrets" / "auth.json"  # wherever the pod mounts the pool's credentials
-        self.auth.parent.mkdir()
-        self.auth.write_text(json.dumps({"auths": {"reg.example": {"auth": SECRET}}}))
-        # the cache's base image: its mode (0444) stops only a careless write, the same UID chmods it
-        self.base = root / "cache" / "base.qcow2"
-        self.base.parent.mkdir()
-        shutil.copyfile(base, self.base)
-        self.state = root / "state"
-        self.state.mkdir()
-        self.overlay = self.state / "overlay.qcow2"
-        self.ahead = self.state / "overlay-ahead.qcow2"  # the next lease's, made during this one
-        for disk in (self.overlay, self.ahead):
-            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(self.base), "-F", base_format,
-                            str(disk)], check=True)
-        self.run = root / "run"
-        self.run.mkdir(mode=0o700)
 
 
 @pytest.fixture
