@@ -43,10 +43,12 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from landlockpy import AccessFS, AccessNet, LandlockError, Ruleset, Scope
 
-from .plan import BootPlan
+if TYPE_CHECKING:  # (not at run time: ``libvirt_emulator`` imports this module before each QEMU, without pydantic)
+    from .plan import BootPlan
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,12 @@ ETC_FILES = ("ld.so.cache", "ld.so.preload", "localtime", "resolv.conf", "hosts"
 #: the library directories of crypto and TLS settings QEMU's libraries look for
 ETC_DIRS = ("gnutls", "gcrypt")
 DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/full")
+
+#: setpriv's options that leave a program started by root no capability at all: root's exec
+#: grants what the bounding set holds, which pod runtimes fill (CAP_DAC_OVERRIDE, CAP_CHOWN,
+#: CAP_NET_RAW, CAP_SETUID ...: a guest escaped into a root QEMU had them; upstream's pools run the
+#: runtime as root)
+NO_CAPABILITIES = ("--inh-caps", "-all", "--ambient-caps", "-all", "--bounding-set", "-all")
 DEVICES_READ = ("/dev/random", "/dev/urandom")
 
 

@@ -25,6 +25,7 @@ from landlockpy import LandlockError, Ruleset
 
 from vmsidecar_contract.errors import HostError
 
+from .confinement import NO_CAPABILITIES
 from .threads import current_abort
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,6 @@ def _util_linux(program: str, why: str) -> str:
     return path
 
 
-#: setpriv's options that leave a program started by root no capability at all: root's exec
-#: grants what the bounding set holds, which pod runtimes fill (CAP_DAC_OVERRIDE, CAP_CHOWN,
-#: CAP_NET_RAW, CAP_SETUID ...: a guest escaped into a root QEMU had them; upstream's pools run the
-#: runtime as root)
-NO_CAPABILITIES = ("--inh-caps", "-all", "--ambient-caps", "-all", "--bounding-set", "-all")
 
 
 #: CAP_SETPCAP's bit: dropping from the bounding set needs it (setpriv says nothing when it fails)
@@ -110,11 +106,16 @@ def _warn_capabilities_kept() -> None:
 
 
 @functools.cache  # (the runtime's capabilities do not change: read once, not at every QEMU's start)
-def _can_drop_bounding_set() -> bool:
+def effective_capabilities() -> int:
+    """The runtime's effective capability set (/proc/self/status ``CapEff``, a bit per capability)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) & _CAP_SETPCAP)
-    return False
+            return int(line.split()[1], 16)
+    return 0
+
+
+def _can_drop_bounding_set() -> bool:
+    return bool(effective_capabilities() & _CAP_SETPCAP)
 
 
 def die_with_parent_argv(argv: tuple[str, ...], *, no_capabilities: bool = False) -> tuple[str, ...]:
