@@ -5,8 +5,10 @@ forwards. Pure, apart from looking the emulator up on ``PATH`` and the TCG cache
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward, VmSpec
@@ -86,3 +88,13 @@ def user_netdev(plan: BootPlan, ident: str) -> str:
 def hostfwd_rule(forward: PortForward, port: int) -> str:
     """Slirp's rule for ``forward`` on host port ``port`` (``-netdev user,hostfwd=``, HMP ``hostfwd_add``)."""
     return f"tcp:{forward.host_address}:{port}-:{forward.guest_port}"
+
+
+def listening_sockets(argv: list[str]) -> list[Path]:
+    """The paths of the Unix sockets QEMU listens on (``-chardev socket,...,path=P,server=on``)."""
+    sockets = []
+    for flag, value in itertools.pairwise(argv):
+        options = dict(part.partition("=")[::2] for part in value.split(",")[1:])
+        if flag == "-chardev" and value.startswith("socket,") and options.get("server") == "on" and "path" in options:
+            sockets.append(Path(options["path"]))
+    return sockets

@@ -32,10 +32,10 @@ from ..plan import BootPlan, shared_with_another_qemu
 from ..procs import Child, exiting_or_gone, spawn, threads_cpu_seconds
 from ..stream_pipes import StreamPipe, StreamPipes
 from .base import BackendEvent, EventSink, register_shared
-from .common import emulator_path, hostfwd_rule, qemu_binary
+from .common import emulator_path, hostfwd_rule, listening_sockets, qemu_binary
 from .guest_agent import GuestAgent, hold
 from .netguard import NetGuard, guarded
-from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, listening_sockets, piped_streams
+from .qemu_argv import DISK_NODE, GUEST_AGENT_PORT_ID, NETDEV_ID, build_argv, piped_streams
 
 log = logging.getLogger(__name__)
 #: QEMU's output lines logged one by one per process; after them, one line every OUTPUT_EVERY seconds

@@ -6,7 +6,6 @@ validated spec or from paths and ports the runtime resolved itself.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 from vmsidecar_contract.spec import VmSpec
@@ -204,13 +203,3 @@ def build_argv(plan: BootPlan) -> list[str]:
         *_generation_id(plan),
         *plan.spec.extra_args,
     ]
-
-
-def listening_sockets(argv: list[str]) -> list[Path]:
-    """The paths of the Unix sockets QEMU listens on (``-chardev socket,...,path=P,server=on``)."""
-    sockets = []
-    for flag, value in itertools.pairwise(argv):
-        options = dict(part.partition("=")[::2] for part in value.split(",")[1:])
-        if flag == "-chardev" and value.startswith("socket,") and options.get("server") == "on" and "path" in options:
-            sockets.append(Path(options["path"]))
-    return sockets
