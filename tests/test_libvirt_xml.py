@@ -10,7 +10,7 @@ import pytest
 
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
-from vmsidecar_runtime.backend.libvirt.xml import NIC_PCI_ADDR, QEMU_NS, render_domain
+from vmsidecar_runtime.backend.libvirt.xml import NIC_PCI_ADDR, QEMU_NS, bound_sockets, render_domain
 from vmsidecar_runtime.plan import BootPlan, Firmware
 
 RUN = Path("/tmp/vmsidecar-test")
@@ -88,6 +88,21 @@ def test_under_the_private_daemon_the_virtio_console_is_on_named_pipes() -> None
     assert console.find("source").attrib == {"path": str(plan.stream_pipe("hvc0"))}  # type: ignore[union-attr]
     assert console.find("target").attrib == {"type": "virtio", "port": "0"}  # type: ignore[union-attr]
     assert root.find("devices/serial").get("type") == "unix"  # type: ignore[union-attr]  # QEMU holds the vCPU: no loss
+
+
+def test_the_sockets_qemu_binds_are_every_bound_chardev_and_the_nic_guards() -> None:
+    """What the runtime removes before a boot (a confined QEMU cannot remove an earlier boot's)."""
+    plan = _plan(channels=[{"name": "agent"}])
+    xml = render_domain(plan, "t", emulator="/usr/bin/qemu-system-x86_64", piped_console=True)
+    assert set(bound_sockets(xml)) == {plan.console_socket("ttyS0"), plan.console_socket("channel-agent"),
+                                       RUN / "net-out.sock", RUN / "net-in.sock", RUN / "net-back.sock"}
+
+
+def test_the_emulators_environment_is_qemu_env() -> None:
+    """libvirt gives its QEMU none of the runtime's variables: the confinement's rules ride here."""
+    xml = render_domain(_plan(network={"enabled": False}), "t", emulator="/e", qemu_env={"A": "[1, \"x\"]"})
+    [env] = ET.fromstring(xml).iter(f"{{{QEMU_NS}}}env")
+    assert env.attrib == {"name": "A", "value": '[1, "x"]'}
 
 
 def test_no_virtio_console_when_disabled() -> None:

@@ -110,7 +110,7 @@ RUNTIME_FLOORS = [
     ["backend", "devices", "console", "stream_pipes", "firmware", "snapshots", "snapshot_identity",
      "capture_ram", "readiness_rules", "disk", "oci.snapshot_push", "oci.snapshot_fetch"],
     ["oci", "image", "plan", "accel", "procs", "perms", "hostpaths", "ports", "metrics", "events", "audit",
-     "threads", "confinement"],
+     "threads", "confinement", "libvirt_emulator"],
 ]
 
 

@@ -21,13 +21,17 @@ from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import PortForward
 from vmsidecar_contract.state import ExitInfo
 
+from ... import confinement
+from ...confinement import READ_WRITE, Rule
+from ...libvirt_emulator import RULES_ENV, encode_rules
 from ...plan import VIRTIO_CONSOLE, BootPlan
 from ...stream_pipes import ConsoleFifos, StreamPipe
 from ..base import BackendEvent, EventSink
+from ..common import emulator_path
 from ..netguard import NetGuard, guarded
 from . import connection
 from .daemon import import_libvirt
-from .xml import render_domain
+from .xml import bound_sockets, render_domain
 
 if TYPE_CHECKING:
     from ..guest_agent import GuestAgent
@@ -124,7 +128,6 @@ class LibvirtBackend:
         # of small writes, a socket ~200 (stream_pipes.py). Only under the private daemon: QEMU then
         # runs as this UID and the pipes stay 0600 (a system daemon's QEMU has a user of its own).
         piped = self._conn.daemon is not None and self.plan.spec.virtio_console
-        xml = render_domain(self.plan, self.domain_name, piped_console=piped)
         if piped:
             try:
                 self._console_fifos = ConsoleFifos(self.plan.stream_pipe(VIRTIO_CONSOLE))
@@ -132,6 +135,15 @@ class LibvirtBackend:
                 await self.close()
                 raise HostError(f"the guest's virtio console pipes could not be made in {self.plan.run_dir} "
                                 f"({e.strerror or e}); free the run directory's volume, or set virtio_console: false") from e
+        if self._conn.daemon is not None:  # its QEMU without a capability, in the plan's Landlock domain
+            qemu = emulator_path(self.plan.spec.arch)
+            xml = render_domain(self.plan, self.domain_name, piped_console=piped,
+                                emulator=str(self._conn.daemon.emulator(qemu)), qemu_env=self._confinement(qemu))
+        else:  # an external daemon's QEMU is its own to confine
+            xml = render_domain(self.plan, self.domain_name)
+        for left in bound_sockets(xml):  # an earlier boot's, which a confined QEMU cannot remove
+            if left.is_socket():
+                left.unlink(missing_ok=True)
         if self._conn.daemon is None and self.plan.run_dir.stat().st_mode & 0o777 != 0o777:
             # a system daemon runs QEMU as its own user, which must create the console sockets here
             self.plan.run_dir.chmod(0o1777)
@@ -164,6 +176,16 @@ class LibvirtBackend:
         elif guarded(self.plan):
             self._guard = NetGuard(self.plan)
             await self._guard.attach()
+
+    def _confinement(self, qemu: str) -> dict[str, str]:
+        """What ``libvirt_emulator`` confines the private daemon's QEMU with: the files of the boot
+        plan (``confinement.qemu_rules``) and the console's named pipes; or nothing, said so, when
+        the administrator turned confinement off."""
+        if not confinement.wanted():
+            return {confinement.ENV: "off"}
+        fifos = self._console_fifos
+        pipes = [Rule(p, READ_WRITE) for p in (fifos.input, fifos.output)] if fifos is not None else []
+        return {RULES_ENV: encode_rules([*confinement.qemu_rules(self.plan, qemu), *pipes])}
 
     # ---- events (libvirt's event thread → asyncio) ---------------------------------------
     def _domain_event(self, kind: str, event: int, detail: int) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -29,7 +30,8 @@ from typing import Any
 
 from vmsidecar_contract.errors import HostError
 
-from ...procs import Child, spawn
+from ... import libvirt_emulator
+from ...procs import Child, effective_capabilities, spawn
 from . import nsinit
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,15 @@ auth_unix_ro = "none"
 auth_unix_rw = "none"
 log_outputs = "3:stderr"
 """
+
+
+#: the owner of the directory of libvirtd's sockets: no process's user. The runtime and libvirtd (root
+#: with CAP_DAC_OVERRIDE) reach the sockets; their QEMU (root with no capability: ``libvirt_emulator``)
+#: does not, where a guest escaped into it would ask libvirtd, which needs no credentials there, for a
+#: domain of its own making (any emulator, any argv, none of this confinement)
+SOCKET_DIR_OWNER = 65534  # nobody
+#: CAP_DAC_OVERRIDE's and CAP_DAC_READ_SEARCH's bits: either lets the runtime into that directory
+_CAP_DAC = (1 << 1) | (1 << 2)
 
 
 def qemu_conf(uid: int, gid: int) -> str:
@@ -155,7 +166,22 @@ class PrivateDaemon:
 
     @property
     def socket(self) -> Path:
-        return self.root / "run" / "libvirt-sock"
+        return self.root / "sock" / "libvirt-sock"
+
+    def emulator(self, qemu: str) -> Path:
+        """The ``<emulator>`` of this daemon's domains for the QEMU at ``qemu``: a script that runs
+        it through ``libvirt_emulator`` (no capability, the boot plan's Landlock domain)."""
+        script = self.root / "emulator" / Path(qemu).name
+        if not script.exists():
+            script.parent.mkdir(exist_ok=True)
+            tree = Path(libvirt_emulator.__file__).parent.parent  # the runtime's own code (libvirt clears PYTHONPATH)
+            script.write_text(
+                "#!/bin/sh\n# QEMU for the runtime's private libvirtd: no capability, in the Landlock domain of\n"
+                "# its boot plan (vmsidecar_runtime/libvirt_emulator.py)\n"
+                f"PYTHONPATH={shlex.quote(str(tree))} exec {shlex.quote(sys.executable)} -m "
+                f"{libvirt_emulator.__name__} {shlex.quote(qemu)} \"$@\"\n")
+            script.chmod(0o755)
+        return script
 
     @property
     def uri(self) -> str:
@@ -171,7 +197,8 @@ class PrivateDaemon:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         (self.root / "etc" / "qemu").mkdir(exist_ok=True)
         (self.root / "log" / "qemu").mkdir(exist_ok=True)
-        (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF)
+        (self.root / "etc" / "libvirtd.conf").write_text(LIBVIRTD_CONF + f'unix_sock_dir = "{self.socket.parent}"\n')
+        _socket_dir(self.socket.parent)
         (self.root / "etc" / "qemu.conf").write_text(qemu_conf(os.getuid(), os.getgid()))
         (self.root / "etc" / "libvirt.conf").write_text("")
         # bound over /etc/passwd and /etc/group in the namespace (nsinit): see BUILTIN_QEMU_USERS
@@ -232,7 +259,7 @@ class PrivateDaemon:
                     "the private libvirtd uses the system's /etc/libvirt/qemu.conf, /etc/passwd (libvirt's built-in "
                     "QEMU user must exist) and /run/libvirt, and a QEMU may outlive a SIGKILLed runtime")
         conf = self.root / "etc" / "libvirtd.conf"
-        conf.write_text(LIBVIRTD_CONF + f'unix_sock_dir = "{self.root / "run"}"\n')
+        conf.write_text(LIBVIRTD_CONF + f'unix_sock_dir = "{self.socket.parent}"\n')
         if shutil.which("virtlogd") is not None and not Path("/run/libvirt/virtlogd-sock").exists():
             self._virtlogd = await spawn("virtlogd", stdin=asyncio.subprocess.DEVNULL,
                                          stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
@@ -282,6 +309,20 @@ async def _namespaces_work() -> bool:
 def _probe(libvirt: Any, uri: str) -> None:
     """Open and close a connection to ``uri`` (both RPCs: call it in a worker thread)."""
     libvirt.open(uri).close()
+
+
+def _socket_dir(path: Path) -> None:
+    """Make the directory of libvirtd's sockets, closed to their QEMU (``SOCKET_DIR_OWNER``); the
+    runtime's own when it could not enter one of another owner (said in the log)."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    if os.geteuid() != 0:
+        return  # (a plain user's libvirtd fails at its start: security.md, "The private libvirtd mode needs more")
+    if effective_capabilities() & _CAP_DAC:
+        os.chown(path, SOCKET_DIR_OWNER, SOCKET_DIR_OWNER)
+    else:
+        log.warning("the runtime has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH: its private libvirtd's "
+                    "socket stays where a guest escaped into a QEMU could connect and ask for a domain of its "
+                    "own; give the runtime container CAP_DAC_OVERRIDE, or use backend: qemu")
 
 
 def _children(pid: int) -> list[int]:

@@ -7,12 +7,14 @@ attribute or text node, escaped by the serializer.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from pathlib import Path
 
 from vmsidecar_contract.errors import HostError
 
 from ...plan import SERIAL, VIRTIO_CONSOLE, BootPlan, channel_stream
 from .. import netguard
-from ..common import MACHINE, effective_cpu, emulator_path, user_netdev
+from ..common import MACHINE, effective_cpu, emulator_path, listening_sockets, user_netdev
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 ET.register_namespace("qemu", QEMU_NS)
@@ -58,9 +60,11 @@ def _qemu_args(plan: BootPlan) -> list[str]:
             *(netguard.qemu_args(plan, NETDEV_ID) if netguard.guarded(plan) else [])]
 
 
-def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None, piped_console: bool = False) -> str:
+def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None, piped_console: bool = False,
+                  qemu_env: Mapping[str, str] | None = None) -> str:
     """The domain XML for one boot of ``plan``, named ``name``. ``piped_console``: the virtio
     console on the named pipes at ``plan.stream_pipe`` (``ConsoleFifos``), else on a socket.
+    ``qemu_env``: variables for the emulator's environment (libvirt gives it none of the runtime's).
 
     :raise HostError: when the spec asks for something the libvirt backend cannot do.
     """
@@ -129,10 +133,21 @@ def render_domain(plan: BootPlan, name: str, *, emulator: str | None = None, pip
     _sub(rng, "backend", "/dev/urandom", model="random")
 
     args = _qemu_args(plan)
-    if args:
+    if args or qemu_env:
         cmdline = ET.SubElement(root, f"{{{QEMU_NS}}}commandline")
         for arg in args:
             ET.SubElement(cmdline, f"{{{QEMU_NS}}}arg", value=arg)
+        for key, value in (qemu_env or {}).items():
+            ET.SubElement(cmdline, f"{{{QEMU_NS}}}env", name=key, value=value)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode")
 
+
+def bound_sockets(xml: str) -> list[Path]:
+    """The Unix sockets the QEMU of domain ``xml`` listens on (``<source mode='bind'>``, and the
+    ``server=on`` chardevs of its extra arguments): a confined QEMU may not remove a predecessor's
+    (``libvirt_emulator``), so the runtime does before the domain starts."""
+    root = ET.fromstring(xml)
+    paths = [Path(source.get("path", "")) for source in root.iter("source") if source.get("mode") == "bind"]
+    args = [arg.get("value", "") for arg in root.iter(f"{{{QEMU_NS}}}arg")]
+    return [*paths, *listening_sockets(args)]
