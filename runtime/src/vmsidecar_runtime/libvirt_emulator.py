@@ -33,9 +33,11 @@ from .confinement import NO_CAPABILITIES, READ_WRITE, Rule, program_rule, rulese
 
 #: the boot plan's rules, ``[[path, access], ...]`` (:func:`encode_rules`)
 RULES_ENV = "VMSIDECAR_QEMU_RULES"
-#: where libvirt keeps what it gives its QEMU (a domain's master key, monitor and pid files, its
-#: log): the private daemon's own directories, bound over these paths in its namespace (``nsinit``)
-LIBVIRT_DIRS = ("/var/lib/libvirt", "/run/libvirt", "/var/log/libvirt", "/var/cache/libvirt")
+#: where libvirt keeps what it gives its QEMU (a domain's master key, a probe's monitor socket and
+#: pid file): the QEMU driver's directories in the private daemon's own (bound over libvirt's paths
+#: in its namespace by ``nsinit``); not libvirtd's configuration, capability cache or sockets (its
+#: log reaches QEMU as a descriptor)
+LIBVIRT_DIRS = ("/var/lib/libvirt/qemu", "/run/libvirt/qemu")
 LIBVIRT_ACCESS = (READ_WRITE | AccessFS.READ_DIR | AccessFS.MAKE_REG | AccessFS.MAKE_DIR | AccessFS.MAKE_SOCK
                   | AccessFS.REMOVE_FILE | AccessFS.REMOVE_DIR)
 #: /dev/kvm for every QEMU of libvirt's, a TCG guest's and a probe's too: libvirt keeps its probe
