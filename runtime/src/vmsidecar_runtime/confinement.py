@@ -21,7 +21,8 @@ Nothing else: not another file of the cache or the state directory, not the auth
 is mounted. The scopes (Landlock ABI 6) also keep it from signalling the runtime or reaching an
 abstract Unix socket outside its domain, and Landlock keeps any process in the domain from
 ptracing one outside it. Files QEMU is given later (a capture's new overlay, the migration stream)
-come as descriptors over QMP, never as paths.
+come as descriptors over QMP, never as paths. The QEMU of the private libvirtd (which libvirtd
+forks) enters the same domain on its way there, with libvirt's directories for it (``libvirt_emulator``).
 
 qemu-img (:func:`tool_rules`) opens only the disks its call names: a check of an image only that
 image, an overlay's creation the overlay and what it stands on, a dump the lease's disk chain and
@@ -74,13 +75,13 @@ ETC_FILES = ("ld.so.cache", "ld.so.preload", "localtime", "resolv.conf", "hosts"
 #: the library directories of crypto and TLS settings QEMU's libraries look for
 ETC_DIRS = ("gnutls", "gcrypt")
 DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/full")
+DEVICES_READ = ("/dev/random", "/dev/urandom")
 
 #: setpriv's options that leave a program started by root no capability at all: root's exec
 #: grants what the bounding set holds, which pod runtimes fill (CAP_DAC_OVERRIDE, CAP_CHOWN,
 #: CAP_NET_RAW, CAP_SETUID ...: a guest escaped into a root QEMU had them; upstream's pools run the
 #: runtime as root)
 NO_CAPABILITIES = ("--inh-caps", "-all", "--ambient-caps", "-all", "--bounding-set", "-all")
-DEVICES_READ = ("/dev/random", "/dev/urandom")
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ the private daemon's domains name as their ``<emulator>`` a script in the daemon
 
 - enters a Landlock domain: what every confined program may open (``confinement.system_rules``),
   QEMU's prefix, the directories libvirt keeps its QEMU's files in (the daemon's private ones,
-  ``LIBVIRT_DIRS``), /dev/kvm (:data:`KVM`), and the boot plan's own files, which the domain XML hands over in
-  :data:`RULES_ENV` (``<qemu:env>``: libvirt gives QEMU no other variable of the runtime's). libvirt's
-  probes of the emulator (no domain) get the first three only;
+  :data:`LIBVIRT_DIRS`), /dev/kvm (:data:`KVM`), and the boot plan's own files, which the domain
+  XML hands over in :data:`RULES_ENV` (``<qemu:env>``: libvirt gives QEMU no other variable of the
+  runtime's). libvirt's probes of the emulator (no domain) get all but the plan's files;
 - execs QEMU through ``setpriv`` with no capability (``confinement.NO_CAPABILITIES``).
 
 An external daemon (``libvirt_uri``) starts its QEMU its own way, confined by its own security
