@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.attack import Host
+from fixtures.attack import Host, judge_escape
 from fixtures.runtime import _libvirt_problem, qemu_pids
 from vmsidecar_contract.spec import load_spec
 from vmsidecar_runtime import confinement
@@ -106,13 +106,9 @@ async def test_an_escaped_libvirt_qemu_holds_no_capability_and_opens_no_host_fil
         "plant a file in the state directory": _monitor(
             backend, "chardev-add", id="planted", backend={"type": "file", "data": {"out": str(host.state / "planted")}}),
     }
-    if not confined:  # the attack, as it was: every open succeeds
-        assert set(attempts.values()) == {"done"}, attempts
-        assert (host.state / "planted").exists()
+    judge_escape(attempts, host, confined=confined, success="done")
+    if not confined:  # the attack, as it was
         return
-    for what, answer in attempts.items():
-        assert "Permission denied" in answer, (what, answer)
-    assert not (host.state / "planted").exists()
     # what the boot needs still opens, and the guest runs on it
     assert _opens(backend, "base-ro", host.base, read_only=True) == "done"
     await backend.resume()

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from qemu.qmp.error import QMPError
 
-from fixtures.attack import SECRET, Host
+from fixtures.attack import SECRET, Host, judge_escape
 from fixtures.runtime import qemu_pids
 from vmsidecar_contract.errors import HostError
 from vmsidecar_contract.spec import load_spec
@@ -84,13 +84,9 @@ async def test_an_escaped_qemu_opens_no_host_file_but_its_own(launched: Any, con
         "write the cache's base image": await _opens(backend, "base-rw", host.base, read_only=False),
         "plant a file in the state directory": await _writes_new_file(backend, host.state / "planted"),
     }
-    if not confined:  # the attack, as it was: every open succeeds
-        assert set(attempts.values()) == {"opened"}, attempts
-        assert (host.state / "planted").exists()
+    judge_escape(attempts, host, confined=confined, success="opened")
+    if not confined:  # the attack, as it was
         return
-    for what, answer in attempts.items():
-        assert "Permission denied" in answer, (what, answer)
-    assert not (host.state / "planted").exists()
     # what the boot needs still opens: the base read-only (the overlay's backing), its own disk
     # (open already: QEMU answered QMP with it attached), and the guest runs on them
     assert await _opens(backend, "base-ro", host.base, read_only=True) == "opened"
