@@ -105,7 +105,15 @@ def system_rules() -> list[Rule]:
 
 def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
     """Everything the QEMU of ``plan`` may open (the module's docstring), existing paths only."""
-    rules = [*system_rules(), program_rule(emulator)]
+    rules = [*system_rules(), program_rule(emulator), *plan_rules(plan)]
+    return [rule for rule in rules if rule.path.exists()]
+
+
+def plan_rules(plan: BootPlan) -> list[Rule]:
+    """What the QEMU of ``plan`` may open beyond what every confined program may and its prefix:
+    /dev/kvm (KVM only), its disk and backing chain, firmware, kernel and initrd, a restore's RAM
+    file, sockets in its run directory."""
+    rules = []
     if plan.accel == "kvm":
         rules.append(Rule(Path("/dev/kvm"), READ_WRITE))
     rules.append(Rule(plan.disk, READ_WRITE))
@@ -116,7 +124,7 @@ def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
     if plan.ram is not None and plan.ram.fd is None:  # a restore's RAM file (a capture's is a memfd)
         rules.append(Rule(plan.ram.path, READ_WRITE))
     rules.append(Rule(plan.run_dir, AccessFS.MAKE_SOCK))
-    return [rule for rule in rules if rule.path.exists()]
+    return rules
 
 
 def tool_rules(program: str, *, read: Iterable[Path] = (), write: Iterable[Path] = ()) -> list[Rule]:

@@ -136,9 +136,9 @@ class LibvirtBackend:
                 raise HostError(f"the guest's virtio console pipes could not be made in {self.plan.run_dir} "
                                 f"({e.strerror or e}); free the run directory's volume, or set virtio_console: false") from e
         if self._conn.daemon is not None:  # its QEMU without a capability, in the plan's Landlock domain
-            qemu = emulator_path(self.plan.spec.arch)
-            xml = render_domain(self.plan, self.domain_name, piped_console=piped,
-                                emulator=str(self._conn.daemon.emulator(qemu)), qemu_env=self._confinement(qemu))
+            emulator = self._conn.daemon.emulator(emulator_path(self.plan.spec.arch))
+            xml = render_domain(self.plan, self.domain_name, piped_console=piped, emulator=str(emulator),
+                                qemu_env=self._confinement())
         else:  # an external daemon's QEMU is its own to confine
             xml = render_domain(self.plan, self.domain_name)
         for left in bound_sockets(xml):  # an earlier boot's, which a confined QEMU cannot remove
@@ -177,15 +177,15 @@ class LibvirtBackend:
             self._guard = NetGuard(self.plan)
             await self._guard.attach()
 
-    def _confinement(self, qemu: str) -> dict[str, str]:
-        """What ``libvirt_emulator`` confines the private daemon's QEMU with: the files of the boot
-        plan (``confinement.qemu_rules``) and the console's named pipes; or nothing, said so, when
-        the administrator turned confinement off."""
+    def _confinement(self) -> dict[str, str]:
+        """What ``libvirt_emulator`` confines the private daemon's QEMU with beyond its own rules:
+        the files of the boot plan (``confinement.plan_rules``) and the console's named pipes; or
+        nothing, said so, when the administrator turned confinement off."""
         if not confinement.wanted():
             return {confinement.ENV: "off"}
         fifos = self._console_fifos
         pipes = [Rule(p, READ_WRITE) for p in (fifos.input, fifos.output)] if fifos is not None else []
-        return {RULES_ENV: encode_rules([*confinement.qemu_rules(self.plan, qemu), *pipes])}
+        return {RULES_ENV: encode_rules([*confinement.plan_rules(self.plan), *pipes])}
 
     # ---- events (libvirt's event thread → asyncio) ---------------------------------------
     def _domain_event(self, kind: str, event: int, detail: int) -> None:
