@@ -42,6 +42,8 @@ KNOWN: dict[str, str] = {
     f"{PREFIX}QEMU_CONFINEMENT": "the runtime: off runs QEMU outside its Landlock domain",
     f"{PREFIX}TCG_TB_SIZE": "the runtime: TCG's translation cache, MiB",
     f"{PREFIX}LIBVIRT_NAMESPACES": "the runtime's libvirt backend: the private daemon's namespaces",
+    f"{PREFIX}QEMU_RULES": "the private libvirtd's emulator: its boot plan's Landlock rules (the runtime sets it "
+                           "in the domain XML, for libvirt_emulator; not a setting)",
     f"{PREFIX}DEBUG": "vmsidecar-oci: tracebacks on errors",
     f"{PREFIX}API_SOCKET": "the drivers' exec shim: the runtime's API socket",
     f"{PREFIX}EXPORTER_METRICS_LISTEN": "the exporter: the TCP address of its metrics",
