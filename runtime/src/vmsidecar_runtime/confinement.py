@@ -103,10 +103,16 @@ def system_rules() -> list[Rule]:
     return rules + [Rule(Path(p), READ) for p in DEVICES_READ]
 
 
+def program_rules(program: str, extra: Iterable[Rule]) -> list[Rule]:
+    """What ``program`` may open: what every confined program may, its own prefix
+    (:func:`program_rule`) and ``extra``; existing paths only (a rule opens its path)."""
+    rules = [*system_rules(), program_rule(program), *extra]
+    return [rule for rule in rules if rule.path.exists()]
+
+
 def qemu_rules(plan: BootPlan, emulator: str) -> list[Rule]:
     """Everything the QEMU of ``plan`` may open (the module's docstring), existing paths only."""
-    rules = [*system_rules(), program_rule(emulator), *plan_rules(plan)]
-    return [rule for rule in rules if rule.path.exists()]
+    return program_rules(emulator, plan_rules(plan))
 
 
 def plan_rules(plan: BootPlan) -> list[Rule]:
@@ -130,9 +136,7 @@ def plan_rules(plan: BootPlan) -> list[Rule]:
 def tool_rules(program: str, *, read: Iterable[Path] = (), write: Iterable[Path] = ()) -> list[Rule]:
     """What ``program`` (qemu-img) may open: the files ``read``, read-only, and ``write``,
     read-write (each existing; a backing file it needs is one of ``read``)."""
-    rules = [*system_rules(), program_rule(program), *(Rule(p, READ) for p in read),
-             *(Rule(p, READ_WRITE) for p in write)]
-    return [rule for rule in rules if rule.path.exists()]
+    return program_rules(program, [*(Rule(p, READ) for p in read), *(Rule(p, READ_WRITE) for p in write)])
 
 
 def program_rule(program: str) -> Rule:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from landlockpy import AccessFS
 
-from .confinement import NO_CAPABILITIES, READ_WRITE, Rule, program_rule, ruleset_for, system_rules
+from .confinement import NO_CAPABILITIES, READ_WRITE, Rule, program_rules, ruleset_for
 
 #: the boot plan's rules, ``[[path, access], ...]`` (:func:`encode_rules`)
 RULES_ENV = "VMSIDECAR_QEMU_RULES"
@@ -59,9 +59,8 @@ def decode_rules(text: str) -> list[Rule]:
 
 def rules(qemu: str, given: str) -> list[Rule]:
     """What the QEMU at ``qemu`` may open: the module's docstring; ``given``: :data:`RULES_ENV`."""
-    wanted = [*system_rules(), program_rule(qemu), *(Rule(Path(d), LIBVIRT_ACCESS) for d in LIBVIRT_DIRS),
-              Rule(Path(KVM), READ_WRITE), *decode_rules(given)]
-    return [rule for rule in wanted if rule.path.exists()]
+    return program_rules(qemu, [*(Rule(Path(d), LIBVIRT_ACCESS) for d in LIBVIRT_DIRS), Rule(Path(KVM), READ_WRITE),
+                                *decode_rules(given)])
 
 
 def main(argv: list[str]) -> None:
