@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -113,3 +115,49 @@ async def test_an_escaped_libvirt_qemu_holds_no_capability_and_opens_no_host_fil
     assert _opens(backend, "base-ro", host.base, read_only=True) == "done"
     await backend.resume()
     assert _reply(backend, "query-status")["return"]["status"] == "running"
+
+
+#: run as root with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH out of its bounding set (a container
+#: that drops them, ``capabilities: {drop: [ALL], add: [SYS_ADMIN]}``): start the private libvirtd,
+#: then connect to its socket as QEMU runs (root, no capability)
+_WITHOUT_DAC = """
+import asyncio, subprocess, sys
+from pathlib import Path
+from vmsidecar_contract.errors import VmsidecarError
+from vmsidecar_runtime.backend.libvirt.daemon import PrivateDaemon
+from vmsidecar_runtime.confinement import NO_CAPABILITIES
+
+CONNECT = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1]); print('connected')"
+
+async def main(root):
+    daemon = PrivateDaemon(root)
+    try:
+        await daemon.start()
+    except VmsidecarError as e:
+        print("refused:", e)
+        return
+    try:
+        as_qemu = subprocess.run(["setpriv", *NO_CAPABILITIES, "--", sys.executable, "-c", CONNECT,
+                                  str(daemon.socket)], capture_output=True, text=True)
+        print("as QEMU:", as_qemu.stdout.strip() or as_qemu.stderr.strip().splitlines()[-1])
+    finally:
+        await daemon.stop()
+
+asyncio.run(main(Path(sys.argv[1])))
+"""
+
+
+def test_a_root_runtime_without_dac_capabilities_refuses_a_private_libvirtd_its_qemu_could_reach() -> None:
+    """Without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH the runtime cannot enter a socket directory
+    it does not own; the one it owns is open to a QEMU that is root too: the private daemon is
+    refused, naming the capability, rather than started where an escaped guest reaches it."""
+    root = Path(tempfile.mkdtemp(prefix="vmsidecar-"))
+    try:
+        result = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable,
+                                 "-c", _WITHOUT_DAC, str(root)], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = result.stdout.strip()
+    assert said.startswith("refused:"), said
+    assert "CAP_DAC_OVERRIDE" in said and "libvirt_uri" in said and "backend: qemu" in said, said

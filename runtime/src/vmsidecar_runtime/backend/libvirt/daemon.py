@@ -312,17 +312,20 @@ def _probe(libvirt: Any, uri: str) -> None:
 
 
 def _socket_dir(path: Path) -> None:
-    """Make the directory of libvirtd's sockets, closed to their QEMU (``SOCKET_DIR_OWNER``); the
-    runtime's own when it could not enter one of another owner (said in the log)."""
+    """Make the directory of libvirtd's sockets, closed to their QEMU (``SOCKET_DIR_OWNER``).
+
+    :raise HostError: when a root runtime could not enter a directory it does not own: one it owns
+        is open to its QEMU, root as well, and to a guest escaped into it.
+    """
+    if os.geteuid() == 0 and not effective_capabilities() & _CAP_DAC:
+        raise HostError("backend libvirt's private libvirtd keeps its socket in a directory its QEMU (root, with "
+                        "no capability) cannot enter, and the runtime has neither CAP_DAC_OVERRIDE nor "
+                        "CAP_DAC_READ_SEARCH to enter it itself (its container drops them): add DAC_OVERRIDE to the "
+                        "runtime container's capabilities, set libvirt_uri to a running libvirt daemon, or use "
+                        "backend: qemu")
     path.mkdir(mode=0o700, exist_ok=True)
-    if os.geteuid() != 0:
-        return  # (a plain user's libvirtd fails at its start: security.md, "The private libvirtd mode needs more")
-    if effective_capabilities() & _CAP_DAC:
+    if os.geteuid() == 0:  # (a plain user's libvirtd fails at its start: security.md, "The private libvirtd mode needs more")
         os.chown(path, SOCKET_DIR_OWNER, SOCKET_DIR_OWNER)
-    else:
-        log.warning("the runtime has neither CAP_DAC_OVERRIDE nor CAP_DAC_READ_SEARCH: its private libvirtd's "
-                    "socket stays where a guest escaped into a QEMU could connect and ask for a domain of its "
-                    "own; give the runtime container CAP_DAC_OVERRIDE, or use backend: qemu")
 
 
 def _children(pid: int) -> list[int]:
