@@ -55,6 +55,7 @@ from trees import tree_pythonpath, with_pythonpath
 from vmsidecar_contract.arch import host_arch
 from vmsidecar_contract.client import RuntimeClient
 from vmsidecar_contract.process import RuntimeProcess, clean_environ
+from vmsidecar_images.console import Console
 from vmsidecar_runtime.accel import AccelChoice, choose_accel
 
 #: the number and what follows it (" boot=…"): a read of the console can end inside the number
@@ -123,17 +124,11 @@ async def bare(guest: Guest, accel: AccelChoice, work: Path, extra_argv: Sequenc
 
 async def _marker_uptime(console: Path, timeout: float) -> float:
     """The guest's uptime in its marker's line, from a console socket's scrollback and what follows."""
-    reader, writer = await asyncio.open_unix_connection(str(console))
-    seen = b""
+    con = await Console.open(console)
     try:
-        async with asyncio.timeout(timeout):
-            while (found := UPTIME.search(seen)) is None:
-                if not (chunk := await reader.read(4096)):
-                    raise RuntimeError(f"the console ended before the marker's line; it said {seen[-500:]!r}")
-                seen = seen[-4096:] + chunk
+        return float((await con.expect(UPTIME.pattern, timeout)).group(1))
     finally:
-        writer.close()
-    return float(found.group(1))
+        await con.close()
 
 
 async def _ready_by_events(rt: RuntimeProcess, timeout: float) -> None:
